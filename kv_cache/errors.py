@@ -1,0 +1,21 @@
+"""Exceptions raised by the cache library.
+
+Out-of-capacity is a specific exception the caller can recover from; misuse is a ``ValueError``
+subclass; a broken invariant is an ``AssertionError`` with a message.
+"""
+
+
+class KVCacheError(Exception):
+    """Base class of the library's errors."""
+
+
+class OutOfBlocksError(KVCacheError):
+    """The allocator (or the pool's byte budget) has no room for the blocks asked for."""
+
+
+class InvalidBlockError(KVCacheError, ValueError):
+    """A block id outside the allocator's range, or one that is not allocated."""
+
+
+class DoubleFreeError(InvalidBlockError):
+    """A block id freed while already free."""

@@ -1,0 +1,362 @@
+"""The page pool: the one owner of every page's storage, ref count, seal and content hash.
+
+A page holds ``page_size`` token positions of keys and values for every layer, stored as one MLX
+array shaped ``[num_layers, 2, num_kv_heads, n, head_dim]`` (``n`` grows to ``page_size`` while
+the page is open). Full pages are sealed: immutable, hashed with a chain over the model
+fingerprint, the parent page's hash and the page's token ids, and entered in the prefix index, so
+every sequence that starts with the same tokens holds the same physical page.
+
+Pages that nothing holds stay cached for reuse until the byte budget needs their room; an
+eviction policy chooses among them, and only among leaf pages (no cached page continues them).
+The pool grows on demand: storage exists only for pages that hold data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .block_allocator import BlockAllocator
+from .errors import InvalidBlockError, OutOfBlocksError
+from .eviction import EvictionPolicy, make_policy
+
+Reclaimer = Callable[[int], None]
+
+
+@dataclass(slots=True)
+class PageMeta:
+    ref_count: int = 0
+    sealed: bool = False
+    tokens: tuple[int, ...] = ()
+    hash: bytes | None = None  # chained content hash, set when sealed
+    parent: bytes | None = None  # hash of the page before it (the root hash for the first)
+    indexed: bool = False  # entered in the prefix index (False only on a hash collision)
+
+
+@dataclass(slots=True)
+class PoolStats:
+    page_size: int
+    page_bytes: int
+    capacity_pages: int
+    used_pages: int
+    held_pages: int
+    cached_pages: int  # resident, held by nothing, kept for reuse
+    sealed_pages: int
+    evictions: int = 0
+    prefix_hits: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used_pages * self.page_bytes
+
+
+def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """Chained content hash of a page: its parent's hash and its token ids."""
+    h = hashlib.sha256(parent)
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return h.digest()
+
+
+def root_hash(fingerprint: str) -> bytes:
+    """The chain's root: pages of different models never share a hash."""
+    return hashlib.sha256(b"kv-cache-root\0" + fingerprint.encode()).digest()
+
+
+class PagePool:
+    """Physical pages, their ref counts, seals and the prefix index, under a byte budget."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        page_size: int = 32,
+        dtype: mx.Dtype = mx.float16,
+        max_bytes: int = 2 << 30,
+        policy: str | EvictionPolicy = "lru",
+        fingerprint: str = "",
+    ):
+        if min(num_layers, num_kv_heads, head_dim, page_size) <= 0:
+            raise ValueError("layers, heads, head_dim and page_size must all be > 0")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.dtype = dtype
+        self.page_bytes = num_layers * 2 * num_kv_heads * page_size * head_dim * dtype.size
+        self.max_bytes = max_bytes
+        self.allocator = BlockAllocator(max_bytes // self.page_bytes)
+        self.policy = make_policy(policy) if isinstance(policy, str) else policy
+        self.fingerprint = fingerprint
+        self.root = root_hash(fingerprint)
+        self.reclaimer: Reclaimer | None = None  # asked to drop holds when pages run short
+        self._meta: dict[int, PageMeta] = {}
+        self._data: dict[int, mx.array] = {}
+        self._index: dict[bytes, int] = {}  # hash -> sealed block
+        self._children: dict[bytes, int] = {}  # hash -> number of indexed pages continuing it
+        self._num_cached = 0  # indexed pages with ref_count 0
+        self._evictions = 0
+        self._prefix_hits = 0
+
+    # -- capacity -------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.num_blocks
+
+    def can_allocate(self, n: int) -> bool:
+        """Whether ``n`` pages can be had without dropping any holder (evicting cached pages)."""
+        return n <= self.allocator.num_free + self._num_cached
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` new open pages, each held once by the caller: all or none.
+
+        Evicts cached pages as needed; when that is not enough, asks the reclaimer (once) to
+        drop holds, then raises ``OutOfBlocksError``.
+        """
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if not self.can_allocate(n) and self.reclaimer is not None:
+            self.reclaimer(n)
+        if not self.can_allocate(n):
+            raise OutOfBlocksError(
+                f"need {n} pages; {self.allocator.num_free} free and {self._num_cached} cached "
+                f"of {self.capacity} ({self.page_bytes} bytes each)"
+            )
+        while self.allocator.num_free < n:
+            victim = self.policy.victim(self._can_evict)
+            assert victim is not None, "cached pages are counted but none is evictable"
+            self._evict(victim)
+        blocks = self.allocator.alloc_n(n)
+        for b in blocks:
+            self._meta[b] = PageMeta(ref_count=1)
+        return blocks
+
+    # -- holders --------------------------------------------------------------------------------
+
+    def hold(self, block: int) -> None:
+        """One more holder of ``block`` (a sequence, a stored entry)."""
+        meta = self._get(block)
+        if meta.ref_count == 0:
+            self._num_cached -= 1
+        meta.ref_count += 1
+        if meta.indexed:
+            self.policy.access(block)
+
+    def release(self, block: int) -> None:
+        """One holder fewer; at zero a sealed page stays cached, an open page is freed."""
+        meta = self._get(block)
+        assert meta.ref_count > 0, f"release of block {block}, which nothing holds"
+        meta.ref_count -= 1
+        if meta.ref_count == 0:
+            if meta.indexed:
+                self._num_cached += 1
+            else:
+                self._free(block)
+
+    def ref_count(self, block: int) -> int:
+        return self._get(block).ref_count
+
+    # -- content --------------------------------------------------------------------------------
+
+    def num_tokens(self, block: int) -> int:
+        return len(self._get(block).tokens)
+
+    def tokens(self, block: int) -> tuple[int, ...]:
+        return self._get(block).tokens
+
+    def is_sealed(self, block: int) -> bool:
+        return self._get(block).sealed
+
+    def hash_of(self, block: int) -> bytes | None:
+        return self._get(block).hash
+
+    def data(self, block: int) -> mx.array:
+        """The page's storage, ``[layers, 2, kv_heads, n, head_dim]``. Read only."""
+        self._get(block)
+        return self._data[block]
+
+    def is_writable(self, block: int, at: int) -> bool:
+        """Whether the caller may append at position ``at`` of ``block`` in place: the page is
+        open, held by the caller alone, and holds exactly ``at`` tokens."""
+        meta = self._get(block)
+        return not meta.sealed and meta.ref_count == 1 and len(meta.tokens) == at
+
+    def write(self, block: int, kv: mx.array, tokens: Sequence[int]) -> None:
+        """Append ``kv`` (``[layers, 2, kv_heads, n, head_dim]``) for ``tokens`` to an open page."""
+        meta = self._get(block)
+        # NOTE: invariant 1: a sealed page never changes; a shared page is copied before a write.
+        assert not meta.sealed, f"write to sealed block {block}"
+        assert meta.ref_count == 1, f"write to block {block} held {meta.ref_count} times"
+        n = len(tokens)
+        if kv.shape != (self.num_layers, 2, self.num_kv_heads, n, self.head_dim):
+            raise ValueError(f"page data of shape {kv.shape} does not fit this pool")
+        if len(meta.tokens) + n > self.page_size:
+            raise ValueError(f"block {block} has room for {self.page_size - len(meta.tokens)}")
+        kv = kv.astype(self.dtype)
+        old = self._data.get(block)
+        self._data[block] = kv if old is None else mx.concatenate([old, kv], axis=3)
+        meta.tokens = meta.tokens + tuple(int(t) for t in tokens)
+
+    def copy(self, block: int, n_tokens: int | None = None) -> int:
+        """A new open page holding the first ``n_tokens`` tokens of ``block`` (copy-on-write)."""
+        meta = self._get(block)
+        n = len(meta.tokens) if n_tokens is None else n_tokens
+        if not 0 < n <= len(meta.tokens):
+            raise ValueError(f"cannot copy {n} tokens of block {block} ({len(meta.tokens)} held)")
+        self.hold(block)  # keep the source alive if allocation evicts
+        try:
+            (new,) = self.allocate(1)
+        finally:
+            self.release(block)
+        self._data[new] = mx.contiguous(self._data[block][:, :, :, :n, :])
+        self._meta[new].tokens = meta.tokens[:n]
+        return new
+
+    def seal(self, block: int, parent: bytes) -> int:
+        """Seal a full open page under the chain ``parent``; returns the block now holding it.
+
+        If an identical page (same hash and tokens) is already indexed, the caller's hold moves
+        to that page and ``block`` is freed: pages are stored once.
+        """
+        meta = self._get(block)
+        assert not meta.sealed, f"block {block} is sealed already"
+        assert meta.ref_count == 1, f"seal of block {block} held {meta.ref_count} times"
+        if len(meta.tokens) != self.page_size:
+            raise ValueError(f"only full pages are sealed; block {block} has {len(meta.tokens)}")
+        h = page_hash(parent, meta.tokens)
+        existing = self._index.get(h)
+        if existing is not None and self._meta[existing].tokens == meta.tokens:
+            self.hold(existing)
+            self.release(block)
+            return existing
+        meta.sealed, meta.hash, meta.parent = True, h, parent
+        if existing is None:
+            meta.indexed = True
+            self._index[h] = block
+            self._children[parent] = self._children.get(parent, 0) + 1
+            self.policy.insert(block, ident=h)
+        return block
+
+    def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array) -> int:
+        """A sealed page built from outside data (a disk store); held once by the caller."""
+        h = page_hash(parent, tokens)
+        existing = self._index.get(h)
+        if existing is not None and self._meta[existing].tokens == tuple(tokens):
+            self.hold(existing)
+            return existing
+        (block,) = self.allocate(1)
+        self.write(block, kv, tokens)
+        return self.seal(block, parent)
+
+    def gather(self, blocks: Sequence[int], num_tokens: int) -> mx.array:
+        """The first ``num_tokens`` positions held by ``blocks``, as one array
+        ``[layers, 2, kv_heads, num_tokens, head_dim]``."""
+        P = self.page_size
+        if not (len(blocks) - 1) * P < num_tokens <= len(blocks) * P:
+            raise ValueError(f"{num_tokens} tokens do not match {len(blocks)} pages")
+        pieces = []
+        for i, b in enumerate(blocks):
+            n = min(P, num_tokens - i * P)
+            if self.num_tokens(b) < n:
+                raise ValueError(f"block {b} holds {self.num_tokens(b)} tokens, {n} needed")
+            d = self._data[b]
+            pieces.append(d if d.shape[3] == n else d[:, :, :, :n, :])
+        return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=3)
+
+    # -- prefix index ---------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
+        """The indexed full pages that hold the longest page-aligned prefix of ``tokens``.
+
+        Returns block ids without holding them; the caller holds what it keeps.
+        """
+        P, parent, blocks = self.page_size, self.root, []
+        for i in range(len(tokens) // P):
+            chunk = tuple(int(t) for t in tokens[i * P : (i + 1) * P])
+            h = page_hash(parent, chunk)
+            b = self._index.get(h)
+            if b is None or self._meta[b].tokens != chunk:
+                break
+            blocks.append(b)
+            parent = h
+        self._prefix_hits += len(blocks)
+        return blocks
+
+    def parent_hash(self, blocks: Sequence[int], index: int) -> bytes:
+        """The chain hash that the ``index``-th page of ``blocks`` continues."""
+        if index == 0:
+            return self.root
+        h = self._get(blocks[index - 1]).hash
+        assert h is not None, f"page {index - 1} of a sequence is not sealed"
+        return h
+
+    # -- eviction -------------------------------------------------------------------------------
+
+    def _can_evict(self, block: int) -> bool:
+        meta = self._meta.get(block)
+        return (
+            meta is not None
+            and meta.ref_count == 0
+            and meta.indexed
+            and self._children.get(meta.hash, 0) == 0
+        )
+
+    def _evict(self, block: int) -> None:
+        meta = self._meta[block]
+        assert self._can_evict(block), f"evicting block {block}, which is held or not a leaf"
+        self._num_cached -= 1
+        self._evictions += 1
+        self._free(block, from_policy=True)
+
+    def evict_all_cached(self) -> int:
+        """Drop every cached page that nothing holds; returns how many went."""
+        n = 0
+        while (victim := self.policy.victim(self._can_evict)) is not None:
+            self._evict(victim)
+            n += 1
+        return n
+
+    def _free(self, block: int, from_policy: bool = False) -> None:
+        meta = self._meta.pop(block)
+        if meta.indexed:
+            del self._index[meta.hash]
+            left = self._children[meta.parent] - 1
+            if left:
+                self._children[meta.parent] = left
+            else:
+                del self._children[meta.parent]
+            if not from_policy:
+                self.policy.remove(block)
+        self._data.pop(block, None)
+        self.allocator.free(block)
+
+    # -- reports --------------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        held = sum(1 for m in self._meta.values() if m.ref_count > 0)
+        return PoolStats(
+            page_size=self.page_size,
+            page_bytes=self.page_bytes,
+            capacity_pages=self.capacity,
+            used_pages=len(self._meta),
+            held_pages=held,
+            cached_pages=self._num_cached,
+            sealed_pages=sum(1 for m in self._meta.values() if m.sealed),
+            evictions=self._evictions,
+            prefix_hits=self._prefix_hits,
+        )
+
+    def ref_counts(self) -> dict[int, int]:
+        """Every resident page's ref count (for checks and reports)."""
+        return {b: m.ref_count for b, m in self._meta.items()}
+
+    def _get(self, block: int) -> PageMeta:
+        meta = self._meta.get(block)
+        if meta is None:
+            raise InvalidBlockError(f"block {block!r} is not allocated")
+        return meta
