@@ -1,0 +1,215 @@
+"""The HTTP API: parsing, validation, OpenAI-shaped responses and SSE streaming. Thin by design:
+the generation worker owns the models and the caches."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import asynccontextmanager
+from typing import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .config import ServerConfig
+from .errors import APIError, bad_request
+from .models import ModelRegistry, UnknownModelError
+from .schemas import parse_chat_request, unknown_model
+from .worker import Engine, Job
+
+log = logging.getLogger("mlx_kvserver.api")
+
+
+def error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(e.body(), status_code=e.status)
+
+
+async def read_json(request: Request, limit: int):
+    declared = request.headers.get("content-length")
+    if declared is not None and (not declared.isdigit() or int(declared) > limit):
+        raise APIError(413, f"the request body is larger than {limit} bytes",
+                       code="body_too_large")
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body.extend(chunk)
+            if len(body) > limit:
+                raise APIError(413, f"the request body is larger than {limit} bytes",
+                               code="body_too_large")
+    except ClientDisconnect:
+        raise APIError(400, "the client went away while sending the body")
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}")
+
+
+class App:
+    """Holds the registry and the engine for the route handlers."""
+
+    def __init__(self, config: ServerConfig, registry: ModelRegistry, engine: Engine):
+        self.config, self.registry, self.engine = config, registry, engine
+
+    def model_for(self, request: Request, name: str | None):
+        header = request.headers.get("x-model-id")
+        key = name if name is not None else header
+        try:
+            return self.registry.get(key)
+        except UnknownModelError:
+            raise unknown_model(str(key), self.registry.names())
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok", "models": self.registry.names(),
+                             "queued": self.engine.queued, "busy": self.engine.busy})
+
+    async def models(self, request: Request) -> Response:
+        data = [{"id": n, "object": "model", "created": 0, "owned_by": "mlx-kvserver"}
+                for n in self.registry.names()]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await read_json(request, self.config.max_body_bytes)
+        req = parse_chat_request(body, default_max_tokens=self.config.max_tokens,
+                                 default_temperature=self.config.temperature)
+        lm = self.model_for(request, req.model)
+        job = Job(req, lm, asyncio.get_running_loop())
+        self.engine.submit(job)
+        try:
+            kind, data = await job.events.get()  # "accepted" or an error, before any byte
+            if kind == "error":
+                raise data
+            if kind != "accepted":
+                raise APIError(500, "the generation worker stopped", type="server_error")
+        except BaseException:
+            job.cancel()
+            raise
+        if req.stream:
+            return StreamingResponse(self._stream(job, data), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._complete(job, data)
+
+    async def _events(self, job: Job) -> AsyncIterator[tuple[str, dict]]:
+        try:
+            while True:
+                kind, data = await job.events.get()
+                if kind == "done":
+                    return
+                yield kind, data
+        finally:
+            job.cancel()  # a client that went away cancels its generation
+
+    async def _complete(self, job: Job, accepted: dict) -> Response:
+        choices, usage = {}, None
+        async for kind, data in self._events(job):
+            if kind == "error":
+                return error_response(data)
+            if kind == "finish":
+                choices[data["index"]] = {
+                    "index": data["index"],
+                    "message": {"role": "assistant", "content": data["text"],
+                                "message_id": data["message_id"]},
+                    "finish_reason": data["reason"], "logprobs": None}
+            elif kind == "usage":
+                usage = data
+        ordered = [choices[i] for i in sorted(choices)]
+        return JSONResponse({
+            "id": job.id, "object": "chat.completion", "created": job.created,
+            "model": job.lm.name, "choices": ordered,
+            "message_id": ordered[0]["message"]["message_id"] if ordered else None,
+            "usage": usage_body(usage or {**accepted, "completion_tokens": 0}),
+        })
+
+    async def _stream(self, job: Job, accepted: dict) -> AsyncIterator[str]:
+        ids: dict[int, str] = {}
+
+        def chunk(index: int | None, delta: dict | None, finish=None, usage=None) -> str:
+            body = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                    "model": job.lm.name, "choices": []}
+            if index is not None:
+                body["message_id"] = ids[index]
+                body["choices"] = [{"index": index, "delta": delta or {},
+                                    "finish_reason": finish, "logprobs": None}]
+            if usage is not None:
+                body["usage"] = usage
+            return f"data: {json.dumps(body)}\n\n"
+
+        async for kind, data in self._events(job):
+            if kind == "start":
+                ids[data["index"]] = data["message_id"]
+                yield chunk(data["index"], {"role": "assistant", "content": "",
+                                            "message_id": data["message_id"]})
+            elif kind == "delta":
+                yield chunk(data["index"], {"content": data["text"]})
+            elif kind == "finish":
+                yield chunk(data["index"], {}, finish=data["reason"])
+            elif kind == "usage" and job.request.include_usage:
+                yield chunk(None, None, usage=usage_body(data))
+            elif kind == "error":
+                yield f"data: {json.dumps(data.body())}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def usage_body(u: dict) -> dict:
+    return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
+            "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
+            "prompt_tokens_details": {"cached_tokens": u["cached_tokens"]}}
+
+
+def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> Starlette:
+    """The Starlette application; the engine starts and stops with it."""
+    app_state = App(config, registry, engine)
+
+    def guarded(handler, public: bool = False):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not public:
+                    check_api_key(request, config.api_key)
+                return await handler(request)
+            except APIError as e:
+                return error_response(e)
+        return endpoint
+
+    @asynccontextmanager
+    async def lifespan(app):
+        engine.start()
+        try:
+            yield
+        finally:
+            engine.stop()
+
+    routes = [
+        Route("/health", guarded(app_state.health, public=True), methods=["GET"]),
+        Route("/v1/models", guarded(app_state.models), methods=["GET"]),
+        Route("/v1/chat/completions", guarded(app_state.chat_completions), methods=["POST"]),
+    ]
+    middleware = []
+    if config.cors_origins:
+        middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins,
+                                     allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
+                                     allow_headers=["*"]))
+
+    async def not_found(request, exc):
+        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: "
+                                       f"{exc.detail}", type="not_found_error"
+                                       if exc.status_code == 404 else "invalid_request_error"))
+
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
+                    exception_handlers={404: not_found, 405: not_found})
+    app.state.engine, app.state.registry = engine, registry
+    return app
+
+
+def check_api_key(request: Request, api_key: str | None) -> None:
+    if not api_key:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or token.strip() != api_key:
+        raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
+                       type="authentication_error", code="invalid_api_key")

@@ -1,0 +1,100 @@
+"""``mlx-kvserver`` / ``python -m mlx_kvserver``: serve one or more models over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from .config import GB, ServerConfig, env_float
+
+log = logging.getLogger("mlx_kvserver")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlx-kvserver",
+        description="OpenAI-compatible chat server on MLX with a paged, persistent KV cache.")
+    p.add_argument("--model", action="append", dest="models", metavar="MODEL",
+                   help="'default' (bundled SmolLM2-135M-Instruct), a .gguf file, an MLX model "
+                        "folder or a Hugging Face repo id; repeat to serve several")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="default completion length when a request sets none")
+    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
+    p.add_argument("--kv-cache-dir", type=Path, default=None,
+                   help="where the KV cache persists (default ~/.cache/mlx-kvserver/kv)")
+    p.add_argument("--max-kv-size-gb", type=float,
+                   default=env_float("MAX_KV_SIZE_GB", 10.0),
+                   help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default 10)")
+    p.add_argument("--max-kv-ram-gb", type=float, default=env_float("MAX_KV_RAM_GB", 2.0),
+                   help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default 2)")
+    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
+    p.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "s3fifo"])
+    p.add_argument("--api-key", default=os.environ.get("MLX_KVSERVER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
+    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
+                   help="allow browser requests from this origin (repeatable; default none)")
+    p.add_argument("--keep-quantized", action="store_true",
+                   help="keep quantized weights on MLX's CPU backend (slower there)")
+    p.add_argument("--no-fast-blas", action="store_true",
+                   help="do not load OpenBLAS for MLX's CPU backend on Linux")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    if args.max_kv_size_gb < 0 or args.max_kv_ram_gb <= 0 or args.page_size <= 0:
+        raise SystemExit("--max-kv-size-gb, --max-kv-ram-gb and --page-size must be positive")
+    return ServerConfig(
+        models=args.models or ["default"], host=args.host, port=args.port,
+        max_tokens=args.max_tokens, temperature=args.temp, kv_cache_dir=args.kv_cache_dir,
+        max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
+        page_size=args.page_size, eviction_policy=args.eviction_policy, api_key=args.api_key,
+        cors_origins=args.cors_origins, dequantize=False if args.keep_quantized else None)
+
+
+def load_engine(config: ServerConfig):
+    """Load the configured models and build the registry and the engine."""
+    from .models import ModelRegistry, resolve_and_load
+    from .worker import CacheConfig, Engine
+
+    models = []
+    for spec in config.models:
+        log.info("loading model %s", spec)
+        models.append(resolve_and_load(spec, dequantize=config.dequantize))
+    registry = ModelRegistry(models)
+    engine = Engine(models, CacheConfig(page_size=config.page_size,
+                                        max_ram_bytes=int(config.max_kv_ram_gb * GB),
+                                        policy=config.eviction_policy),
+                    max_queue=config.max_queue)
+    return registry, engine
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    if os.environ.get("MLX_KVSERVER_NO_BLAS") is None and args.no_fast_blas:
+        os.environ["MLX_KVSERVER_NO_BLAS"] = "1"
+    from . import blas
+    blas.maybe_reexec()
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    import uvicorn
+
+    from .api import build_app
+
+    log.info("BLAS: %s", blas.blas_status())
+    registry, engine = load_engine(config)
+    app = build_app(config, registry, engine)
+    url = f"http://{config.host}:{config.port}/v1"
+    log.info("serving %s at %s; point an OpenAI client at base_url=%s",
+             ", ".join(registry.names()), url, url)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())
+
+
+if __name__ == "__main__":
+    main()

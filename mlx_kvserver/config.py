@@ -1,0 +1,43 @@
+"""Server settings: command-line flags over environment variables over defaults."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GB = 1 << 30
+
+
+def env_float(name: str, default: float) -> float:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return float(value)
+    except ValueError:
+        raise SystemExit(f"{name}={value!r} is not a number")
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mlx-kvserver" / "kv"
+
+
+@dataclass
+class ServerConfig:
+    models: list[str] = field(default_factory=lambda: ["default"])
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_tokens: int | None = 512
+    temperature: float = 0.0
+    kv_cache_dir: Path | None = None
+    max_kv_size_gb: float = 10.0
+    max_kv_ram_gb: float = 2.0
+    page_size: int = 32
+    eviction_policy: str = "lru"
+    api_key: str | None = None
+    cors_origins: list[str] = field(default_factory=list)
+    max_body_bytes: int = 8 << 20
+    max_queue: int = 64
+    dequantize: bool | None = None  # None: on MLX's CPU backend only

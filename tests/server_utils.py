@@ -1,0 +1,59 @@
+"""Run the real server (uvicorn on loopback, in a thread) for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Iterator
+
+import uvicorn
+
+from mlx_kvserver.api import build_app
+from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.models import LoadedModel, ModelRegistry
+from mlx_kvserver.worker import CacheConfig, Engine
+
+
+def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:
+    return Engine(models, CacheConfig(page_size=config.page_size,
+                                      max_ram_bytes=int(config.max_kv_ram_gb * (1 << 30)),
+                                      policy=config.eviction_policy),
+                  max_queue=config.max_queue)
+
+
+@contextlib.contextmanager
+def running_server(models: list[LoadedModel], config: ServerConfig | None = None,
+                   engine: Engine | None = None) -> Iterator[str]:
+    """Serve ``models`` on 127.0.0.1 at a free port; yields the base URL (``http://.../v1``)."""
+    config = config or ServerConfig()
+    engine = engine or make_engine(models, config)
+    app = build_app(config, ModelRegistry(models), engine)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+def tiny_dir(tmp_path_factory, seed: int = 0) -> Path:
+    from tests.tiny_model import make_tiny_model_dir
+
+    path = tmp_path_factory.mktemp(f"tiny-model-{seed}")
+    make_tiny_model_dir(path, seed=seed)
+    return path

@@ -1,0 +1,103 @@
+"""Bad requests: each gets its 4xx status and an OpenAI-shaped JSON error; the server goes on."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from mlx_kvserver.config import ServerConfig
+from tests.server_utils import running_server
+
+OK = [{"role": "user", "content": "hi"}]
+
+CASES = [
+    # (name, body or raw bytes, status, param or code fragment)
+    ("not json", b"{not json", 400, None),
+    ("not an object", [1, 2], 400, None),
+    ("no messages", {}, 400, "messages"),
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("messages not a list", {"messages": "hi"}, 400, "messages"),
+    ("message not an object", {"messages": ["hi"]}, 400, "messages[0]"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ("content wrong type", {"messages": [{"role": "user", "content": 5}]}, 400,
+     "messages[0].content"),
+    ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages[0].content"),
+    ("last is assistant", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
+    ("message_id wrong type", {"messages": [{"role": "user", "content": "x", "message_id": 3}]},
+     400, "messages[0].message_id"),
+    ("message_id with NUL", {"messages": [{"role": "user", "content": "x",
+                                           "message_id": "a\u0000b"}]}, 400,
+     "messages[0].message_id"),
+    ("message_id too long", {"messages": [{"role": "user", "content": "x",
+                                           "message_id": "a" * 10_000}]}, 400,
+     "messages[0].message_id"),
+    ("max_tokens zero", {"messages": OK, "max_tokens": 0}, 400, "max_tokens"),
+    ("max_tokens string", {"messages": OK, "max_tokens": "5"}, 400, "max_tokens"),
+    ("max_tokens float", {"messages": OK, "max_tokens": 2.5}, 400, "max_tokens"),
+    ("temperature too high", {"messages": OK, "temperature": 5}, 400, "temperature"),
+    ("temperature negative", {"messages": OK, "temperature": -1}, 400, "temperature"),
+    ("top_p too high", {"messages": OK, "top_p": 1.5}, 400, "top_p"),
+    ("n zero", {"messages": OK, "n": 0}, 400, "n"),
+    ("n huge", {"messages": OK, "n": 1000}, 400, "n"),
+    ("stream not bool", {"messages": OK, "stream": "yes"}, 400, "stream"),
+    ("use_kv_cache not bool", {"messages": OK, "use_kv_cache": 1}, 400, "use_kv_cache"),
+    ("stop wrong type", {"messages": OK, "stop": 5}, 400, "stop"),
+    ("stop empty string", {"messages": OK, "stop": [""]}, 400, "stop"),
+    ("seed negative", {"messages": OK, "seed": -1}, 400, "seed"),
+    ("stream_options wrong", {"messages": OK, "stream_options": 3}, 400, "stream_options"),
+    ("unknown model", {"messages": OK, "model": "nope"}, 404, "model"),
+]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm):
+    config = ServerConfig(max_tokens=4, max_body_bytes=64 * 1024)
+    with running_server([tiny_lm], config) as url:
+        yield url
+
+
+@pytest.mark.parametrize("name,body,status,param", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(server, name, body, status, param):
+    if isinstance(body, bytes):
+        r = httpx.post(f"{server}/chat/completions", content=body,
+                       headers={"content-type": "application/json"}, timeout=30)
+    else:
+        r = httpx.post(f"{server}/chat/completions", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param
+
+
+def test_body_over_limit_is_413(server):
+    big = {"messages": [{"role": "user", "content": "x" * 100_000}]}
+    r = httpx.post(f"{server}/chat/completions", json=big, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+def test_prompt_longer_than_context_is_400(server, tiny_lm):
+    words = " ".join(["word"] * (tiny_lm.context_length + 10))
+    r = httpx.post(f"{server}/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": words[:60_000]}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    streamed = httpx.post(f"{server}/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": words[:60_000]}],
+                                "stream": True})
+    assert streamed.status_code == 400
+
+
+def test_unknown_route_and_method(server):
+    assert httpx.get(f"{server}/nope").status_code == 404
+    r = httpx.get(f"{server}/chat/completions")
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_server_still_answers_after_bad_requests(server):
+    for _, body, _, _ in CASES[:5]:
+        httpx.post(f"{server}/chat/completions", json=body if not isinstance(body, bytes)
+                   else None, content=body if isinstance(body, bytes) else None, timeout=30)
+    r = httpx.post(f"{server}/chat/completions", json={"messages": OK, "max_tokens": 3},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None

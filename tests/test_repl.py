@@ -1,0 +1,311 @@
+"""The terminal chat (mlx_kvserver/repl.py): SSE parsing and conversation bookkeeping without a
+server, then the real REPL in a pseudo-terminal against the real server on the tiny model."""
+
+from __future__ import annotations
+
+import fcntl
+import io
+import logging
+import os
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.repl import ChatError, Conversation, Repl, parse_sse
+from tests.server_utils import running_server
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUS = re.compile(r"\[ttft (?:\d+\.\d+s|-) \| (?:[\d.]+|-) tok/s \| (\d+) tokens \| "
+                    r"cached (\d+)/(\d+) prompt tokens\]")
+
+# -- SSE parsing ------------------------------------------------------------------------------
+
+
+def test_parse_sse_events_comments_multiline_and_done():
+    lines = [": keep-alive", "", 'data: {"a": 1}', "", "event: x", 'data: {"b":', "data: 2}", "",
+             "data: [DONE]", "", 'data: {"after": "done"}', ""]
+    assert list(parse_sse(lines)) == [{"a": 1}, {"b": 2}]
+    assert list(parse_sse(['data:{"c": 3}'])) == [{"c": 3}]  # no space, no closing blank line
+
+
+def test_parse_sse_error_event_and_garbage_raise():
+    err = 'data: {"error": {"message": "boom", "type": "server_error"}}'
+    with pytest.raises(ChatError, match="server_error: boom"):
+        list(parse_sse(['data: {"ok": 1}', "", err, ""]))
+    with pytest.raises(ChatError, match="malformed"):
+        list(parse_sse(["data: {not json", ""]))
+
+
+# -- conversation bookkeeping -----------------------------------------------------------------
+
+
+def test_conversation_ids_regen_fork_back_new_system():
+    c = Conversation()
+    u = c.add("user", "hi")
+    assert u["message_id"].startswith("user-")
+    c.add("assistant", "A", "msg-1")
+    assert c.drop_answer() and c.messages == [u]  # /regen keeps the user's message and id
+    assert c.drop_answer()  # nothing more to drop; the user message is still there to answer
+    c.add("assistant", "A2", "msg-2")
+    assert c.fork() == 1
+    c.add("user", "branch")
+    assert c.fork() == 2 and len(c.messages) == 3
+    assert c.back() and len(c.messages) == 3 and c.back()
+    assert [m["content"] for m in c.messages] == ["hi", "A2"] and not c.back()
+    c.set_system("be brief")
+    sys_id = c.messages[0]["message_id"]
+    c.set_system("be verbose")  # a new text is a new message: a new id, still one system message
+    assert c.messages[0]["content"] == "be verbose" and c.messages[0]["message_id"] != sys_id
+    assert [m["role"] for m in c.messages] == ["system", "user", "assistant"]
+    c.fork()
+    c.new()
+    assert [m["role"] for m in c.messages] == ["system"] and c.forks == []
+    c.set_system("")
+    assert c.messages == [] and not c.drop_answer()
+
+
+class FakeClient:
+    """Scripted answers: each is a list of chunks, an exception, or chunks then an exception."""
+
+    base_url, root = "http://fake/v1", "http://fake"
+
+    def __init__(self, answers, gets=None):
+        self.answers, self.gets, self.sent = list(answers), dict(gets or {}), []
+
+    def chat_stream(self, messages, **params):
+        self.sent.append([dict(m) for m in messages])
+        for item in self.answers.pop(0):
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def get(self, url):
+        return self.gets[url]
+
+
+def answer(text, mid, prompt=10, cached=0):
+    return [{"message_id": mid, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                                     "content": ""}}]},
+            {"message_id": mid, "choices": [{"index": 0, "delta": {"content": text}}]},
+            {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": 3,
+                                      "prompt_tokens_details": {"cached_tokens": cached}}}]
+
+
+def run_repl(client, lines):
+    out, prompts, it = io.StringIO(), [], iter(lines)
+
+    def read(prompt):
+        prompts.append(prompt)
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError
+
+    repl = Repl(client, {"max_tokens": 8}, out=out)
+    repl.run(read)
+    return repl, out.getvalue(), prompts
+
+
+def test_repl_regen_fork_back_send_the_right_history():
+    client = FakeClient([answer("A", "msg-a"), answer("B", "msg-b", cached=9),
+                         answer("X", "msg-x"), answer("Y", "msg-y")])
+    repl, out, prompts = run_repl(client, ["hi", "/regen", "/fork", "x", "/back", "y", "/quit"])
+    hi = client.sent[0][0]
+    assert client.sent[1] == [hi]  # regen: the same user message, same id (its cache)
+    after_regen = [hi, {"role": "assistant", "content": "B", "message_id": "msg-b"}]
+    assert [m["content"] for m in client.sent[2]] == ["hi", "B", "x"]
+    assert client.sent[2][:2] == after_regen and client.sent[3][:2] == after_regen
+    assert client.sent[3][2]["content"] == "y"  # /back forgot the branch, kept the fork point
+    assert "[fork 1] >>> " in prompts and prompts[-1] == ">>> "
+    ids = [m["message_id"] for m in repl.conv.messages]
+    assert ids[1] == "msg-b" and ids[2].startswith("user-") and ids[3] == "msg-y"
+    assert len(STATUS.findall(out)) == 4 and "cached 9/10 prompt tokens" in out
+    assert "forked after 2 messages" in out and "back at the fork point" in out
+    assert repl.totals == {"turns": 4, "prompt": 40, "cached": 9, "completion": 12}
+
+
+def test_repl_errors_interrupts_and_unknown_commands():
+    client = FakeClient([
+        [ChatError("HTTP 400 invalid_request_error: bad")],
+        answer("A", "msg-a")[:2] + [KeyboardInterrupt()],  # Ctrl-C after some text
+        [KeyboardInterrupt()],  # Ctrl-C before any text
+        answer("C", "msg-c"),
+    ])
+    repl, out, _ = run_repl(client, ["one", "two", "three", "/bogus", "/regen"])
+    assert "error: HTTP 400 invalid_request_error: bad" in out
+    assert out.count("[stopped]") == 2 and "unknown command /bogus" in out and "/fork" in out
+    # the failed turn left nothing; the stopped one kept its partial answer (with its id) until
+    # /regen replaced it; "three", stopped before any text, was dropped
+    assert [m["content"] for m in client.sent[2]] == ["two", "A", "three"]
+    assert client.sent[3] == client.sent[1] and client.sent[1][0]["content"] == "two"
+    assert [(m["content"], m.get("message_id")) for m in repl.conv.messages][1:] == \
+        [("C", "msg-c")]
+    assert len(STATUS.findall(out)) == 1
+
+
+def test_stats_uses_kv_cache_route_or_falls_back_to_health():
+    health = (200, {"status": "ok", "models": ["m"]})
+    client = FakeClient([answer("A", "m1", prompt=10, cached=4)], {
+        "http://fake/v1/kv_cache/stats": (404, {"error": {"message": "not found"}}),
+        "http://fake/health": health})
+    _, out, _ = run_repl(client, ["hi", "/stats"])
+    assert "server /health" in out and '"status": "ok"' in out
+    assert "session: 1 turns, 10 prompt tokens, 4 from cache (40%), 3 completion tokens" in out
+    client.gets["http://fake/v1/kv_cache/stats"] = (200, {"m": {"entries": 3}})
+    _, out, _ = run_repl(client, ["/stats"])
+    assert "/v1/kv_cache/stats" in out and '"entries": 3' in out and "/health" not in out
+
+
+# -- the real REPL in a pseudo-terminal ---------------------------------------------------------
+
+ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[()][0-9A-Za-z]|[=>])")
+# Make the pty the child's controlling terminal (so Ctrl-C there sends SIGINT), then exec.
+CTTY = ("import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+        "os.execv(sys.argv[1], sys.argv[1:])")
+
+
+class Pty:
+    def __init__(self, argv: list[str], env: dict):
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 200, 0, 0))
+        self.proc = subprocess.Popen([sys.executable, "-c", CTTY, *argv], stdin=slave,
+                                     stdout=slave, stderr=slave, env=env, cwd=ROOT)
+        os.close(slave)
+        self.raw, self.pos, self.eof = b"", 0, False
+
+    @property
+    def text(self) -> str:
+        return ANSI.sub("", self.raw.decode("utf-8", "replace")).replace("\r", "")
+
+    def _pump(self, timeout: float) -> None:
+        if self.eof or not select.select([self.master], [], [], timeout)[0]:
+            return
+        try:
+            chunk = os.read(self.master, 65536)
+        except OSError:  # EIO: the child closed its side
+            chunk = b""
+        self.raw += chunk
+        self.eof = not chunk
+
+    def expect(self, pattern: str, timeout: float = 20.0) -> re.Match:
+        rx, deadline = re.compile(pattern), time.monotonic() + timeout
+        while not (m := rx.search(self.text, self.pos)):
+            if self.eof or time.monotonic() > deadline:
+                raise AssertionError(f"no {pattern!r} in the output:\n{self.text[self.pos:]}")
+            self._pump(0.05)
+        self.pos = m.end()
+        return m
+
+    def type(self, line: str) -> None:
+        os.write(self.master, line.encode() + b"\r")
+
+    def wait(self, timeout: float = 20.0) -> int:
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            self._pump(0.05)
+        return self.proc.wait(timeout=1)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        os.close(self.master)
+
+
+def repl_env(home: Path) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("MLX_KVCHAT_HISTORY", "NO_COLOR")}
+    return {**env, "TERM": "xterm", "HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"),
+            "PROMPT_TOOLKIT_NO_CPR": "1", "LANG": "C.UTF-8", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_lm):
+    with running_server([tiny_lm], ServerConfig(max_tokens=8)) as url:
+        yield url
+
+
+def uncached(url: str, contents: list[str]) -> str:
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": c}
+                for i, c in enumerate(contents)]
+    r = httpx.post(f"{url}/chat/completions", timeout=60,
+                   json={"messages": messages, "max_tokens": 8, "use_kv_cache": False})
+    return r.json()["choices"][0]["message"]["content"]
+
+
+def test_repl_in_a_pty_streams_answers_reuses_cache_and_shows_stats(server, tiny_lm, tmp_path):
+    pty = Pty([sys.executable, "-m", "mlx_kvserver.repl", "--url", server, "--max-tokens", "8"],
+              repl_env(tmp_path))
+    try:
+        pty.expect(rf"mlx-kvchat: {re.escape(server)} \({re.escape(tiny_lm.name)}\)")
+        pty.expect(">>>")
+        answers = []
+        for text in ("hello there", "tell me more"):
+            pty.type(text)
+            # the echoed line, the streamed answer, the status line; then the next prompt
+            m = pty.expect(rf">>> {text}\n((?s:.*?))" + STATUS.pattern, timeout=30)
+            answers.append(m)
+            pty.expect(">>>")
+        first = uncached(server, ["hello there"])
+        second = uncached(server, ["hello there", first, "tell me more"])
+        for m, expected in zip(answers, (first, second)):
+            assert m.group(1) == expected + ("" if expected.endswith("\n") else "\n")
+            assert 0 < int(m.group(2)) <= 8
+        assert int(answers[0].group(3)) == 0  # the first turn: nothing cached yet
+        cached, prompt = int(answers[1].group(3)), int(answers[1].group(4))
+        assert 0 < cached < prompt  # the second turn: the history came from the cache
+        pty.type("/stats")
+        pty.expect(r'server /health .*\n\{\n  "status": "ok"')
+        pty.expect(r"session: 2 turns, \d+ prompt tokens, \d+ from cache")
+        pty.expect(">>>")
+        pty.type("/quit")
+        assert pty.wait() == 0
+    finally:
+        pty.close()
+    history = (tmp_path / ".cache" / "mlx-kvserver" / "chat_history").read_text()
+    assert "+hello there" in history and "+/stats" in history
+
+
+def test_ctrl_c_in_a_pty_stops_the_answer_and_cancels_generation(tiny_lm, tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="mlx_kvserver.worker")
+    with running_server([tiny_lm]) as url:
+        pty = Pty([sys.executable, "-m", "mlx_kvserver.repl", "--url", url, "--max-tokens",
+                   "1500"], repl_env(tmp_path))
+        try:
+            pty.expect(">>>")
+            pty.type("hello there")
+            pty.expect(r">>> hello there\n(?s:.)")  # the answer is streaming
+            os.write(pty.master, b"\x03")
+            pty.expect(r"\[stopped\]\n")
+            pty.expect(">>>")
+            deadline = time.monotonic() + 10
+            while "cancelled by the client" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "cancelled by the client" in caplog.text
+            pty.type("/quit")
+            assert pty.wait() == 0
+        finally:
+            pty.close()
+        assert STATUS.search(pty.text) is None  # the stopped answer has no status line
+
+
+def test_piped_input_with_an_in_process_server(tiny_model_dir, tmp_path):
+    """No --url: the REPL re-execs with OpenBLAS (keeping `-m`), loads the model, serves it on
+    loopback; piped stdin is read as plain lines. /regen reuses the user's message cache."""
+    r = subprocess.run([sys.executable, "-m", "mlx_kvserver.repl", "--model", str(tiny_model_dir),
+                        "--max-tokens", "4", "--kv-cache-dir", str(tmp_path / "kv")],
+                       input="hello\n/regen\n/nope\n", capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env=repl_env(tmp_path))
+    assert r.returncode == 0, r.stderr
+    status = STATUS.findall(r.stdout)
+    assert len(status) == 2 and status[0][1] == "0", r.stdout
+    assert 0 < int(status[1][1]) < int(status[1][2]) == int(status[0][2])
+    assert "unknown command /nope" in r.stdout and "\x1b" not in r.stdout

@@ -1,0 +1,121 @@
+"""The generation worker through the real server: cache reuse is exact, verified and cancellable."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+
+from mlx_kvserver.config import ServerConfig
+from tests.server_utils import make_engine, running_server
+
+TURNS = ["Tell me about the sea.", "And the mountains?", "Which is older?", "Say it shorter."]
+SYSTEM = {"role": "system", "content": "You are terse.", "message_id": "sys"}
+
+
+@pytest.fixture(scope="module")
+def served(tiny_lm):
+    config = ServerConfig(max_tokens=12, page_size=8)
+    engine = make_engine([tiny_lm], config)
+    with running_server([tiny_lm], config, engine) as url:
+        yield url, engine
+
+
+def converse(client, model, tag, use_cache, turns=TURNS, max_tokens=12):
+    messages, out = [dict(SYSTEM, message_id=f"sys-{tag}")], []
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text, "message_id": f"{tag}-u{i}"})
+        r = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
+                                           temperature=0, extra_body={"use_kv_cache": use_cache})
+        msg = r.choices[0].message
+        messages.append({"role": "assistant", "content": msg.content,
+                         "message_id": msg.model_extra["message_id"]})
+        out.append((msg.content, r.usage.prompt_tokens, r.usage.completion_tokens,
+                    r.usage.prompt_tokens_details.cached_tokens))
+    return out, messages
+
+
+def test_four_turns_same_answers_with_and_without_cache(served, tiny_lm):
+    url, engine = served
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    cold, _ = converse(client, tiny_lm.name, "cold", use_cache=False)
+    warm, _ = converse(client, tiny_lm.name, "warm", use_cache=True)
+    assert [c[0] for c in warm] == [c[0] for c in cold]
+    assert all(c[3] == 0 for c in cold)
+    assert warm[0][3] == 0
+    for prev, cur in zip(warm, warm[1:]):
+        # Everything up to the previous answer comes from the cache (at least its prompt).
+        assert cur[3] >= prev[1], (prev, cur)
+        assert cur[3] < cur[1]
+
+
+def test_edited_message_reuses_only_the_common_prefix(served, tiny_lm):
+    url, engine = served
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    _, messages = converse(client, tiny_lm.name, "edit", use_cache=True, turns=TURNS[:2])
+    edited = [dict(m) for m in messages]
+    edited[1]["content"] = "Tell me about the desert."  # same message_id, new text
+    edited.append({"role": "user", "content": "Go on.", "message_id": "edit-u2b"})
+    warm = client.chat.completions.create(model=tiny_lm.name, messages=edited, max_tokens=10,
+                                          temperature=0)
+    cold = client.chat.completions.create(model=tiny_lm.name, messages=edited, max_tokens=10,
+                                          temperature=0, extra_body={"use_kv_cache": False})
+    assert warm.choices[0].message.content == cold.choices[0].message.content
+    cached = warm.usage.prompt_tokens_details.cached_tokens
+    # Only the system prompt and the unchanged start of the first user message can be reused.
+    first_user = tiny_lm.tokenizer.encode(tiny_lm.tokenizer.render(
+        [{"role": "system", "content": "You are terse."},
+         {"role": "user", "content": "Tell me about the "}], add_generation_prompt=False))
+    assert 0 < cached <= len(first_user)
+
+
+def test_n_greedy_choices_equal_single_answer(served, tiny_lm):
+    url, _ = served
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "count with me", "message_id": "n-u0"}]
+    one = client.chat.completions.create(model=tiny_lm.name, messages=msgs, max_tokens=8,
+                                         extra_body={"use_kv_cache": False})
+    many = client.chat.completions.create(model=tiny_lm.name, messages=msgs, max_tokens=8, n=3)
+    assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 3
+
+
+def test_stop_string_cuts_the_answer(served, tiny_lm):
+    url, _ = served
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    msgs = [{"role": "user", "content": "stop test"}]
+    full = client.chat.completions.create(model=tiny_lm.name, messages=msgs, max_tokens=12)
+    text = full.choices[0].message.content
+    assert len(text) >= 4, text
+    stop = text[2:4]
+    cut = client.chat.completions.create(model=tiny_lm.name, messages=msgs, max_tokens=12,
+                                         stop=[stop])
+    assert cut.choices[0].message.content == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def wait_idle(engine, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while engine.busy or engine.queued:
+        assert time.monotonic() < deadline, "the worker did not go idle"
+        time.sleep(0.05)
+
+
+def test_disconnect_cancels_generation_and_releases_pages(served, tiny_lm):
+    url, engine = served
+    manager = engine.managers[tiny_lm.name]
+    body = {"messages": [{"role": "user", "content": "a long answer please"}],
+            "max_tokens": 100_000, "stream": True}
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=60) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 3:
+                break  # leave mid-answer
+    wait_idle(engine)
+    held_by_entries = {b for k in manager.keys() for b in manager.get(k).blocks}
+    held = {b for b, n in manager.pool.ref_counts().items() if n > 0}
+    assert held <= held_by_entries  # no sequence holds pages after the cancel
+    r = httpx.post(f"{url}/chat/completions", timeout=60,
+                   json={"messages": [{"role": "user", "content": "still there?"}],
+                         "max_tokens": 3})
+    assert r.status_code == 200
