@@ -127,16 +127,23 @@ class S3FIFOPolicy:
     def victim(self, can_evict: CanEvict) -> int | None:
         # Each page is looked at a bounded number of times: a full pass over both queues, plus
         # the main-queue rounds that decrement counts (at most MAX_FREQ per page).
-        budget = (len(self._small) + len(self._main)) * (self.MAX_FREQ + 2) + 1
+        # NOTE: when every main page is passed over in a row (a full round refused by
+        # ``can_evict``: held or not a leaf), the victim must come from the small queue even
+        # below its share, or a cached small page would never be found.
+        budget = (len(self._small) + len(self._main)) * (self.MAX_FREQ + 3) + 1
+        main_refused = 0  # consecutive main pages that may not go now
         while budget > 0 and (self._small or self._main):
             budget -= 1
             total = len(self._small) + len(self._main)
-            if self._small and len(self._small) >= max(1, self.small_ratio * total):
+            if self._small and (
+                len(self._small) >= max(1, self.small_ratio * total)
+                or main_refused >= len(self._main)
+            ):
                 block = self._evict_small(can_evict)
-            elif self._main:
-                block = self._evict_main(can_evict)
             else:
-                block = self._evict_small(can_evict)
+                head = next(iter(self._main))
+                block = self._evict_main(can_evict)
+                main_refused = main_refused + 1 if not can_evict(head) else 0
             if block is not None:
                 return block
         return None

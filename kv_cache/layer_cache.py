@@ -90,6 +90,10 @@ class PagedLayerCache:
         """Drop the last ``n`` positions (the sequence drops their pages and tokens)."""
         n = min(self.offset, n)
         self.offset -= n
+        # NOTE: mlx-lm's trim_prompt_cache trims layer by layer: once the last one is trimmed,
+        # the sequence follows (token ids, pages), so its length and reports are never stale.
+        if all(layer.offset == self.offset for layer in self.sequence.layers):
+            self.sequence._sync_trim()
         return n
 
     def make_mask(

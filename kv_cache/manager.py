@@ -1,10 +1,12 @@
-"""Reuse for one model: message-keyed entries over the pool's pages, verified by tokens.
+"""Reuse for one model: message-keyed entries over the pool's pages, verified by tokens, with
+an optional disk tier.
 
 An entry is what a finished turn leaves behind: the token ids of prompt + answer and the pages
 that hold their keys and values (the entry holds them). A new request names its messages' keys,
 newest first; the manager takes the candidate whose stored tokens share the longest prefix with
 the new prompt (a key only finds a candidate: the tokens decide how much of it is valid), and
-compares that with what the pool's prefix index finds by tokens alone.
+compares that with what the pool's prefix index finds by tokens alone. Keys not in memory are
+looked up in the disk store; pages already in memory are never read from disk again.
 
 When the pool runs short of pages, the least recently used entries drop their holds; their sealed
 pages stay cached (and findable by tokens) until the pool's own eviction takes them.
@@ -12,12 +14,19 @@ pages stay cached (and findable by tokens) until the pool's own eviction takes t
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
 
+import mlx.core as mx
+
+from .disk_store import DiskStore, PageRecord, StoredEntry
+from .errors import OutOfBlocksError
 from .page_pool import PagePool
 from .sequence import PagedSequence
+
+log = logging.getLogger("kv_cache.manager")
 
 
 @dataclass(slots=True)
@@ -31,17 +40,21 @@ class Entry:
 class Match:
     tokens: int  # prompt tokens whose keys and values are reused
     blocks: list[int]
-    source: str  # "entry:<key>", "prefix" or "none"
+    source: str  # "entry:<key>", "disk:<key>", "prefix" or "none"
+    stored: StoredEntry | None = None
 
 
 @dataclass(slots=True)
 class ManagerStats:
-    entries: int = 0
     hits: int = 0
     misses: int = 0
     tokens_served: int = 0
+    disk_hits: int = 0
+    tokens_from_disk: int = 0
+    pages_read_from_disk: int = 0
     entries_dropped: int = 0
-    extra: dict = field(default_factory=dict)
+    disk_saves: int = 0
+    disk_save_failures: int = 0
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -53,11 +66,13 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 class CacheManager:
-    """Message-keyed reuse over one ``PagePool`` (one model)."""
+    """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
-    def __init__(self, pool: PagePool):
+    def __init__(self, pool: PagePool, store: DiskStore | None = None):
         self.pool = pool
+        self.store = store
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
+        self._pending: list[Callable[[], None]] = []  # disk writes, run by flush()
         self.stats = ManagerStats()
         pool.reclaimer = self._reclaim
 
@@ -81,11 +96,14 @@ class CacheManager:
         best = Match(0, [], "none")
         for key in keys:
             entry = self._entries.get(key)
-            if entry is None:
-                continue
-            n = min(common_prefix(entry.tokens, prompt), limit)
-            if n > best.tokens:
-                best = Match(n, entry.blocks, f"entry:{key}")
+            if entry is not None:
+                n = min(common_prefix(entry.tokens, prompt), limit)
+                if n > best.tokens:
+                    best = Match(n, entry.blocks, f"entry:{key}")
+            elif self.store is not None and (stored := self.store.get(key)) is not None:
+                n = min(common_prefix(stored.tokens, prompt), limit)
+                if n > best.tokens:
+                    best = Match(n, [], f"disk:{key}", stored)
         by_prefix = self.pool.match_prefix(prompt)
         n = min(len(by_prefix) * self.pool.page_size, limit)
         if n > best.tokens:
@@ -97,46 +115,124 @@ class CacheManager:
         self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True
     ) -> tuple[PagedSequence, Match]:
         """A sequence that holds the reusable prefix of ``prompt``; the caller runs the rest."""
-        match = self.find(prompt, keys) if use_cache else Match(0, [], "none")
-        if match.source.startswith("entry:"):
+        if not use_cache:
+            return PagedSequence(self.pool), Match(0, [], "none")
+        match = self.find(prompt, keys)
+        loaded: list[int] = []
+        if match.stored is not None:
+            loaded = self._load(match.stored, match.tokens)
+            match.blocks = loaded
+            match.tokens = min(match.tokens, len(loaded) * self.pool.page_size)
+            if match.tokens == 0:
+                match.source = "none"
+        elif match.source.startswith("entry:"):
             self._entries.move_to_end(match.source[6:])
-        if use_cache:
-            if match.tokens:
-                self.stats.hits += 1
-                self.stats.tokens_served += match.tokens
-            else:
-                self.stats.misses += 1
-        return PagedSequence(self.pool, prompt[: match.tokens], match.blocks), match
+        if match.tokens:
+            self.stats.hits += 1
+            self.stats.tokens_served += match.tokens
+            if match.stored is not None:
+                self.stats.disk_hits += 1
+                self.stats.tokens_from_disk += match.tokens
+                self.store.touch(match.stored.key)
+        else:
+            self.stats.misses += 1
+        seq = PagedSequence(self.pool, prompt[: match.tokens], match.blocks)
+        for b in loaded:  # the sequence holds them now
+            self.pool.release(b)
+        return seq, match
+
+    def _load(self, stored: StoredEntry, n: int) -> list[int]:
+        """Hold the pages of ``stored`` that cover its first ``n`` tokens, from memory where the
+        pool has them, else from disk; stops at the first page that cannot be had."""
+        P, pool = self.pool.page_size, self.pool
+        need = -(-n // P)
+        blocks: list[int] = []
+        parent = pool.root
+        try:
+            for i, h in enumerate(stored.page_hashes[:need]):
+                block = pool.lookup(h)
+                if block is not None:
+                    pool.hold(block)
+                else:
+                    data = self.store.load_page(h)
+                    if data is None:
+                        return blocks
+                    block = pool.add_sealed(parent, stored.tokens[i * P : (i + 1) * P], data)
+                    self.stats.pages_read_from_disk += 1
+                blocks.append(block)
+                parent = h
+            if need > len(stored.page_hashes):  # the reuse reaches into the open tail page
+                tail = self.store.load_tail(stored.key)
+                if tail is None:
+                    return blocks
+                start = len(stored.page_hashes) * P
+                k = n - start
+                (block,) = pool.allocate(1)
+                pool.write(block, mx.contiguous(tail[:, :, :, :k, :]),
+                           stored.tokens[start : start + k])
+                blocks.append(block)
+        except OutOfBlocksError as e:
+            log.warning("memory full while loading %s from disk: %s", stored.key, e)
+        return blocks
 
     # -- entries --------------------------------------------------------------------------------
 
     def save(self, key: str, seq: PagedSequence, n_tokens: int | None = None) -> Entry:
-        """Keep the first ``n_tokens`` (default all) of ``seq`` under ``key``."""
+        """Keep the first ``n_tokens`` (default all) of ``seq`` under ``key``; the disk copy is
+        written by the next ``flush()``."""
         seq.commit()
         n = len(seq.tokens) if n_tokens is None else n_tokens
         blocks = seq.prefix_blocks(n)
         for b in blocks:
             self.pool.hold(b)
-        self.drop(key)
+        self.drop(key, from_disk=False)
         entry = Entry(key, tuple(seq.tokens[:n]), list(blocks))
         self._entries[key] = entry
-        self.stats.entries = len(self._entries)
+        if self.store is not None and n > 0:
+            self._pending.append(self._disk_writer(entry))
         return entry
 
-    def drop(self, key: str) -> bool:
+    def _disk_writer(self, entry: Entry) -> Callable[[], None]:
+        P, pool, n = self.pool.page_size, self.pool, len(entry.tokens)
+        full = n // P
+        records = [PageRecord(pool.hash_of(b), pool.tokens(b), pool.data(b))
+                   for b in entry.blocks[:full]]
+        if n % P:
+            tail = mx.contiguous(pool.data(entry.blocks[full])[:, :, :, : n % P, :])
+            mx.eval(tail)
+            records.append(PageRecord(None, entry.tokens[full * P :], tail))
+
+        def write() -> None:
+            if self.store.put(entry.key, entry.tokens, records, pinned=(entry.key,)):
+                self.stats.disk_saves += 1
+            else:
+                self.stats.disk_save_failures += 1
+        return write
+
+    def flush(self) -> None:
+        """Write pending entries to disk (call when no answer is waiting on it)."""
+        pending, self._pending = self._pending, []
+        for write in pending:
+            try:
+                write()
+            except Exception:  # a disk problem never takes the server down
+                log.exception("saving a cache entry to disk failed")
+                self.stats.disk_save_failures += 1
+
+    def drop(self, key: str, from_disk: bool = True) -> bool:
+        """Forget ``key`` in memory (and on disk unless told otherwise)."""
         entry = self._entries.pop(key, None)
-        if entry is None:
-            return False
-        for b in entry.blocks:
-            self.pool.release(b)
-        self.stats.entries = len(self._entries)
-        return True
+        if entry is not None:
+            for b in entry.blocks:
+                self.pool.release(b)
+        on_disk = bool(from_disk and self.store is not None and self.store.delete(key))
+        return entry is not None or on_disk
 
     def clear(self) -> None:
         for key in list(self._entries):
-            self.drop(key)
+            self.drop(key, from_disk=False)
 
     def _reclaim(self, n_pages: int) -> None:
         while self._entries and not self.pool.can_allocate(n_pages):
-            self.drop(next(iter(self._entries)))
+            self.drop(next(iter(self._entries)), from_disk=False)
             self.stats.entries_dropped += 1

@@ -287,6 +287,10 @@ class PagePool:
         self._prefix_hits += len(blocks)
         return blocks
 
+    def lookup(self, h: bytes) -> int | None:
+        """The indexed block holding the sealed page with chain hash ``h`` (not held)."""
+        return self._index.get(h)
+
     def parent_hash(self, blocks: Sequence[int], index: int) -> bytes:
         """The chain hash that the ``index``-th page of ``blocks`` continues."""
         if index == 0:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
+import os
+import tempfile
 from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
@@ -20,8 +21,9 @@ from starlette.routing import Route
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .models import ModelRegistry, UnknownModelError
-from .schemas import parse_chat_request, unknown_model
+from .schemas import check_message_id, parse_chat_request, unknown_model
 from .worker import Engine, Job
+from kv_cache.transfer import TransferError
 
 log = logging.getLogger("mlx_kvserver.api")
 
@@ -94,6 +96,57 @@ class App:
                                      headers={"Cache-Control": "no-cache"})
         return await self._complete(job, data)
 
+    # -- KV cache management --------------------------------------------------------------------
+
+    async def kv_stats(self, request: Request) -> Response:
+        stats = await self.engine.call(self.engine.cache_stats)
+        return JSONResponse({"object": "kv_cache.stats", "models": stats})
+
+    async def kv_entry(self, request: Request) -> Response:
+        key = path_key(request)
+        if request.method == "DELETE":
+            if not await self.engine.call(lambda: self.engine.delete_entry(key)):
+                raise no_entry(key)
+            return JSONResponse({"object": "kv_cache.entry.deleted", "message_id": key,
+                                 "deleted": True})
+        info = await self.engine.call(lambda: self.engine.entry_info(key))
+        if info is None:
+            raise no_entry(key)
+        return JSONResponse(info)
+
+    async def kv_export(self, request: Request) -> Response:
+        key = path_key(request)
+        found = await self.engine.call(lambda: self.engine.export_entry(key))
+        if found is None:
+            raise no_entry(key)
+        model, data = found
+        return Response(data, media_type="application/octet-stream", headers={
+            "Content-Disposition": 'attachment; filename="kv-cache.safetensors"',
+            "X-Model-Id": model})
+
+    async def kv_import(self, request: Request) -> Response:
+        key = check_message_id(request.query_params.get("message_id"), "message_id")
+        lm = self.model_for(request, request.query_params.get("model"))
+        limit = self.config.max_import_bytes
+        fd, path = tempfile.mkstemp(suffix=".safetensors")
+        try:
+            size = 0
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise APIError(413, f"the file is larger than {limit} bytes",
+                                       code="body_too_large")
+                    f.write(chunk)
+            try:
+                info = await self.engine.call(lambda: self.engine.import_entry(lm.name, path,
+                                                                               key))
+            except TransferError as e:
+                raise bad_request(f"cannot import this file: {e}", code="invalid_kv_cache_file")
+            return JSONResponse(info)
+        finally:
+            os.unlink(path)
+
     async def _events(self, job: Job) -> AsyncIterator[tuple[str, dict]]:
         try:
             while True:
@@ -155,6 +208,15 @@ class App:
         yield "data: [DONE]\n\n"
 
 
+def path_key(request: Request) -> str:
+    return check_message_id(request.path_params["message_id"], "message_id")
+
+
+def no_entry(key: str) -> APIError:
+    return APIError(404, f"no KV cache entry for message_id {key!r}", type="not_found_error",
+                    param="message_id", code="kv_cache_entry_not_found")
+
+
 def usage_body(u: dict) -> dict:
     return {"prompt_tokens": u["prompt_tokens"], "completion_tokens": u["completion_tokens"],
             "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
@@ -187,6 +249,12 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
         Route("/health", guarded(app_state.health, public=True), methods=["GET"]),
         Route("/v1/models", guarded(app_state.models), methods=["GET"]),
         Route("/v1/chat/completions", guarded(app_state.chat_completions), methods=["POST"]),
+        Route("/v1/kv_cache/stats", guarded(app_state.kv_stats), methods=["GET"]),
+        Route("/v1/kv_cache/import", guarded(app_state.kv_import), methods=["POST"]),
+        Route("/v1/kv_cache/export/{message_id:path}", guarded(app_state.kv_export),
+              methods=["GET"]),
+        Route("/v1/kv_cache/{message_id:path}", guarded(app_state.kv_entry),
+              methods=["GET", "DELETE"]),
     ]
     middleware = []
     if config.cors_origins:

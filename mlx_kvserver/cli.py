@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from .config import GB, ServerConfig, env_float
+from .config import GB, ServerConfig, default_cache_dir, env_float
 
 log = logging.getLogger("mlx_kvserver")
 
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
     p.add_argument("--kv-cache-dir", type=Path, default=None,
                    help="where the KV cache persists (default ~/.cache/mlx-kvserver/kv)")
+    p.add_argument("--no-disk-cache", action="store_true",
+                   help="keep the KV cache in memory only")
     p.add_argument("--max-kv-size-gb", type=float,
                    default=env_float("MAX_KV_SIZE_GB", 10.0),
                    help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default 10)")
@@ -51,27 +53,33 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-kv-size-gb, --max-kv-ram-gb and --page-size must be positive")
     return ServerConfig(
         models=args.models or ["default"], host=args.host, port=args.port,
-        max_tokens=args.max_tokens, temperature=args.temp, kv_cache_dir=args.kv_cache_dir,
+        max_tokens=args.max_tokens, temperature=args.temp,
+        kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
         page_size=args.page_size, eviction_policy=args.eviction_policy, api_key=args.api_key,
         cors_origins=args.cors_origins, dequantize=False if args.keep_quantized else None)
 
 
+def make_engine(models: list, config: ServerConfig):
+    """The generation engine for loaded ``models`` with ``config``'s cache settings."""
+    from .worker import CacheConfig, Engine
+
+    cache = CacheConfig(page_size=config.page_size, max_ram_bytes=int(config.max_kv_ram_gb * GB),
+                        policy=config.eviction_policy, disk_dir=config.kv_cache_dir,
+                        max_disk_bytes=int(config.max_kv_size_gb * GB),
+                        disk_policy=config.eviction_policy)
+    return Engine(models, cache, max_queue=config.max_queue)
+
+
 def load_engine(config: ServerConfig):
     """Load the configured models and build the registry and the engine."""
     from .models import ModelRegistry, resolve_and_load
-    from .worker import CacheConfig, Engine
 
     models = []
     for spec in config.models:
         log.info("loading model %s", spec)
         models.append(resolve_and_load(spec, dequantize=config.dequantize))
-    registry = ModelRegistry(models)
-    engine = Engine(models, CacheConfig(page_size=config.page_size,
-                                        max_ram_bytes=int(config.max_kv_ram_gb * GB),
-                                        policy=config.eviction_policy),
-                    max_queue=config.max_queue)
-    return registry, engine
+    return ModelRegistry(models), make_engine(models, config)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -39,5 +39,6 @@ class ServerConfig:
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     max_body_bytes: int = 8 << 20
+    max_import_bytes: int = 4 << 30
     max_queue: int = 64
     dequantize: bool | None = None  # None: on MLX's CPU backend only

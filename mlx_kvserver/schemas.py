@@ -63,7 +63,8 @@ def _content_text(content: Any, where: str) -> str:
                       f"{where}.content")
 
 
-def _message_id(value: Any, where: str) -> str | None:
+def check_message_id(value: Any, where: str) -> str | None:
+    """A valid client ``message_id`` or None; ``APIError`` 400 otherwise."""
     if value is None:
         return None
     if not isinstance(value, str) or not value:
@@ -117,7 +118,7 @@ def parse_chat_request(body: Any, *, default_max_tokens: int | None = None,
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
                               f"{where}.role")
         messages.append(Message(role, _content_text(m.get("content"), where),
-                                _message_id(m.get("message_id"), where)))
+                                check_message_id(m.get("message_id"), where)))
     if messages[-1].role == "assistant":
         raise bad_request("the last message must not be an assistant message", "messages")
 

@@ -8,20 +8,26 @@ The HTTP layer submits a ``Job`` and reads its events from an asyncio queue: ``a
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import hashlib
+import json
 import logging
 import queue
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import mlx.core as mx
 
+from kv_cache.disk_store import DiskStore
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
 from kv_cache.page_pool import PagePool
 from kv_cache.sequence import PagedSequence
+from kv_cache.transfer import export_entry, import_entry
 
 from .errors import APIError
 from .generation import Cancelled, ChoiceResult, decode, prefill
@@ -53,10 +59,44 @@ class Job:
 
 
 @dataclass
+class Control:
+    """A function to run on the worker thread (cache management), with its result."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+@dataclass
 class CacheConfig:
     page_size: int = 32
     max_ram_bytes: int = 2 << 30
     policy: str = "lru"
+    disk_dir: Path | None = None  # None: memory only
+    max_disk_bytes: int = 10 << 30
+    disk_policy: str = "lru"
+
+
+def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
+    """The model's disk store under ``disk_dir/<fingerprint prefix>``, or None (logged) when
+    the directory cannot be used: the server then runs with its memory cache only."""
+    if cache.disk_dir is None:
+        return None
+    root = Path(cache.disk_dir) / hashlib.sha256(lm.fingerprint.encode()).hexdigest()[:16]
+    try:
+        store = DiskStore(root, fingerprint=lm.fingerprint, num_layers=lm.num_layers,
+                          num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
+                          page_size=cache.page_size, dtype=lm.dtype,
+                          max_bytes=cache.max_disk_bytes, policy=cache.disk_policy)
+    except Exception as e:  # unreadable dir, locked by another server, ...
+        log.warning("disk cache for %s disabled: cannot open %s: %s", lm.name, root, e)
+        return None
+    try:
+        (root / "model.json").write_text(json.dumps({"name": lm.name, "source": lm.source,
+                                                     "fingerprint": lm.fingerprint}))
+    except OSError:
+        pass
+    log.info("disk cache for %s at %s (%d entries)", lm.name, root, len(store.keys()))
+    return store
 
 
 class Engine:
@@ -72,8 +112,8 @@ class Engine:
                             page_size=self.cache_config.page_size, dtype=lm.dtype,
                             max_bytes=self.cache_config.max_ram_bytes,
                             policy=self.cache_config.policy, fingerprint=lm.fingerprint)
-            self.managers[lm.name] = CacheManager(pool)
-        self._queue: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
+            self.managers[lm.name] = CacheManager(pool, open_store(lm, self.cache_config))
+        self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self.busy = False
 
@@ -87,8 +127,18 @@ class Engine:
     def stop(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
-            self._thread.join(timeout=30)
+            self._thread.join(timeout=60)
             self._thread = None
+        for manager in self.managers.values():
+            manager.flush()
+            if manager.store is not None:
+                manager.store.close()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the worker thread, between two jobs, and return its result."""
+        control = Control(fn)
+        self._queue.put(control)  # control calls are small: they do not count against the limit
+        return await asyncio.wrap_future(control.future)
 
     def submit(self, job: Job) -> None:
         try:
@@ -103,6 +153,9 @@ class Engine:
 
     def _loop(self) -> None:
         while (job := self._queue.get()) is not None:
+            if isinstance(job, Control):
+                self._control(job)
+                continue
             self.busy = True
             try:
                 if job.cancelled.is_set():
@@ -116,8 +169,19 @@ class Engine:
                 log.exception("%s failed", job.id)
                 job.emit("error", APIError(500, f"generation failed: {e}", type="server_error"))
             finally:
-                self.busy = False
                 job.emit("done")
+                for manager in self.managers.values():
+                    manager.flush()  # disk writes, after the answer is out
+                self.busy = False
+
+    @staticmethod
+    def _control(control: Control) -> None:
+        if not control.future.set_running_or_notify_cancel():
+            return
+        try:
+            control.future.set_result(control.fn())
+        except BaseException as e:
+            control.future.set_exception(e)
 
     # -- one job --------------------------------------------------------------------------------
 
@@ -189,14 +253,56 @@ class Engine:
     # -- reports --------------------------------------------------------------------------------
 
     def cache_stats(self) -> dict:
+        """Per model: memory and disk tiers (call on the worker thread)."""
         out = {}
         for name, manager in self.managers.items():
-            s, m = manager.pool.stats(), manager.stats
-            out[name] = {
-                "entries": len(manager), "hits": m.hits, "misses": m.misses,
-                "tokens_served": m.tokens_served, "page_size": s.page_size,
-                "pages_used": s.used_pages, "pages_held": s.held_pages,
-                "pages_cached": s.cached_pages, "bytes_in_ram": s.used_bytes,
-                "ram_budget_bytes": manager.pool.max_bytes, "evictions": s.evictions,
-            }
+            pool = manager.pool
+            s, m = pool.stats(), manager.stats
+            refs = pool.ref_counts()
+            ram = {"entries": len(manager), "pages": s.used_pages, "pages_held": s.held_pages,
+                   "pages_cached": s.cached_pages, "bytes": s.used_bytes,
+                   "bytes_shared": sum(pool.page_bytes for n in refs.values() if n > 1),
+                   "budget_bytes": pool.max_bytes, "page_size": s.page_size,
+                   "evictions": s.evictions}
+            disk = manager.store.stats() if manager.store is not None else None
+            out[name] = {"hits": m.hits, "misses": m.misses, "tokens_served": m.tokens_served,
+                         "disk_hits": m.disk_hits, "tokens_from_disk": m.tokens_from_disk,
+                         "pages_read_from_disk": m.pages_read_from_disk,
+                         "disk_saves": m.disk_saves,
+                         "disk_save_failures": m.disk_save_failures,
+                         "ram": ram, "disk": disk,
+                         "disk_enabled": manager.store is not None}
         return out
+
+    # -- cache management (each runs on the worker thread through ``call``) ---------------------
+
+    def entry_info(self, key: str) -> dict | None:
+        for name, manager in self.managers.items():
+            entry = manager.get(key)
+            stored = manager.store.get(key) if manager.store is not None else None
+            if entry is None and stored is None:
+                continue
+            tokens = entry.tokens if entry is not None else stored.tokens
+            return {"object": "kv_cache.entry", "message_id": key, "model": name,
+                    "tokens": len(tokens), "in_memory": entry is not None,
+                    "on_disk": stored is not None, "page_size": manager.pool.page_size,
+                    "pages": -(-len(tokens) // manager.pool.page_size)}
+        return None
+
+    def delete_entry(self, key: str) -> bool:
+        return any([manager.drop(key) for manager in self.managers.values()])
+
+    def export_entry(self, key: str) -> tuple[str, bytes] | None:
+        for name, manager in self.managers.items():
+            data = export_entry(manager, key)
+            if data is not None:
+                return name, data
+        return None
+
+    def import_entry(self, model: str, path: str, key: str | None) -> dict:
+        manager = self.managers[model]
+        entry = import_entry(manager, path, key)
+        manager.flush()
+        return {"object": "kv_cache.entry", "message_id": entry.key, "model": model,
+                "tokens": len(entry.tokens), "in_memory": True,
+                "on_disk": manager.store is not None and manager.store.get(entry.key) is not None}

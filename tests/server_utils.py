@@ -14,14 +14,13 @@ import uvicorn
 from mlx_kvserver.api import build_app
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models import LoadedModel, ModelRegistry
-from mlx_kvserver.worker import CacheConfig, Engine
+from mlx_kvserver.worker import Engine
 
 
 def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:
-    return Engine(models, CacheConfig(page_size=config.page_size,
-                                      max_ram_bytes=int(config.max_kv_ram_gb * (1 << 30)),
-                                      policy=config.eviction_policy),
-                  max_queue=config.max_queue)
+    from mlx_kvserver.cli import make_engine as build
+
+    return build(models, config)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,541 @@
+"""The disk store's file format: safetensors files with self-describing metadata, written
+atomically and read defensively.
+
+A file is standard safetensors (an 8-byte little-endian header length, a JSON header, the tensor
+bytes), readable by ``mx.load`` and the ``safetensors`` package; bfloat16 is stored as ``BF16``.
+The header's ``__metadata__`` (strings only) says what the file is and for which model:
+
+    format          "mlx-kvcache-page" or "mlx-kvcache-entry"
+    format_version  FORMAT_VERSION
+    fingerprint, dtype, page_size, num_layers, num_kv_heads, head_dim
+    tokens          JSON list of token ids
+    page:   hash, parent (hex; hash == page_hash(parent, tokens)); tensor "kv" [L, 2, H, P, D]
+    entry:  key (the message id, only here), page_hashes (JSON list of hex), tail_tokens;
+            tensor "tail" [L, 2, H, tail_tokens, D] when tail_tokens > 0
+    data_checksum   blake2b-256 of the tensor bytes (checked when data is loaded)
+    meta_checksum   blake2b-256 of the canonical JSON of every other metadata field
+
+This module writes the format itself (JSON framing around raw little-endian bytes): numpy has no
+bfloat16 and the ``safetensors`` writer's API changed in 0.8; the tests read the files back with
+``mx.load`` and ``safetensors.safe_open``.
+
+Readers trust nothing: header length, JSON, offsets, dtypes and sizes are checked against the file
+size before any tensor byte is touched. ``FormatError`` is a file that is not a valid file of
+ours; ``ForeignError`` a valid one for another model, geometry or format version.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import re
+import secrets
+import stat
+import struct
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .page_pool import page_hash, root_hash
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+FORMAT_VERSION = "1"
+PAGE_FORMAT = "mlx-kvcache-page"
+ENTRY_FORMAT = "mlx-kvcache-entry"
+MAX_HEADER_BYTES = 16 << 20  # hostile-header cap
+TMP_PREFIX = ".tmp."
+INT64 = (-(1 << 63), 1 << 63)
+
+# store dtype name -> (mx dtype, safetensors code, numpy storage dtype)
+DTYPES: dict[str, tuple[mx.Dtype, str, np.dtype]] = {
+    "float16": (mx.float16, "F16", np.dtype("<f2")),
+    "bfloat16": (mx.bfloat16, "BF16", np.dtype("<u2")),  # numpy has no bf16: raw 16-bit words
+    "float32": (mx.float32, "F32", np.dtype("<f4")),
+}
+# Every safetensors dtype code and its item size (structural check of any header).
+ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+_UINT = re.compile(r"[0-9]{1,9}")
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+class FormatError(ValueError):
+    """Not a valid file of ours: truncated, corrupt, hostile or not a regular file."""
+
+
+class ForeignError(FormatError):
+    """A valid file for another model, dtype, geometry or format version: never used."""
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    for name, (dt, _, _) in DTYPES.items():
+        if dt == dtype:
+            return name
+    raise ValueError(f"the disk store keeps float16, bfloat16 or float32 pages, not {dtype}")
+
+
+def checksum(*chunks) -> str:
+    h = hashlib.blake2b(digest_size=32)
+    for c in chunks:
+        h.update(c)
+    return "blake2b-256:" + h.hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """What a file must say to be usable by a store (anything else is foreign)."""
+
+    fingerprint: str
+    dtype: str
+    page_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def root(self) -> bytes:
+        return root_hash(self.fingerprint)
+
+    def shape(self, n: int) -> list[int]:
+        return [self.num_layers, 2, self.num_kv_heads, n, self.head_dim]
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
+            "dtype": self.dtype, "page_size": str(self.page_size),
+            "num_layers": str(self.num_layers), "num_kv_heads": str(self.num_kv_heads),
+            "head_dim": str(self.head_dim),
+        }
+
+
+# -- tensors <-> bytes ----------------------------------------------------------------------------
+
+
+def to_storage(a: mx.array, dtype: str) -> np.ndarray:
+    """``a`` (cast to ``dtype``) as a C-contiguous little-endian numpy array of its raw bytes."""
+    dt, _, np_dt = DTYPES[dtype]
+    a = a.astype(dt)
+    if dt == mx.bfloat16:
+        a = a.view(mx.uint16)
+    return np.ascontiguousarray(np.asarray(a), dtype=np_dt)
+
+
+def from_storage(buf, offset: int, shape: Sequence[int], dtype: str) -> mx.array:
+    dt, _, np_dt = DTYPES[dtype]
+    count = int(np.prod(shape)) if shape else 1
+    arr = mx.array(np.frombuffer(buf, dtype=np_dt, count=count, offset=offset).reshape(shape))
+    return arr.view(mx.bfloat16) if dt == mx.bfloat16 else arr
+
+
+def encode(tensors: dict[str, np.ndarray], code: str, metadata: dict[str, str]) -> list:
+    """A safetensors file as chunks: the header (length + JSON, padded to 8) and tensor buffers."""
+    header: dict = {"__metadata__": metadata}
+    offset, chunks = 0, []
+    for name, arr in tensors.items():
+        header[name] = {"dtype": code, "shape": list(arr.shape),
+                        "data_offsets": [offset, offset + arr.nbytes]}
+        offset += arr.nbytes
+        chunks.append(arr)
+    raw = json.dumps(header, separators=(",", ":")).encode()  # ensure_ascii: pure ASCII
+    raw += b" " * (-len(raw) % 8)
+    if len(raw) > MAX_HEADER_BYTES:
+        raise FormatError(f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES} cap")
+    return [struct.pack("<Q", len(raw)) + raw, *chunks]
+
+
+def meta_checksum(meta: dict[str, str]) -> str:
+    body = {k: v for k, v in meta.items() if k != "meta_checksum"}
+    return checksum(json.dumps(body, sort_keys=True, separators=(",", ":")).encode())
+
+
+def seal_metadata(meta: dict[str, str]) -> dict[str, str]:
+    meta["meta_checksum"] = meta_checksum(meta)
+    return meta
+
+
+def page_metadata(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
+                  data_sum: str) -> dict[str, str]:
+    return seal_metadata({"format": PAGE_FORMAT, **geo.metadata(), "hash": h.hex(),
+                          "parent": parent.hex(), "tokens": json.dumps(list(tokens)),
+                          "data_checksum": data_sum})
+
+
+def entry_metadata(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
+                   tail_tokens: int, data_sum: str) -> dict[str, str]:
+    return seal_metadata({"format": ENTRY_FORMAT, **geo.metadata(), "key": key,
+                          "tokens": json.dumps(list(tokens)),
+                          "page_hashes": json.dumps([h.hex() for h in hashes]),
+                          "tail_tokens": str(tail_tokens), "data_checksum": data_sum})
+
+
+# -- parsing --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Tensor:
+    dtype: str  # safetensors code
+    shape: tuple[int, ...]
+    start: int  # absolute file offsets
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    size: int  # file size
+    data_start: int
+    metadata: dict[str, str]
+    tensors: dict[str, Tensor]
+
+
+def parse_header(prefix: bytes, file_size: int) -> Header:
+    """Strict structural check of a safetensors header against the file's size."""
+    if file_size < 8 or len(prefix) < 8:
+        raise FormatError(f"truncated: {file_size} bytes")
+    (n,) = struct.unpack("<Q", prefix[:8])
+    if not 2 <= n <= MAX_HEADER_BYTES:
+        raise FormatError(f"header length {n} out of range")
+    if 8 + n > file_size or len(prefix) < 8 + n:
+        raise FormatError(f"header length {n} past the end of a {file_size}-byte file")
+    try:
+        top = json.loads(prefix[8 : 8 + n].decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise FormatError(f"header is not JSON: {type(e).__name__}") from None
+    if not isinstance(top, dict):
+        raise FormatError("header is not a JSON object")
+    meta = top.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise FormatError("__metadata__ missing or not a map of strings")
+    data_start, spans, tensors = 8 + n, [], {}
+    for name, info in top.items():
+        if not isinstance(info, dict):
+            raise FormatError(f"tensor {name!r}: not an object")
+        code, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(code, str) or code not in ST_ITEMSIZE:
+            raise FormatError(f"tensor {name!r}: unknown dtype")
+        if not (isinstance(shape, list) and len(shape) <= 8
+                and all(type(d) is int and d >= 0 for d in shape)):
+            raise FormatError(f"tensor {name!r}: bad shape")
+        if not (isinstance(offs, list) and len(offs) == 2
+                and all(type(o) is int for o in offs) and 0 <= offs[0] <= offs[1]):
+            raise FormatError(f"tensor {name!r}: bad data_offsets")
+        if offs[1] - offs[0] != int(np.prod(shape, dtype=object)) * ST_ITEMSIZE[code]:
+            raise FormatError(f"tensor {name!r}: offsets do not match shape and dtype")
+        spans.append((offs[0], offs[1]))
+        tensors[name] = Tensor(code, tuple(shape), data_start + offs[0], data_start + offs[1])
+    pos = 0
+    for a, b in sorted(spans):
+        if a != pos:
+            raise FormatError("tensor data overlaps or leaves holes")
+        pos = b
+    if data_start + pos != file_size:
+        raise FormatError(f"tensor data ends at {data_start + pos}, the file at {file_size}")
+    return Header(file_size, data_start, meta, tensors)
+
+
+def _uint(meta: dict[str, str], name: str) -> int:
+    v = meta.get(name)
+    if not isinstance(v, str) or not _UINT.fullmatch(v):
+        raise FormatError(f"metadata {name!r} is not a small non-negative integer")
+    return int(v)
+
+
+def _json(meta: dict[str, str], name: str):
+    try:
+        return json.loads(meta.get(name, ""))
+    except (ValueError, RecursionError):
+        raise FormatError(f"metadata {name!r} is not JSON") from None
+
+
+def _tokens(meta: dict[str, str]) -> tuple[int, ...]:
+    toks = _json(meta, "tokens")
+    if not (isinstance(toks, list)
+            and all(type(t) is int and INT64[0] <= t < INT64[1] for t in toks)):
+        raise FormatError("metadata 'tokens' is not a list of int64 token ids")
+    return tuple(toks)
+
+
+def _hex(v, what: str) -> bytes:
+    if not isinstance(v, str) or not _HEX64.fullmatch(v):
+        raise FormatError(f"{what} is not a 64-digit hex hash")
+    return bytes.fromhex(v)
+
+
+def check_common(geo: Geometry, h: Header, fmt: str) -> dict[str, str]:
+    """Format, version, checksum, model and geometry of a header; its metadata if all agree."""
+    meta = h.metadata
+    if meta.get("format") != fmt:
+        raise FormatError(f"not a {fmt} file")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ForeignError("another format version")
+    if meta.get("meta_checksum") != meta_checksum(meta):
+        raise FormatError("metadata checksum mismatch")
+    want = geo.metadata()
+    for k, v in want.items():
+        if meta.get(k) != v:
+            raise ForeignError(f"{k} differs from the store's")
+    for t in h.tensors.values():
+        if t.dtype != DTYPES[geo.dtype][1]:
+            raise ForeignError("tensor dtype differs from the store's")
+    return meta
+
+
+@dataclass(frozen=True, slots=True)
+class PageMetaInfo:
+    hash: bytes
+    parent: bytes
+    tokens: tuple[int, ...]
+
+
+def parse_page(geo: Geometry, h: Header, expect: bytes) -> PageMetaInfo:
+    meta = check_common(geo, h, PAGE_FORMAT)
+    kv = h.tensors.get("kv")
+    if len(h.tensors) != 1 or kv is None or list(kv.shape) != geo.shape(geo.page_size):
+        raise FormatError("a page file holds one tensor 'kv' of the page's shape")
+    ph, parent = _hex(meta.get("hash"), "hash"), _hex(meta.get("parent"), "parent")
+    tokens = _tokens(meta)
+    if len(tokens) != geo.page_size or page_hash(parent, tokens) != ph or ph != expect:
+        raise FormatError("page hash does not match its tokens, parent or file name")
+    return PageMetaInfo(ph, parent, tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class EntryMetaInfo:
+    key: str
+    tokens: tuple[int, ...]
+    page_hashes: list[bytes]
+    tail_tokens: int
+
+
+def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
+    meta = check_common(geo, h, ENTRY_FORMAT)
+    key, tokens, tail = meta.get("key"), _tokens(meta), _uint(meta, "tail_tokens")
+    hx = _json(meta, "page_hashes")
+    if not isinstance(hx, list):
+        raise FormatError("metadata 'page_hashes' is not a list")
+    hashes = [_hex(x, "page hash") for x in hx]
+    P = geo.page_size
+    if not isinstance(key, str) or tail >= P or len(tokens) != P * len(hashes) + tail:
+        raise FormatError("entry key, tokens, pages and tail do not agree")
+    want = {"tail": geo.shape(tail)} if tail else {}
+    if {k: list(t.shape) for k, t in h.tensors.items()} != want:
+        raise FormatError("entry tensors do not match its tail")
+    if chain_hashes(geo.root, tokens, P)[: len(hashes)] != hashes:
+        raise FormatError("entry page hashes do not match its tokens")
+    return EntryMetaInfo(key, tokens, hashes, tail)
+
+
+def page_file(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
+              data: mx.array) -> list:
+    """A sealed page's file, as chunks to write."""
+    arr = to_storage(data, geo.dtype)
+    meta = page_metadata(geo, h, parent, tokens, checksum(arr))
+    return encode({"kv": arr}, DTYPES[geo.dtype][1], meta)
+
+
+def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
+               tail: mx.array | None) -> list:
+    """An entry's manifest (with its open tail page's data), as chunks to write."""
+    tensors = {} if tail is None else {"tail": to_storage(tail, geo.dtype)}
+    meta = entry_metadata(geo, key, tokens, hashes, len(tokens) - geo.page_size * len(hashes),
+                          checksum(*tensors.values()))
+    return encode(tensors, DTYPES[geo.dtype][1], meta)
+
+
+def nbytes(chunks: Sequence) -> int:
+    return sum(memoryview(c).nbytes for c in chunks)
+
+
+def _verified(h: Header, buf: bytes) -> None:
+    spans = [memoryview(buf)[t.start : t.end] for t in h.tensors.values()]
+    if checksum(*spans) != h.metadata.get("data_checksum"):
+        raise FormatError("data checksum mismatch")
+
+
+def decode_page(geo: Geometry, buf: bytes, expect: bytes) -> mx.array:
+    """A whole page file, every check passed, to its data."""
+    h = parse_header(buf, len(buf))
+    parse_page(geo, h, expect)
+    _verified(h, buf)
+    t = h.tensors["kv"]
+    return from_storage(buf, t.start, t.shape, geo.dtype)
+
+
+def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, mx.array | None]:
+    """A whole manifest, every check passed, to its metadata and tail data (None: no tail)."""
+    h = parse_header(buf, len(buf))
+    info = parse_entry(geo, h)
+    _verified(h, buf)
+    t = h.tensors.get("tail")
+    return info, None if t is None else from_storage(buf, t.start, t.shape, geo.dtype)
+
+
+def chain_hashes(root: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
+    """The chained hashes of every full page of ``tokens``."""
+    out, parent = [], root
+    for i in range(len(tokens) // page_size):
+        parent = page_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+        out.append(parent)
+    return out
+
+
+# -- file system ----------------------------------------------------------------------------------
+
+
+def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
+    """A directory fd, never through a symlink. With ``create``, a missing directory is made and
+    a symlink or file planted in its place is removed first (it is inside our tree)."""
+    flags = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        if not create:
+            raise
+    except OSError as e:
+        if not create or e.errno not in (errno.ELOOP, errno.ENOTDIR, errno.EMLINK):
+            raise
+        os.unlink(name, dir_fd=dir_fd)
+    try:
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    return os.open(name, flags, dir_fd=dir_fd)
+
+
+def open_regular(name: str, dir_fd: int) -> tuple[int, int]:
+    """(fd, size) of a regular file opened without following a symlink (nor blocking on a FIFO)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO):
+            raise FormatError("a symlink or special file, not followed") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise FormatError("not a regular file")
+    return fd, st.st_size
+
+
+def read_at(fd: int, n: int, offset: int) -> bytes:
+    """Exactly ``n`` bytes at ``offset``; fewer means the file was truncated."""
+    parts, got = [], 0
+    while got < n:
+        b = os.pread(fd, n - got, offset + got)
+        if not b:
+            raise FormatError("truncated while reading")
+        parts.append(b)
+        got += len(b)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def read_header(fd: int, size: int) -> Header:
+    """The header of an open file; reads exactly its bytes, never the tensor data."""
+    head = read_at(fd, 8, 0) if size >= 8 else b""
+    if len(head) < 8:
+        raise FormatError(f"truncated: {size} bytes")
+    (n,) = struct.unpack("<Q", head)
+    if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
+        head += read_at(fd, n, 8)
+    return parse_header(head, size)
+
+
+def read_all(fd: int, size: int) -> bytes:
+    """The whole file (size from fstat); checked again by the caller."""
+    return read_at(fd, size, 0)
+
+
+def fsync_file(fd: int) -> None:
+    """Flush to stable storage: F_FULLFSYNC where the platform has it (macOS), else fsync."""
+    full = getattr(fcntl, "F_FULLFSYNC", None)
+    if full is not None:
+        try:
+            fcntl.fcntl(fd, full)
+            return
+        except OSError:
+            pass
+    os.fsync(fd)
+
+
+def atomic_write(dir_fd: int, name: str, chunks: Sequence, mtime_ns: int | None = None) -> int:
+    """Write ``name`` in ``dir_fd`` atomically: temp file, fsync, rename, fsync the directory.
+    Returns the size written. On any error the temp file is removed and the error re-raised."""
+    sizes: list[int] = []
+    atomic_write_many([(dir_fd, name, chunks, mtime_ns)], lambda i, n: sizes.append(n))
+    return sizes[0]
+
+
+def atomic_write_many(files: Sequence[tuple[int, str, Sequence, int | None]],
+                      done: Callable[[int, int], None]) -> None:
+    """Write several files ``(dir_fd, name, chunks, mtime_ns)``, each complete or absent.
+
+    Each goes to a temp file that is fsynced; the last one gets the full flush (F_FULLFSYNC on
+    macOS empties the drive's cache, which makes every earlier fsync durable too: one costly
+    flush per batch, not per file); then each is renamed, ``done(index, size)`` called, and
+    every directory fsynced (the last with a full flush). On an error the temp files not yet
+    renamed are removed and the error re-raised; the caller learns what landed from ``done``.
+    """
+    pending: list[tuple[int, str, str, int]] = []  # dir_fd, temp name, name, size
+    try:
+        for i, (dir_fd, name, chunks, mtime_ns) in enumerate(files):
+            tmp = f"{TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}.{name}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+                         0o600, dir_fd=dir_fd)
+            pending.append((dir_fd, tmp, name, 0))
+            size = 0
+            try:
+                for c in chunks:
+                    mv = memoryview(c).cast("B")
+                    while mv:
+                        n = os.write(fd, mv)
+                        size += n
+                        mv = mv[n:]
+                (fsync_file if i == len(files) - 1 else os.fsync)(fd)
+                if mtime_ns is not None:
+                    try:
+                        os.utime(fd, ns=(mtime_ns, mtime_ns))
+                    except (OSError, NotImplementedError):  # recency only: not worth failing
+                        pass
+            finally:
+                os.close(fd)
+            pending[-1] = (dir_fd, tmp, name, size)
+        for i in range(len(files)):
+            dir_fd, tmp, name, size = pending[0]
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            pending.pop(0)
+            done(i, size)
+    except BaseException:
+        for dir_fd, tmp, _, _ in pending:
+            try:
+                os.unlink(tmp, dir_fd=dir_fd)
+            except OSError:
+                pass
+        raise
+    dirs = list(dict.fromkeys(f[0] for f in files))
+    for j, dir_fd in enumerate(dirs):
+        try:
+            (fsync_file if j == len(dirs) - 1 else os.fsync)(dir_fd)
+        except OSError:  # some file systems refuse to fsync a directory; the renames hold
+            pass
+
+
+def unlink(dir_fd: int, name: str) -> bool:
+    """Remove ``name`` (a symlink itself, never its target). True if it is gone."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False

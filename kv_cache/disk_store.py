@@ -1,0 +1,600 @@
+"""A persistent, content-addressed store of KV pages with message-keyed entries and a byte budget.
+
+Layout under ``root`` (one store, one model per root; a lock file keeps out a second store):
+
+    pages/<hh>/<hash hex>.safetensors     a sealed page, written once, shared by every entry
+    entries/<sha256(key) hex>.safetensors an entry: its tokens and page hashes (metadata) and the
+                                          open tail page's data; the key lives only in metadata
+    .lock                                 held (flock) while a store has the root open
+
+Files are described in ``disk_format``. Every write is a temp file, fsync, rename, directory fsync
+(invariant 5); start-up removes temp files and indexes entries and pages from headers only. A
+truncated, corrupt, foreign or planted file is a miss: logged and removed, never an exception out
+of a read. After every ``put`` the files fit ``max_bytes`` (invariant 6): entries go in policy
+order (LRU: last put or touch first), never the one being written nor a pinned one, and a page
+goes when no entry references it. A message id never becomes a path (invariant 7).
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import hashlib
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter, OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Collection, Sequence
+
+import mlx.core as mx
+
+from . import disk_format as fmt
+from .disk_format import FormatError, ForeignError, Geometry
+from .eviction import make_policy
+
+try:
+    import fcntl
+except ImportError:  # not POSIX
+    fcntl = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
+
+_PAGE_NAME = re.compile(r"([0-9a-f]{64})\.safetensors")
+_ENTRY_NAME = _PAGE_NAME
+_HEX2 = re.compile(r"[0-9a-f]{2}")
+_UNREADABLE = (errno.EACCES, errno.EPERM)
+
+
+@dataclass
+class PageRecord:
+    """A page handed to ``put``: a sealed full page (``hash`` set) or the entry's open tail."""
+
+    hash: bytes | None  # chained content hash of a sealed full page; None for the open tail page
+    tokens: tuple[int, ...]
+    data: mx.array | None  # [layers, 2, kv_heads, n, head_dim]; None if the store has the page
+
+
+@dataclass
+class StoredEntry:
+    key: str  # the original message_id (lives in metadata only)
+    tokens: tuple[int, ...]  # all tokens of the entry
+    page_hashes: list[bytes]  # sealed full pages, in order
+    tail_tokens: int  # tokens in the open tail page (0 if none)
+
+
+@dataclass(slots=True)
+class _Entry:  # the in-memory index of one manifest (no tokens: get() reads them)
+    key: str
+    name: str
+    page_hashes: tuple[bytes, ...]
+    tail_tokens: int
+    size: int
+    id: int
+
+
+class DiskStoreLockedError(RuntimeError):
+    """Another DiskStore (this process or another) has the root open."""
+
+
+def entry_name(key: str) -> str:
+    """The manifest's file name: a hash of the key, never the key itself (invariant 7)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + ".safetensors"
+
+
+def _locked(fn):
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("the disk store is closed")
+            return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class DiskStore:
+    """Pages and message-keyed entries of one model under ``root``, within ``max_bytes``."""
+
+    def __init__(self, root: Path, *, fingerprint: str, num_layers: int, num_kv_heads: int,
+                 head_dim: int, page_size: int, dtype: mx.Dtype, max_bytes: int,
+                 policy: str = "lru"):
+        if min(num_layers, num_kv_heads, head_dim, page_size) <= 0 or max_bytes < 0:
+            raise ValueError("layers, heads, head_dim and page_size must be > 0, max_bytes >= 0")
+        self.geo = Geometry(fingerprint, fmt.dtype_name(dtype), page_size, num_layers,
+                            num_kv_heads, head_dim)
+        self.page_size, self.dtype, self.max_bytes = page_size, dtype, max_bytes
+        self.policy = make_policy(policy)
+        self._lock = threading.RLock()
+        self._closed = True
+        self.root = Path(os.path.realpath(root))
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._root_fd = fmt.open_dir(str(self.root), None, create=False)
+        self._fds = [self._root_fd]
+        try:
+            self._lock_fd = self._take_lock()
+            self._entries_fd = fmt.open_dir("entries", self._root_fd, create=True)
+            self._fds.append(self._entries_fd)
+            self._pages_fd = fmt.open_dir("pages", self._root_fd, create=True)
+            self._fds.append(self._pages_fd)
+        except BaseException:
+            self._close_fds()
+            raise
+        self._closed = False
+        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recent first
+        self._by_id: dict[int, str] = {}
+        self._pages: dict[bytes, int] = {}  # present page files: hash -> size
+        self._refs: Counter[bytes] = Counter()  # entries referencing each page hash
+        self._bytes = 0
+        self._next_id = 0
+        self._clock = 0
+        self._stats = Counter()
+        self._build_index()
+
+    # -- public API -----------------------------------------------------------------------------
+
+    @_locked
+    def has_page(self, h: bytes) -> bool:
+        return h in self._pages
+
+    @_locked
+    def put(self, key: str, tokens: Sequence[int], pages: Sequence[PageRecord],
+            pinned: Collection[str] = ()) -> bool:
+        """Save ``key`` (its pages in order: sealed full pages, then at most one open tail).
+
+        Pages already on disk are not written again. True if saved; afterwards the store is
+        within ``max_bytes``, having evicted entries other than ``key`` and ``pinned``. False
+        (logged, nothing half-written, nothing evicted when it cannot fit) if it does not fit or
+        the disk refuses the write. Inconsistent records (hashes that do not chain over
+        ``tokens``, wrong shapes, no data for a page the store lacks) are a ``ValueError``.
+        """
+        tokens, new_pages, manifest = self._prepare(key, tokens, pages)
+        if manifest is None:
+            return False
+        name = entry_name(key)
+        old = self._entries.get(key)
+        needed = {p[0] for p in new_pages} | set(manifest[1])
+        add = sum(p[3] for p in new_pages) + manifest[2]
+        protected = set(pinned) | {key}
+        self._gc(list(self._pages), keep=needed)  # orphans an earlier failure left, if any
+        if not self._fits_after_evicting_all(old, protected, needed, add):
+            self._stats["refused"] += 1
+            log.info("disk store: an entry of %d bytes does not fit %d (pinned or too big)",
+                     add, self.max_bytes)
+            return False
+        try:
+            while self._projected(old, needed, add) > self.max_bytes:
+                if not self._evict_one(protected, keep=needed):
+                    raise OSError(errno.EACCES, "cannot remove the files of evicted entries")
+            self._write_pages(new_pages)
+            chunks, hashes, _ = manifest
+            msize = fmt.atomic_write(self._entries_fd, name, chunks, mtime_ns=self._tick())
+        except OSError as e:
+            self._stats["errors"] += 1
+            log.warning("disk store: could not save an entry: %s", e)
+            self._gc(list(needed))
+            return False
+        if old is not None:
+            self._forget_entry(old)
+        self._add_entry(key, name, hashes, len(tokens) - self.page_size * len(hashes), msize)
+        if old is not None:
+            self._gc(old.page_hashes)
+        self._stats["puts"] += 1
+        if self._bytes > self.max_bytes:
+            log.warning("disk store: %d bytes over a budget of %d", self._bytes, self.max_bytes)
+        return True
+
+    @_locked
+    def get(self, key: str) -> StoredEntry | None:
+        """The entry's metadata (header only), or None when missing, corrupt or foreign."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        got = self._read_entry(e, data=False)
+        if got is None:
+            return None
+        info, _ = got
+        return StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens)
+
+    @_locked
+    def load_page(self, h: bytes) -> mx.array | None:
+        """A page's data ``[layers, 2, kv_heads, page_size, head_dim]``, checksum verified; None
+        when absent, truncated, corrupt or foreign (logged, the file removed)."""
+        if h not in self._pages:
+            return None
+        name = h.hex() + ".safetensors"
+        try:
+            sub_fd = fmt.open_dir(name[:2], self._pages_fd, create=False)
+        except OSError:
+            self._lost_page(h)
+            return None
+        try:
+            try:
+                return fmt.decode_page(self.geo, self._read(sub_fd, name, whole=True), h)
+            except (FormatError, OSError) as e:
+                if self._bad_file(e, sub_fd, name, "page"):
+                    self._lost_page(h)
+                return None
+        finally:
+            os.close(sub_fd)
+
+    @_locked
+    def load_tail(self, key: str) -> mx.array | None:
+        """The entry's open tail page data ``[layers, 2, kv_heads, tail_tokens, head_dim]``;
+        None when the entry has no tail or is missing, corrupt or foreign."""
+        e = self._entries.get(key)
+        if e is None or e.tail_tokens == 0:
+            return None
+        got = self._read_entry(e, data=True)
+        return None if got is None else got[1]
+
+    @_locked
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` and the pages nothing else references. True if it was there."""
+        if key not in self._entries:
+            return False
+        if not self._drop_entry(key):
+            self._stats["errors"] += 1
+            log.warning("disk store: could not delete an entry")
+            return False
+        return True
+
+    @_locked
+    def keys(self) -> list[str]:
+        """Every entry's key, least recently used (put or touched) first."""
+        return list(self._entries)
+
+    @_locked
+    def touch(self, key: str) -> None:
+        """A hit: ``key`` becomes the most recently used (persisted as the manifest's mtime)."""
+        e = self._entries.get(key)
+        if e is None:
+            return
+        self._entries.move_to_end(key)
+        self.policy.access(e.id)
+        t = self._tick()
+        try:
+            os.utime(e.name, ns=(t, t), dir_fd=self._entries_fd, follow_symlinks=False)
+        except (OSError, NotImplementedError) as err:
+            log.debug("disk store: touch not persisted: %s", err)
+
+    @_locked
+    def stats(self) -> dict:
+        s = self._stats
+        return {
+            "entries": len(self._entries), "pages": len(self._pages),
+            "bytes_on_disk": self._bytes, "budget": self.max_bytes, "policy": self.policy.name,
+            **{k: s[k] for k in ("puts", "refused", "evictions", "corrupt_files_removed",
+                                 "foreign_files_removed", "temp_files_removed", "errors")},
+        }
+
+    def close(self) -> None:
+        """Release the root (and its lock). Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._close_fds()
+
+    def __enter__(self) -> "DiskStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- put helpers ----------------------------------------------------------------------------
+
+    def _prepare(self, key, tokens, pages):
+        """Validate a put; returns (tokens, new page files, manifest) — manifest None: refused."""
+        if not isinstance(key, str):
+            raise ValueError("a key is a str")
+        tokens = tuple(int(t) for t in tokens)
+        if any(not fmt.INT64[0] <= t < fmt.INT64[1] for t in tokens):
+            raise ValueError("token ids must fit int64")
+        P, geo = self.page_size, self.geo
+        sealed = [p for p in pages if p.hash is not None]
+        tails = list(pages[len(sealed):])
+        if len(tails) > 1 or any(p.hash is not None for p in tails):
+            raise ValueError("pages are sealed full pages, then at most one open tail page")
+        if tuple(t for p in pages for t in p.tokens) != tokens:
+            raise ValueError("the pages' tokens do not make up the entry's tokens")
+        chain = fmt.chain_hashes(geo.root, tokens, P)
+        hashes = [bytes(p.hash) for p in sealed]
+        if any(len(p.tokens) != P for p in sealed) or chain[: len(hashes)] != hashes:
+            raise ValueError("sealed pages must be full and their hashes chain over the tokens")
+        new_pages, new_set, parent = [], set(), geo.root
+        for p, h in zip(sealed, hashes):
+            if p.data is not None:
+                self._check_shape(p.data, P)
+                if h in self._pages and not self._page_file_exists(h):
+                    self._lost_page(h)
+                if h not in self._pages and h not in new_set:
+                    new_set.add(h)
+                    chunks = fmt.page_file(geo, h, parent, p.tokens, p.data)
+                    new_pages.append((h, chunks, h.hex()[:2], fmt.nbytes(chunks)))
+            elif h not in self._pages:
+                raise ValueError(f"page {h.hex()[:12]} is not on disk and came without data")
+            parent = h
+        tail = tails[0] if tails else None
+        if tail is not None:
+            if not 0 < len(tail.tokens) < P or tail.data is None:
+                raise ValueError(f"the open tail page holds 1..{P - 1} tokens and its data")
+            self._check_shape(tail.data, len(tail.tokens))
+        try:
+            chunks = fmt.entry_file(geo, key, tokens, hashes, None if tail is None else tail.data)
+        except FormatError as e:
+            log.warning("disk store: entry refused: %s", e)
+            self._stats["refused"] += 1
+            return tokens, new_pages, None
+        return tokens, new_pages, (chunks, hashes, fmt.nbytes(chunks))
+
+    def _check_shape(self, data: mx.array, n: int) -> None:
+        if list(data.shape) != self.geo.shape(n):
+            raise ValueError(f"page data of shape {data.shape}; {self.geo.shape(n)} expected")
+
+    def _fits_after_evicting_all(self, old, protected, needed, add) -> bool:
+        refs, free = Counter(self._refs), 0
+        going = [e for k, e in self._entries.items() if k not in protected]
+        for e in going + ([old] if old is not None else []):
+            free += e.size
+            refs.subtract(set(e.page_hashes))
+        free += sum(s for h, s in self._pages.items() if refs[h] <= 0 and h not in needed)
+        return self._bytes - free + add <= self.max_bytes
+
+    def _projected(self, old, needed, add) -> int:
+        """Bytes after this put if nothing more were evicted."""
+        b = self._bytes + add
+        if old is not None:
+            b -= old.size + sum(self._pages.get(h, 0) for h in old.page_hashes
+                                if self._refs[h] == 1 and h not in needed)
+        return b
+
+    def _write_pages(self, new_pages) -> None:
+        """Write new page files as one batch (one full flush); index each as it lands."""
+        fds: dict[str, int] = {}
+        try:
+            for _, _, sub, _ in new_pages:
+                if sub not in fds:
+                    fds[sub] = fmt.open_dir(sub, self._pages_fd, create=True)
+
+            def landed(i: int, size: int) -> None:
+                self._pages[new_pages[i][0]] = size
+                self._bytes += size
+
+            fmt.atomic_write_many([(fds[sub], h.hex() + ".safetensors", chunks, None)
+                                   for h, chunks, sub, _ in new_pages], landed)
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _evict_one(self, protected: Collection[str], keep: Collection[bytes] = ()) -> bool:
+        """Evict the policy's victim among entries not ``protected``; False if none could go."""
+        vid = self.policy.victim(lambda i: self._by_id.get(i) not in protected)
+        if vid is None:
+            return False
+        key = self._by_id[vid]
+        if not self._drop_entry(key, keep=keep):
+            self.policy.insert(vid, ident=key)  # still on disk: still a candidate
+            return False
+        self._stats["evictions"] += 1
+        return True
+
+    def _tick(self) -> int:
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    # -- index ----------------------------------------------------------------------------------
+
+    def _add_entry(self, key, name, hashes, tail, size, at_end=True) -> None:
+        e = _Entry(key, name, tuple(hashes), tail, size, self._next_id)
+        self._next_id += 1
+        self._entries[key] = e
+        self._entries.move_to_end(key, last=at_end)
+        self._by_id[e.id] = key
+        self._refs.update(set(e.page_hashes))
+        self._bytes += size
+        self.policy.insert(e.id, ident=key)
+
+    def _forget_entry(self, e: _Entry) -> None:
+        del self._entries[e.key]
+        del self._by_id[e.id]
+        self.policy.remove(e.id)
+        self._refs.subtract(set(e.page_hashes))
+        self._bytes -= e.size
+
+    def _drop_entry(self, key: str, keep: Collection[bytes] = ()) -> bool:
+        """Remove an entry's manifest, then the pages only it referenced (a crash in between
+        leaves orphan pages, which start-up removes)."""
+        e = self._entries[key]
+        if not fmt.unlink(self._entries_fd, e.name):
+            return False
+        self._forget_entry(e)
+        self._gc(e.page_hashes, keep)
+        return True
+
+    def _gc(self, hashes, keep: Collection[bytes] = ()) -> None:
+        """Delete the page files among ``hashes`` that no entry references."""
+        for h in hashes:
+            if self._refs[h] <= 0:
+                self._refs.pop(h, None)
+                if h in self._pages and h not in keep:
+                    name = h.hex() + ".safetensors"
+                    try:
+                        sub_fd = fmt.open_dir(name[:2], self._pages_fd, create=False)
+                    except OSError:
+                        self._lost_page(h)
+                        continue
+                    try:
+                        if fmt.unlink(sub_fd, name):
+                            self._lost_page(h)
+                    finally:
+                        os.close(sub_fd)
+
+    def _lost_page(self, h: bytes) -> None:
+        self._bytes -= self._pages.pop(h, 0)
+
+    def _page_file_exists(self, h: bytes) -> bool:
+        name = h.hex() + ".safetensors"
+        try:
+            os.stat(f"{name[:2]}/{name}", dir_fd=self._pages_fd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+
+    def _read_entry(self, e: _Entry, data: bool):
+        """(metadata, tail data or None) of a manifest, or None (a bad file is removed)."""
+        try:
+            got = self._read(self._entries_fd, e.name, whole=data)
+            if data:
+                info, tail = fmt.decode_entry(self.geo, got)
+            else:
+                info, tail = fmt.parse_entry(self.geo, got), None
+            if info.key != e.key:
+                raise FormatError("the manifest is another key's")
+        except (FormatError, OSError) as err:
+            if not self._bad_file(err, self._entries_fd, e.name, "manifest"):
+                return None
+            self._forget_entry(e)
+            self._gc(e.page_hashes)
+            return None
+        size = len(got) if data else got.size
+        if tuple(info.page_hashes) != e.page_hashes or size != e.size:  # replaced behind our back
+            self._forget_entry(e)
+            self._gc(e.page_hashes, keep=info.page_hashes)
+            self._add_entry(e.key, e.name, info.page_hashes, info.tail_tokens, size)
+        return info, tail
+
+    @staticmethod
+    def _read(dir_fd: int, name: str, whole: bool):
+        """The whole file (bytes) or its header only (``Header``), never through a link."""
+        fd, size = fmt.open_regular(name, dir_fd)
+        try:
+            return fmt.read_all(fd, size) if whole else fmt.read_header(fd, size)
+        finally:
+            os.close(fd)
+
+    def _bad_file(self, err: Exception, dir_fd: int, name: str, what: str) -> bool:
+        """Log a file that failed to read and remove it if it is bad; True if it is gone
+        (drop it from the index), False on a transient error (EIO, EMFILE: a miss for now)."""
+        if isinstance(err, FileNotFoundError):
+            log.warning("disk store: %s %s vanished", what, name[:16])
+            return True
+        if isinstance(err, OSError) and err.errno not in _UNREADABLE:
+            self._stats["errors"] += 1
+            log.warning("disk store: %s %s not readable now: %s", what, name[:16], err)
+            return False
+        kind = "foreign" if isinstance(err, ForeignError) else "corrupt"
+        removed = fmt.unlink(dir_fd, name)
+        self._stats[f"{kind}_files_removed"] += removed
+        log.warning("disk store: %s %s %s (%s)%s", kind, what, name[:16], err,
+                    "; removed" if removed else "; could not remove it")
+        return True
+
+    def _build_index(self) -> None:
+        """Index pages and entries from their headers only; remove temp, bad and orphan files."""
+        for sub in self._scan(self._pages_fd):
+            if not (_HEX2.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                sub_fd = fmt.open_dir(sub.name, self._pages_fd, create=False)
+            except OSError:
+                continue
+            try:
+                for f in self._scan(sub_fd):
+                    m = _PAGE_NAME.fullmatch(f.name)
+                    if m and m.group(1)[:2] == sub.name:
+                        h = bytes.fromhex(m.group(1))
+                        got = self._index_file(sub_fd, f.name, lambda hdr: fmt.parse_page(
+                            self.geo, hdr, h), "page")
+                        if got is not None:
+                            self._pages[h] = got[1]
+                            self._bytes += got[1]
+            finally:
+                os.close(sub_fd)
+        found = []
+        for f in self._scan(self._entries_fd):
+            if _ENTRY_NAME.fullmatch(f.name):
+                got = self._index_file(self._entries_fd, f.name,
+                                       lambda hdr: fmt.parse_entry(self.geo, hdr), "manifest")
+                if got is None:
+                    continue
+                info, size, mtime = got
+                if entry_name(info.key) != f.name:
+                    self._bad_file(FormatError("named for another key"), self._entries_fd,
+                                   f.name, "manifest")
+                    continue
+                found.append((mtime, f.name, info, size))
+        for mtime, name, info, size in sorted(found, key=lambda x: (x[0], x[1])):
+            self._add_entry(info.key, name, info.page_hashes, info.tail_tokens, size)
+            self._clock = max(self._clock, mtime)
+        self._gc(list(self._pages))  # orphans: pages no manifest references
+        while self._bytes > self.max_bytes and self._evict_one(()):
+            pass  # the budget may have shrunk since the last run
+
+    def _scan(self, dir_fd: int):
+        """A directory's entries; temp files and planted symlinks are removed on the way."""
+        try:
+            items = list(os.scandir(dir_fd))
+        except OSError as e:
+            log.warning("disk store: cannot list a directory: %s", e)
+            return []
+        out = []
+        for f in items:
+            if f.name.startswith(fmt.TMP_PREFIX):
+                self._stats["temp_files_removed"] += fmt.unlink(dir_fd, f.name)
+            elif f.is_symlink() and (_PAGE_NAME.fullmatch(f.name) or _HEX2.fullmatch(f.name)):
+                log.warning("disk store: symlink %s planted in the store; removed", f.name[:16])
+                self._stats["corrupt_files_removed"] += fmt.unlink(dir_fd, f.name)
+            else:
+                out.append(f)
+        return out
+
+    def _index_file(self, dir_fd: int, name: str, parse, what: str):
+        try:
+            fd, size = fmt.open_regular(name, dir_fd)
+            try:
+                hdr = fmt.read_header(fd, size)
+                mtime = os.fstat(fd).st_mtime_ns
+            finally:
+                os.close(fd)
+            return parse(hdr), size, mtime
+        except (FormatError, OSError) as err:
+            self._bad_file(err, dir_fd, name, what)
+            return None
+
+    def _take_lock(self) -> int | None:
+        if fcntl is None:
+            return None
+        flags = os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            fd = os.open(".lock", os.O_RDWR | os.O_CREAT | flags, 0o600, dir_fd=self._root_fd)
+        except OSError:
+            try:
+                fd = os.open(".lock", os.O_RDONLY | flags, dir_fd=self._root_fd)
+            except OSError as e:
+                log.warning("disk store: no lock file (%s); make sure one store uses %s", e,
+                            self.root)
+                return None
+        self._fds.append(fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise DiskStoreLockedError(f"another disk store has {self.root} open") from None
+        except OSError as e:
+            log.warning("disk store: cannot lock %s (%s)", self.root, e)
+        return fd
+
+    def _close_fds(self) -> None:
+        for fd in self._fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._fds = []
