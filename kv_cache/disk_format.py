@@ -123,9 +123,23 @@ class Geometry:
 # -- tensors <-> bytes ----------------------------------------------------------------------------
 
 
-def to_storage(a: mx.array, dtype: str) -> np.ndarray:
-    """``a`` (cast to ``dtype``) as a C-contiguous little-endian numpy array of its raw bytes."""
+def host_array(a: mx.array) -> np.ndarray:
+    """``a``'s raw bytes as a numpy array (zero-copy for float16/float32), for handing data to a
+    thread that must not run MLX; ``to_storage`` accepts it as is."""
+    if a.dtype == mx.bfloat16:
+        a = a.view(mx.uint16)
+    mx.eval(a)
+    return np.asarray(a)
+
+
+def to_storage(a: mx.array | np.ndarray, dtype: str) -> np.ndarray:
+    """``a`` (cast to ``dtype``) as a C-contiguous little-endian numpy array of its raw bytes.
+    A numpy array is taken as already in the storage form (see ``host_array``)."""
     dt, _, np_dt = DTYPES[dtype]
+    if isinstance(a, np.ndarray):
+        if a.dtype != np_dt:
+            raise ValueError(f"host data of dtype {a.dtype} for a {dtype} store")
+        return np.ascontiguousarray(a)
     a = a.astype(dt)
     if dt == mx.bfloat16:
         a = a.view(mx.uint16)

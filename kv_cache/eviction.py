@@ -102,6 +102,7 @@ class S3FIFOPolicy:
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
         self._freq: dict[int, int] = {}
         self._ident: dict[int, Hashable] = {}
+        self._peak = 0  # the most pages resident at once
 
     def insert(self, block: int, ident: Hashable | None = None) -> None:
         self.remove(block)
@@ -113,6 +114,7 @@ class S3FIFOPolicy:
             self._main[block] = None
         else:
             self._small[block] = None
+        self._peak = max(self._peak, len(self._small) + len(self._main))
 
     def access(self, block: int) -> None:
         if block in self._freq:
@@ -156,7 +158,10 @@ class S3FIFOPolicy:
             self._main[block] = None
             return None
         self._ghost[self._ident[block]] = None
-        while len(self._ghost) > max(len(self._main), 1):
+        # NOTE: as in the paper, the ghost queue remembers as many pages as the main queue can
+        # hold (its share of the capacity), not as many as it holds now: the capacity is taken
+        # as the most pages ever resident at once.
+        while len(self._ghost) > max(1, int(self._peak * (1 - self.small_ratio))):
             self._ghost.popitem(last=False)
         self._freq.pop(block)
         self._ident.pop(block)

@@ -51,7 +51,8 @@ class PagedLayerCache:
         return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
 
     def load(self, keys: mx.array, values: mx.array) -> None:
-        """Start from gathered pages: ``[1, kv_heads, offset, head_dim]`` each."""
+        """Start from gathered pages: ``[1, kv_heads, >= offset, head_dim]`` each (positions
+        past ``offset`` are room to write into)."""
         self.keys, self.values = keys, values
 
     def drop_buffer(self) -> None:

@@ -15,12 +15,15 @@ pages stay cached (and findable by tokens) until the pool's own eviction takes t
 from __future__ import annotations
 
 import logging
+import queue
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
 import mlx.core as mx
 
+from .disk_format import host_array
 from .disk_store import DiskStore, PageRecord, StoredEntry
 from .errors import OutOfBlocksError
 from .page_pool import PagePool
@@ -57,6 +60,37 @@ class ManagerStats:
     disk_save_failures: int = 0
 
 
+class DiskWriter:
+    """One background thread that runs disk writes in order, so saving an entry never delays
+    an answer or the next request. It is handed plain host bytes: it never runs MLX."""
+
+    def __init__(self) -> None:
+        self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, task: Callable[[], None]) -> None:
+        self._tasks.put(task)
+
+    def drain(self) -> None:
+        """Wait until every submitted write is done."""
+        self._tasks.join()
+
+    def close(self) -> None:
+        self._tasks.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            try:
+                task()
+            except Exception:  # a disk problem never takes the server down
+                log.exception("saving a cache entry to disk failed")
+            finally:
+                self._tasks.task_done()
+        self._tasks.task_done()
+
+
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
@@ -72,7 +106,8 @@ class CacheManager:
         self.pool = pool
         self.store = store
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
-        self._pending: list[Callable[[], None]] = []  # disk writes, run by flush()
+        self._pending: list[tuple] = []  # entries to write to disk, handed over by flush()
+        self._writer = DiskWriter() if store is not None else None
         self.stats = ManagerStats()
         pool.reclaimer = self._reclaim
 
@@ -189,35 +224,60 @@ class CacheManager:
         entry = Entry(key, tuple(seq.tokens[:n]), list(blocks))
         self._entries[key] = entry
         if self.store is not None and n > 0:
-            self._pending.append(self._disk_writer(entry))
+            self._pending.append(self._capture(entry))
         return entry
 
-    def _disk_writer(self, entry: Entry) -> Callable[[], None]:
+    def _capture(self, entry: Entry) -> tuple:
+        """What the disk copy of ``entry`` needs, as references (no copy, no lock): the pages
+        may be evicted from memory before the write, their arrays stay alive."""
         P, pool, n = self.pool.page_size, self.pool, len(entry.tokens)
         full = n // P
-        records = [PageRecord(pool.hash_of(b), pool.tokens(b), pool.data(b))
-                   for b in entry.blocks[:full]]
+        pages = [(pool.hash_of(b), pool.tokens(b), pool.data(b)) for b in entry.blocks[:full]]
+        tail = None
         if n % P:
             tail = mx.contiguous(pool.data(entry.blocks[full])[:, :, :, : n % P, :])
-            mx.eval(tail)
-            records.append(PageRecord(None, entry.tokens[full * P :], tail))
+        return entry.key, entry.tokens, pages, tail
+
+    def _writer_task(self, captured: tuple) -> Callable[[], None]:
+        key, tokens, pages, tail = captured
+        # Pages already on disk need no data; the rest go over as host bytes (zero-copy).
+        records = [PageRecord(h, t, None if self.store.has_page(h) else host_array(d))
+                   for h, t, d in pages]
+        if tail is not None:
+            records.append(PageRecord(None, tokens[len(pages) * self.pool.page_size :],
+                                      host_array(tail)))
 
         def write() -> None:
-            if self.store.put(entry.key, entry.tokens, records, pinned=(entry.key,)):
+            try:
+                ok = self.store.put(key, tokens, records, pinned=(key,))
+            except ValueError as e:  # e.g. a page evicted from disk since the check above
+                log.info("cache entry %s not saved to disk: %s", key, e)
+                ok = False
+            if ok:
                 self.stats.disk_saves += 1
             else:
                 self.stats.disk_save_failures += 1
         return write
 
     def flush(self) -> None:
-        """Write pending entries to disk (call when no answer is waiting on it)."""
+        """Hand pending entries to the disk writer (call once the answer is out)."""
         pending, self._pending = self._pending, []
-        for write in pending:
-            try:
-                write()
-            except Exception:  # a disk problem never takes the server down
-                log.exception("saving a cache entry to disk failed")
-                self.stats.disk_save_failures += 1
+        for captured in pending:
+            self._writer.submit(self._writer_task(captured))
+
+    def sync(self) -> None:
+        """Wait for every write handed to the disk writer (for a consistent view of the disk)."""
+        self.flush()
+        if self._writer is not None:
+            self._writer.drain()
+
+    def close(self) -> None:
+        """Finish the disk writes and close the store."""
+        self.sync()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self.store.close()
 
     def drop(self, key: str, from_disk: bool = True) -> bool:
         """Forget ``key`` in memory (and on disk unless told otherwise)."""
@@ -225,6 +285,8 @@ class CacheManager:
         if entry is not None:
             for b in entry.blocks:
                 self.pool.release(b)
+        if from_disk and self.store is not None:
+            self.sync()  # a queued write of this key must not bring it back
         on_disk = bool(from_disk and self.store is not None and self.store.delete(key))
         return entry is not None or on_disk
 

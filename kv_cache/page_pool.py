@@ -253,9 +253,7 @@ class PagePool:
         self.write(block, kv, tokens)
         return self.seal(block, parent)
 
-    def gather(self, blocks: Sequence[int], num_tokens: int) -> mx.array:
-        """The first ``num_tokens`` positions held by ``blocks``, as one array
-        ``[layers, 2, kv_heads, num_tokens, head_dim]``."""
+    def _pieces(self, blocks: Sequence[int], num_tokens: int) -> list[mx.array]:
         P = self.page_size
         if not (len(blocks) - 1) * P < num_tokens <= len(blocks) * P:
             raise ValueError(f"{num_tokens} tokens do not match {len(blocks)} pages")
@@ -266,7 +264,27 @@ class PagePool:
                 raise ValueError(f"block {b} holds {self.num_tokens(b)} tokens, {n} needed")
             d = self._data[b]
             pieces.append(d if d.shape[3] == n else d[:, :, :, :n, :])
+        return pieces
+
+    def gather(self, blocks: Sequence[int], num_tokens: int) -> mx.array:
+        """The first ``num_tokens`` positions held by ``blocks``, as one array
+        ``[layers, 2, kv_heads, num_tokens, head_dim]``."""
+        pieces = self._pieces(blocks, num_tokens)
         return pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=3)
+
+    def gather_layers(self, blocks: Sequence[int], num_tokens: int,
+                      room: int = 0) -> list[tuple[mx.array, mx.array]]:
+        """Per layer, keys and values ``[1, kv_heads, num_tokens + room, head_dim]`` holding the
+        first ``num_tokens`` positions, then ``room`` zero positions to write into: one copy of
+        the data, straight into each layer's own buffer."""
+        pieces = self._pieces(blocks, num_tokens)
+        pad = [mx.zeros((self.num_kv_heads, room, self.head_dim), self.dtype)] if room else []
+        out = []
+        for layer in range(self.num_layers):
+            k = mx.concatenate([p[layer, 0] for p in pieces] + pad, axis=1)
+            v = mx.concatenate([p[layer, 1] for p in pieces] + pad, axis=1)
+            out.append((k[None], v[None]))
+        return out
 
     # -- prefix index ---------------------------------------------------------------------------
 

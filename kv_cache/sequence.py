@@ -66,9 +66,11 @@ class PagedSequence:
         """Gather the committed prefix from the pages into every layer's working buffer."""
         if self.committed == 0:
             return
-        kv = self.pool.gather(self.table.blocks, self.committed)
-        for i, layer in enumerate(self.layers):
-            layer.load(kv[i, 0][None], kv[i, 1][None])
+        step = PagedLayerCache.step
+        room = -(-(self.committed + 1) // step) * step - self.committed
+        gathered = self.pool.gather_layers(self.table.blocks, self.committed, room)
+        for layer, (keys, values) in zip(self.layers, gathered):
+            layer.load(keys, values)
 
     def drop_buffers(self) -> None:
         """Free the working buffers (after a commit); the next forward pass gathers again."""

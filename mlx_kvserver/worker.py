@@ -130,9 +130,7 @@ class Engine:
             self._thread.join(timeout=60)
             self._thread = None
         for manager in self.managers.values():
-            manager.flush()
-            if manager.store is not None:
-                manager.store.close()
+            manager.close()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the worker thread, between two jobs, and return its result."""
@@ -256,6 +254,7 @@ class Engine:
         """Per model: memory and disk tiers (call on the worker thread)."""
         out = {}
         for name, manager in self.managers.items():
+            manager.sync()
             pool = manager.pool
             s, m = pool.stats(), manager.stats
             refs = pool.ref_counts()
@@ -278,6 +277,7 @@ class Engine:
 
     def entry_info(self, key: str) -> dict | None:
         for name, manager in self.managers.items():
+            manager.sync()
             entry = manager.get(key)
             stored = manager.store.get(key) if manager.store is not None else None
             if entry is None and stored is None:
@@ -294,6 +294,7 @@ class Engine:
 
     def export_entry(self, key: str) -> tuple[str, bytes] | None:
         for name, manager in self.managers.items():
+            manager.sync()
             data = export_entry(manager, key)
             if data is not None:
                 return name, data
@@ -302,7 +303,7 @@ class Engine:
     def import_entry(self, model: str, path: str, key: str | None) -> dict:
         manager = self.managers[model]
         entry = import_entry(manager, path, key)
-        manager.flush()
+        manager.sync()
         return {"object": "kv_cache.entry", "message_id": entry.key, "model": model,
                 "tokens": len(entry.tokens), "in_memory": True,
                 "on_disk": manager.store is not None and manager.store.get(entry.key) is not None}

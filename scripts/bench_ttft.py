@@ -3,8 +3,9 @@
 Starts the real server as a subprocess on loopback and, in one run:
   cold     every turn with use_kv_cache=false (the whole history recomputed);
   warm     the same conversation with the cache (turns 2-4 reuse the history);
-  restart  the server is stopped and started again on the same cache directory, and turn 4 is
-           sent again: its history comes from disk.
+  restart  a second conversation (same content, its own message ids) runs turns 1-3; the server
+           is stopped and started again on the same cache directory, and turn 4 is sent: a new
+           message whose history comes from disk.
 TTFT is measured from sending the request to the first streamed content byte.
 Usage: python scripts/bench_ttft.py [--json out.json] [--max-tokens 32]
 """
@@ -34,7 +35,7 @@ FACTS = ["was founded in {y} by a group of {n} families", "employs {n} people in
          "keeps {n} ledgers from before {y}", "opens at {h} o'clock on weekdays"]
 
 
-def document(n_sentences: int = 150) -> str:
+def document(n_sentences: int = 112) -> str:
     """A deterministic town guide of about 2,000 tokens (no external data)."""
     out = []
     for i in range(n_sentences):
@@ -111,11 +112,12 @@ def ask(url: str, messages: list[dict], use_cache: bool, max_tokens: int) -> dic
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
-def conversation(url: str, tag: str, use_cache: bool, max_tokens: int, doc: str):
+def conversation(url: str, tag: str, use_cache: bool, max_tokens: int, doc: str,
+                 questions: list[str] = QUESTIONS):
     messages = [{"role": "system", "content": "You answer questions about this town guide.\n\n"
                  + doc, "message_id": f"{tag}-sys"}]
     turns = []
-    for i, q in enumerate(QUESTIONS):
+    for i, q in enumerate(questions):
         messages.append({"role": "user", "content": q, "message_id": f"{tag}-u{i}"})
         res = ask(url, messages, use_cache, max_tokens)
         turns.append(res)
@@ -138,17 +140,18 @@ def main():
     server = Server(cache_dir, port, args.server_args)
     try:
         cold, _ = conversation(server.url, "cold", False, args.max_tokens, doc)
-        warm, messages = conversation(server.url, "warm", True, args.max_tokens, doc)
+        warm, _ = conversation(server.url, "warm", True, args.max_tokens, doc)
+        if not args.no_restart:
+            _, before = conversation(server.url, "r", True, args.max_tokens, doc, QUESTIONS[:3])
     finally:
         server.stop()
     result = {"cold": cold, "warm": warm}
     if not args.no_restart:
         server = Server(cache_dir, port, args.server_args)
         try:
-            # Turn 4 again, same messages and ids, on a fresh process: history from disk.
-            result["restart_turn4"] = ask(server.url, messages[:-1], True, args.max_tokens)
-            result["restart_turn4_again_warm"] = ask(server.url, messages[:-1], True,
-                                                     args.max_tokens)
+            # Turn 4, a new message, on a fresh process: the history comes from disk.
+            before.append({"role": "user", "content": QUESTIONS[3], "message_id": "r-u3"})
+            result["restart_turn4"] = ask(server.url, before, True, args.max_tokens)
         finally:
             server.stop()
     rows = []

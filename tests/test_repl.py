@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.repl import ChatError, Conversation, Repl, parse_sse
+from mlx_kvserver.repl import _CONTROL, ChatError, Conversation, Repl, parse_sse
 from tests.server_utils import running_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -257,13 +257,15 @@ def test_repl_in_a_pty_streams_answers_reuses_cache_and_shows_stats(server, tiny
         first = uncached(server, ["hello there"])
         second = uncached(server, ["hello there", first, "tell me more"])
         for m, expected in zip(answers, (first, second)):
+            expected = expected.translate(_CONTROL)  # the REPL never prints control characters
             assert m.group(1) == expected + ("" if expected.endswith("\n") else "\n")
             assert 0 < int(m.group(2)) <= 8
         assert int(answers[0].group(3)) == 0  # the first turn: nothing cached yet
         cached, prompt = int(answers[1].group(3)), int(answers[1].group(4))
         assert 0 < cached < prompt  # the second turn: the history came from the cache
         pty.type("/stats")
-        pty.expect(r'server /health .*\n\{\n  "status": "ok"')
+        pty.expect(r"server KV cache \(/v1/kv_cache/stats\):\n\{\n  \"object\": \"kv_cache.stats\"")
+        pty.expect(r"\"hits\": 1,")
         pty.expect(r"session: 2 turns, \d+ prompt tokens, \d+ from cache")
         pty.expect(">>>")
         pty.type("/quit")
