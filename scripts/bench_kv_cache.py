@@ -167,7 +167,10 @@ def main():
     ap.add_argument("--context", type=int, default=2000)
     ap.add_argument("--decode", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--page-size", type=int, default=32)
+    ap.add_argument("--page-size", type=int, default=32, help="page size of the speed runs")
+    ap.add_argument("--memory-page-sizes", default="16,32",
+                    help="page sizes of the memory runs (comma-separated)")
+    ap.add_argument("--skip-speed", action="store_true")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     lm = resolve_and_load(args.model)
@@ -175,9 +178,11 @@ def main():
     prompt = [t % (lm.model.args.vocab_size - 1) for t in prompt]
     result = {"model": lm.name, "blas": blas.blas_status(), "device": str(mx.default_device()),
               "context": args.context}
-    result["speed"] = speed(lm, prompt, args.decode, args.repeats, args.page_size)
-    result["shared_prefix"] = [shared_prefix(lm, prompt, 8, 100, ps) for ps in (16, 32)]
-    result["branches"] = [branches(lm, prompt, 4, 128, ps) for ps in (16, 32)]
+    if not args.skip_speed:
+        result["speed"] = speed(lm, prompt, args.decode, args.repeats, args.page_size)
+    sizes = [int(p) for p in args.memory_page_sizes.split(",")]
+    result["shared_prefix"] = [shared_prefix(lm, prompt, 8, 100, ps) for ps in sizes]
+    result["branches"] = [branches(lm, prompt, 4, 128, ps) for ps in sizes]
     print(json.dumps(result, indent=1))
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
