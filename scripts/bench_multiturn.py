@@ -5,10 +5,11 @@ round-robin; one conversation forks from another, and one edits an earlier messa
 go, on loopback, with the default model:
   ours-nocache   this server with use_kv_cache=false (every turn recomputed)
   ours-warm      this server with its cache
-  ours-restart   this server restarted on the same cache directory, the same requests replayed
+  ours-restart   this server restarted on the same cache directory; every conversation (and the
+                 fork) resumed with one new turn
   mlxlm-warm     mlx-lm's server (python -m mlx_lm.server) on the same model, converted to an MLX
                  folder by mlx_kvserver.convert, with its in-memory prompt cache
-  mlxlm-restart  mlx-lm's server restarted, the same requests replayed
+  mlxlm-restart  mlx-lm's server restarted; every conversation resumed with one new turn
   floor          in-process: prefill of only the new tokens on a resident cache
 Writes docs/multiturn.md (table) and docs/multiturn_ttft.png (TTFT per turn, log scale).
 Usage: python scripts/bench_multiturn.py [--conversations 3] [--turns 6] [--quick]
@@ -76,13 +77,14 @@ def workload(url, tag, use_cache, args, doc, strip_ids=False):
     system = {"role": "system", "content": "Answer from this town guide.\n\n" + doc,
               "message_id": f"{tag}-sys"}
     convs = {c: [dict(system)] for c in range(args.conversations)}
-    records, sent = [], []
+    records, sent = [], {}
 
     def send(name, messages, turn):
         body = [{k: v for k, v in m.items() if not (strip_ids and k == "message_id")}
                 for m in messages]
         res = ask(url, body, use_cache, args.max_tokens)
-        sent.append((name, turn, body))
+        sent[name] = body + [{"role": "assistant", "content": res["text"],
+                              "message_id": res["message_id"] or f"{tag}-{name}-a{turn}"}]
         records.append({"conv": name, "turn": turn, **{k: res[k] for k in
                         ("ttft", "total", "prompt_tokens", "cached_tokens")}})
         return res
@@ -108,11 +110,17 @@ def workload(url, tag, use_cache, args, doc, strip_ids=False):
     return records, sent
 
 
-def replay(url, sent, use_cache, args):
+def resume(url, sent, use_cache, args, strip_ids=False):
+    """After a restart: one new turn in every conversation (and the fork), as a user coming back
+    to each of them would send."""
     records = []
-    for name, turn, body in sent:
+    for name, history in sent.items():
+        body = history + [{"role": "user", "content": "One more question: what is note 5 about?",
+                           "message_id": f"resume-{name}"}]
+        if strip_ids:
+            body = [{k: v for k, v in m.items() if k != "message_id"} for m in body]
         res = ask(url, body, use_cache, args.max_tokens)
-        records.append({"conv": name, "turn": turn, **{k: res[k] for k in
+        records.append({"conv": name, "turn": args.turns + 1, **{k: res[k] for k in
                         ("ttft", "total", "prompt_tokens", "cached_tokens")}})
     return records
 
@@ -142,9 +150,9 @@ def floor(records, args):
 def summarize(runs):
     table = {}
     for name, recs in runs.items():
+        first = [r["ttft"] for r in recs if r["turn"] == 1] or [float("nan")]
         later = [r["ttft"] for r in recs if r["turn"] > 1]
-        table[name] = {"median_ttft_turn1": statistics.median(
-                           [r["ttft"] for r in recs if r["turn"] == 1]),
+        table[name] = {"median_ttft_turn1": statistics.median(first),
                        "median_ttft_later": statistics.median(later),
                        "mean_cached_fraction": statistics.mean(
                            r["cached_tokens"] / r["prompt_tokens"] for r in recs)}
@@ -195,7 +203,7 @@ def main():
         server.stop()
     server = Server(work / "kv", port, ["--model", args.model])
     try:
-        runs["ours-restart"] = replay(server.url, sent, True, args)
+        runs["ours-restart"] = resume(server.url, sent, True, args)
     finally:
         server.stop()
     if not args.skip_mlxlm:
@@ -211,7 +219,7 @@ def main():
             peer.stop()
         peer = MlxLmServer(folder, port, work)
         try:
-            runs["mlxlm-restart"] = replay(peer.url, peer_sent, True, args)
+            runs["mlxlm-restart"] = resume(peer.url, peer_sent, True, args, strip_ids=True)
         finally:
             peer.stop()
     runs["floor"] = floor(runs["ours-warm"], args)
