@@ -94,9 +94,13 @@ class S3FIFOPolicy:
     name = "s3fifo"
     MAX_FREQ = 3
 
-    def __init__(self, small_ratio: float = 0.1, move_threshold: int = 1) -> None:
+    def __init__(self, small_ratio: float = 0.1, move_threshold: int = 1,
+                 capacity: int | None = None) -> None:
+        """``capacity``: pages the cache holds, when known; otherwise the most pages ever
+        resident at once stands for it (it sizes the ghost queue)."""
         self.small_ratio = small_ratio
         self.move_threshold = move_threshold
+        self.capacity = capacity
         self._small: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._main: OrderedDict[int, None] = OrderedDict()
         self._ghost: OrderedDict[Hashable, None] = OrderedDict()
@@ -161,7 +165,8 @@ class S3FIFOPolicy:
         # NOTE: as in the paper, the ghost queue remembers as many pages as the main queue can
         # hold (its share of the capacity), not as many as it holds now: the capacity is taken
         # as the most pages ever resident at once.
-        while len(self._ghost) > max(1, int(self._peak * (1 - self.small_ratio))):
+        capacity = self.capacity if self.capacity is not None else self._peak
+        while len(self._ghost) > max(1, int(capacity * (1 - self.small_ratio))):
             self._ghost.popitem(last=False)
         self._freq.pop(block)
         self._ident.pop(block)

@@ -176,34 +176,9 @@ def bytes_per_step(u: np.ndarray, unit_bytes: int) -> np.ndarray:
 # -- cache simulation ---------------------------------------------------------------------------
 
 
-class S3FIFOPaperGhost(S3FIFOPolicy):
-    """S3-FIFO whose ghost queue keeps as many identities as the main queue may hold (the paper's
-    sizing), instead of as many as the main queue holds now (``kv_cache.eviction``)."""
-
-    name = "s3fifo-paper"
-
-    def __init__(self, ghost_capacity: int, small_ratio: float = 0.1):
-        super().__init__(small_ratio=small_ratio)
-        self.ghost_capacity = max(1, ghost_capacity)
-
-    def _evict_small(self, can_evict: Callable[[int], bool]) -> int | None:
-        block = next(iter(self._small))
-        del self._small[block]
-        if self._freq[block] >= self.move_threshold or not can_evict(block):
-            self._freq[block] = 0
-            self._main[block] = None
-            return None
-        self._ghost[self._ident[block]] = None
-        while len(self._ghost) > self.ghost_capacity:
-            self._ghost.popitem(last=False)
-        self._freq.pop(block)
-        self._ident.pop(block)
-        return block
-
-
 def policy_for(name: str, capacity: int) -> EvictionPolicy:
-    if name == "s3fifo-paper":
-        return S3FIFOPaperGhost(int(capacity * 0.9))
+    if name == "s3fifo-paper":  # the capacity given, as the paper sizes the ghost queue
+        return S3FIFOPolicy(capacity=capacity)
     return make_policy(name)
 
 
