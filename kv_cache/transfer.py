@@ -84,7 +84,8 @@ def read_export(path: str | Path) -> tuple[dict, mx.array]:
     kv = arrays.get("kv")
     try:
         tokens = json.loads(meta["tokens"])
-        assert isinstance(tokens, list) and all(isinstance(t, int) for t in tokens)
+        assert isinstance(tokens, list) and all(type(t) is int and 0 <= t < 2**31
+                                                for t in tokens)
     except (KeyError, ValueError, AssertionError):
         raise TransferError("the export's token ids are missing or malformed")
     if kv is None or kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[3] != len(tokens):
@@ -108,12 +109,15 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
     tokens = meta["tokens"]
     if not tokens:
         raise TransferError("the export holds no tokens")
+    key = key or meta.get("key")
+    if not isinstance(key, str) or not key:
+        raise TransferError("the export names no key and none was given")
     seq = PagedSequence(pool)
     try:
         for i, layer in enumerate(seq.layers):
             layer.load(kv[i, 0][None], kv[i, 1][None])
             layer.offset = len(tokens)
         seq.tokens = list(tokens)
-        return manager.save(key or meta["key"], seq)
+        return manager.save(key, seq)
     finally:
         seq.close()

@@ -4,6 +4,7 @@ the generation worker owns the models and the caches."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -18,12 +19,15 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kv_cache.disk_format import FormatError, read_header
+from kv_cache.transfer import TransferError
+
 from .config import ServerConfig
 from .errors import APIError, bad_request
 from .models import ModelRegistry, UnknownModelError
+from .openapi import openapi_spec
 from .schemas import check_message_id, parse_chat_request, unknown_model
 from .worker import Engine, Job
-from kv_cache.transfer import TransferError
 
 log = logging.getLogger("mlx_kvserver.api")
 
@@ -50,6 +54,8 @@ async def read_json(request: Request, limit: int):
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}")
+    except RecursionError:
+        raise bad_request("the request body is not valid JSON: nested too deeply")
 
 
 class App:
@@ -63,8 +69,9 @@ class App:
         key = name if name is not None else header
         try:
             return self.registry.get(key)
-        except UnknownModelError:
-            raise unknown_model(str(key), self.registry.names())
+        except (UnknownModelError, ValueError):  # ValueError: an index of thousands of digits
+            shown = str(key) if len(str(key)) <= 200 else str(key)[:200] + "..."
+            raise unknown_model(shown, self.registry.names())
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": self.registry.names(),
@@ -132,12 +139,21 @@ class App:
         try:
             size = 0
             with os.fdopen(fd, "wb") as f:
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise APIError(413, f"the file is larger than {limit} bytes",
-                                       code="body_too_large")
-                    f.write(chunk)
+                try:
+                    async for chunk in request.stream():
+                        size += len(chunk)
+                        if size > limit:
+                            raise APIError(413, f"the file is larger than {limit} bytes",
+                                           code="body_too_large")
+                        f.write(chunk)
+                except ClientDisconnect:
+                    raise APIError(400, "the client went away while sending the file")
+            named = export_key(path)  # checks the header before MLX reads the file
+            if key is None:
+                if named is None:
+                    raise bad_request("the file names no message_id; pass ?message_id=",
+                                      "message_id", code="invalid_kv_cache_file")
+                key = check_message_id(named, "message_id")
             try:
                 info = await self.engine.call(lambda: self.engine.import_entry(lm.name, path,
                                                                                key))
@@ -146,6 +162,9 @@ class App:
             return JSONResponse(info)
         finally:
             os.unlink(path)
+
+    async def openapi(self, request: Request) -> Response:
+        return JSONResponse(openapi_spec(self.registry.names()))
 
     async def _events(self, job: Job) -> AsyncIterator[tuple[str, dict]]:
         try:
@@ -208,6 +227,20 @@ class App:
         yield "data: [DONE]\n\n"
 
 
+def export_key(path: str):
+    """The ``key`` an export file's metadata names (unchecked), after a strict check that its
+    header is well-formed safetensors that fits the file (before MLX parses it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            header = read_header(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    except FormatError as e:
+        raise bad_request(f"cannot import this file: {e}", code="invalid_kv_cache_file")
+    return header.metadata.get("key")
+
+
 def path_key(request: Request) -> str:
     return check_message_id(request.path_params["message_id"], "message_id")
 
@@ -247,6 +280,7 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
 
     routes = [
         Route("/health", guarded(app_state.health, public=True), methods=["GET"]),
+        Route("/openapi.json", guarded(app_state.openapi), methods=["GET"]),
         Route("/v1/models", guarded(app_state.models), methods=["GET"]),
         Route("/v1/chat/completions", guarded(app_state.chat_completions), methods=["POST"]),
         Route("/v1/kv_cache/stats", guarded(app_state.kv_stats), methods=["GET"]),
@@ -256,7 +290,8 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
         Route("/v1/kv_cache/{message_id:path}", guarded(app_state.kv_entry),
               methods=["GET", "DELETE"]),
     ]
-    middleware = []
+    middleware = [Middleware(RequestGuard, hosts=allowed_hosts(config),
+                             origins=frozenset(config.cors_origins))]
     if config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins,
                                      allow_methods=["GET", "POST", "DELETE", "OPTIONS"],
@@ -269,6 +304,7 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found})
+    app.router.redirect_slashes = False  # an API answers 404, not a redirect, to "/v1/models/"
     app.state.engine, app.state.registry = engine, registry
     return app
 
@@ -278,6 +314,73 @@ def check_api_key(request: Request, api_key: str | None) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or token.strip() != api_key:
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(),
+                                                             api_key.encode()):
         raise APIError(401, "a valid API key is required (Authorization: Bearer <key>)",
                        type="authentication_error", code="invalid_api_key")
+
+
+# -- exposure: Host and Origin checks -----------------------------------------------------------
+
+LOCAL_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(value: str) -> str | None:
+    """The name in a Host header value (``name``, ``name:port``, ``[v6]``, ``[v6]:port``),
+    lower-cased; None when the value is malformed."""
+    v = value.strip().lower()
+    if v.startswith("["):
+        end = v.find("]")
+        name, rest = v[1:end], v[end + 1:]
+        if end < 0 or rest and not (rest.startswith(":") and rest[1:].isdigit()):
+            return None
+    else:
+        name, sep, port = v.partition(":")
+        if sep and not port.isdigit():
+            return None
+    name = name.removesuffix(".")
+    return name or None
+
+
+def allowed_hosts(config: ServerConfig) -> frozenset[str] | None:
+    """Names a Host header may carry: loopback names, ``--host`` and ``--allowed-host``;
+    None when ``--allowed-host '*'`` turns the check off."""
+    extra = list(config.allowed_hosts)
+    if "*" in extra:
+        return None
+    names = {*LOCAL_NAMES, config.host, *extra}
+    return frozenset(n.strip().lower().removeprefix("[").removesuffix("]").removesuffix(".")
+                     for n in names if n)
+
+
+class RequestGuard:
+    """ASGI middleware run before anything else: refuses (403, JSON) a request whose Host header
+    names another server (a DNS-rebinding page reaching a loopback server under its own name) or
+    that a browser sent from an origin not given with ``--cors-origin`` (a cross-site page's
+    "simple" POST needs no CORS preflight, so CORS alone would not stop it from acting)."""
+
+    def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str]):
+        self.app, self.hosts, self.origins = app, hosts, origins
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            error = self.refusal(scope)
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> APIError | None:
+        hosts = [v for k, v in scope.get("headers", ()) if k == b"host"]
+        if self.hosts is not None:
+            name = host_name(hosts[0].decode("latin-1")) if len(hosts) == 1 else None
+            if name not in self.hosts:
+                return APIError(403, "this server answers only to its own names in the Host "
+                                "header (add more with --allowed-host)", type="permission_error",
+                                code="host_not_allowed")
+        origins = [v for k, v in scope.get("headers", ()) if k == b"origin"]
+        if origins and "*" not in self.origins and any(
+                o.decode("latin-1") not in self.origins for o in origins):
+            return APIError(403, "requests from this origin are not allowed (see --cors-origin)",
+                            type="permission_error", code="origin_not_allowed")
+        return None

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
                    help="allow browser requests from this origin (repeatable; default none)")
+    p.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
+                   metavar="NAME",
+                   help="also answer requests whose Host header is NAME (repeatable; '*' for "
+                        "any). Always allowed: localhost, 127.0.0.1, [::1] and --host")
     p.add_argument("--keep-quantized", action="store_true",
                    help="keep quantized weights on MLX's CPU backend (slower there)")
     p.add_argument("--no-fast-blas", action="store_true",
@@ -57,7 +61,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
         page_size=args.page_size, eviction_policy=args.eviction_policy, api_key=args.api_key,
-        cors_origins=args.cors_origins, dequantize=False if args.keep_quantized else None)
+        cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
+        dequantize=False if args.keep_quantized else None)
 
 
 def make_engine(models: list, config: ServerConfig):
@@ -99,6 +104,13 @@ def main(argv: list[str] | None = None) -> None:
     registry, engine = load_engine(config)
     app = build_app(config, registry, engine)
     url = f"http://{config.host}:{config.port}/v1"
+    if config.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s: other machines can reach this server%s", config.host,
+                    "" if config.api_key else " (no --api-key set)")
+        if not config.allowed_hosts:
+            log.warning("only requests naming this server localhost, 127.0.0.1, [::1] or %s in "
+                        "their Host header are answered; add names with --allowed-host",
+                        config.host)
     log.info("serving %s at %s; point an OpenAI client at base_url=%s",
              ", ".join(registry.names()), url, url)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level.lower())

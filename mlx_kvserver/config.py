@@ -38,6 +38,7 @@ class ServerConfig:
     eviction_policy: str = "lru"
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
+    allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond loopback, --host
     max_body_bytes: int = 8 << 20
     max_import_bytes: int = 4 << 30
     max_queue: int = 64

@@ -12,6 +12,7 @@ import concurrent.futures
 import hashlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
+from kv_cache import disk_format
 from kv_cache.disk_store import DiskStore
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
@@ -82,6 +84,12 @@ def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
     if cache.disk_dir is None:
         return None
     root = Path(cache.disk_dir) / hashlib.sha256(lm.fingerprint.encode()).hexdigest()[:16]
+    if root.is_symlink():  # NOTE: planted in our directory; following it would leave the tree
+        log.warning("disk cache: %s is a symlink, not a directory; removed", root)
+        try:
+            root.unlink()
+        except OSError:
+            pass
     try:
         store = DiskStore(root, fingerprint=lm.fingerprint, num_layers=lm.num_layers,
                           num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
@@ -90,9 +98,16 @@ def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
     except Exception as e:  # unreadable dir, locked by another server, ...
         log.warning("disk cache for %s disabled: cannot open %s: %s", lm.name, root, e)
         return None
-    try:
-        (root / "model.json").write_text(json.dumps({"name": lm.name, "source": lm.source,
-                                                     "fingerprint": lm.fingerprint}))
+    note = json.dumps({"name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint})
+    try:  # temp file and rename: a link planted as model.json is replaced, never written through
+        root_fd = disk_format.open_dir(str(store.root), None, create=False)
+        try:
+            for name in os.listdir(root_fd):  # a write that a crash cut short
+                if name.startswith(disk_format.TMP_PREFIX):
+                    disk_format.unlink(root_fd, name)
+            disk_format.atomic_write(root_fd, "model.json", [note.encode()])
+        finally:
+            os.close(root_fd)
     except OSError:
         pass
     log.info("disk cache for %s at %s (%d entries)", lm.name, root, len(store.keys()))
@@ -210,11 +225,16 @@ class Engine:
                      len(prompt), match.tokens, match.source, time.perf_counter() - t0)
             if req.use_kv_cache:
                 self._save(manager, req.messages[-1].message_id, seq)
+            shared = req.n > 1 and req.use_kv_cache  # the choices fork the prompt's pages
             for index in range(req.n):
                 branch = seq
-                if req.n > 1 and req.use_kv_cache:
-                    branch = seq.fork()
-                elif index > 0:  # no cache: every choice recomputes its prompt
+                if shared:
+                    try:
+                        branch = seq.fork()
+                    except OutOfBlocksError as e:  # the prompt does not fit the page pool
+                        log.warning("%s: %s; each choice recomputes the prompt", job.id, e)
+                        shared = False
+                if not shared and index > 0:  # no cache: every choice recomputes its prompt
                     branch = PagedSequence(manager.pool)
                     logits = prefill(lm.model, branch, prompt, cancelled)
                 result = ChoiceResult(index, new_message_id())
@@ -232,7 +252,7 @@ class Engine:
                 completion_tokens += len(result.tokens)
                 job.emit("finish", {"index": index, "reason": result.finish_reason,
                                     "message_id": result.message_id, "text": result.text})
-                if index == 0 and req.n > 1 and req.use_kv_cache:
+                if index == 0 and shared:
                     seq.drop_buffers()  # the branches gather the prompt from its pages
         finally:
             seq.close()

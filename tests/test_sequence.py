@@ -459,8 +459,10 @@ def test_memory_report_exact_numbers():
     crep = child.seq.memory_report()
     assert (crep.length, crep.own_bytes, crep.shared_bytes, crep.divergence_point) == (
         11, PAGE_BYTES, 2 * PAGE_BYTES, 8)
-    # Gathered 10 positions, then grown by one 256-step: 266 positions per layer buffer.
-    assert crep.working_bytes == L * 2 * (H * 266 * D * 4)
+    # Gathered 10 positions into a buffer with room up to the next 256-step: 256 positions.
+    assert crep.working_bytes == L * 2 * (H * 256 * D * 4)
+
+
     rep = parent.seq.memory_report()
     assert (rep.own_bytes, rep.shared_bytes, rep.divergence_point) == (
         PAGE_BYTES, 2 * PAGE_BYTES, 8)
