@@ -108,6 +108,7 @@ class CacheManager:
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._pending: list[tuple] = []  # entries to write to disk, handed over by flush()
         self._writer = DiskWriter() if store is not None else None
+        self._resident: PagedSequence | None = None  # the last finished sequence, buffers kept
         self.stats = ManagerStats()
         pool.reclaimer = self._reclaim
 
@@ -146,6 +147,33 @@ class CacheManager:
         best.blocks = best.blocks[: -(-best.tokens // self.pool.page_size)]
         return best
 
+    def keep(self, seq: PagedSequence) -> None:
+        """Keep ``seq`` (finished, committed) resident with its working buffers: if the next
+        request continues it, ``start`` goes on from it without gathering its pages. One
+        sequence is kept; the one kept before is closed."""
+        seq.commit()
+        if self._resident is not None and self._resident is not seq:
+            self._resident.close()
+        self._resident = seq
+
+    def resident_tokens(self) -> int:
+        return len(self._resident.tokens) if self._resident is not None else 0
+
+    def resident_blocks(self) -> list[int]:
+        """The pages the resident sequence holds (it is one more holder of each)."""
+        return list(self._resident.table.blocks) if self._resident is not None else []
+
+    def _take_resident(self, prompt: Sequence[int], match: Match) -> PagedSequence | None:
+        seq, self._resident = self._resident, None
+        if seq is None:
+            return None
+        n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+        if n > 0 and n >= match.tokens and seq.layers[0].keys is not None:
+            seq.trim(len(seq.tokens) - n)  # NOTE: verified by tokens, like any other reuse
+            return seq
+        seq.close()
+        return None
+
     def start(
         self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True
     ) -> tuple[PagedSequence, Match]:
@@ -153,6 +181,11 @@ class CacheManager:
         if not use_cache:
             return PagedSequence(self.pool), Match(0, [], "none")
         match = self.find(prompt, keys)
+        resident = self._take_resident(prompt, match)
+        if resident is not None:
+            self.stats.hits += 1
+            self.stats.tokens_served += len(resident.tokens)
+            return resident, Match(len(resident.tokens), list(resident.table.blocks), "resident")
         loaded: list[int] = []
         if match.stored is not None:
             loaded = self._load(match.stored, match.tokens)
@@ -272,7 +305,10 @@ class CacheManager:
             self._writer.drain()
 
     def close(self) -> None:
-        """Finish the disk writes and close the store."""
+        """Close the resident sequence, finish the disk writes and close the store."""
+        if self._resident is not None:
+            self._resident.close()
+            self._resident = None
         self.sync()
         if self._writer is not None:
             self._writer.close()
@@ -295,6 +331,9 @@ class CacheManager:
             self.drop(key, from_disk=False)
 
     def _reclaim(self, n_pages: int) -> None:
+        if self._resident is not None and not self.pool.can_allocate(n_pages):
+            self._resident.close()
+            self._resident = None
         while self._entries and not self.pool.can_allocate(n_pages):
             self.drop(next(iter(self._entries)), from_disk=False)
             self.stats.entries_dropped += 1

@@ -217,7 +217,7 @@ class Engine:
                               "source": match.source})
         if req.params.seed is not None:
             mx.random.seed(req.params.seed)
-        completion_tokens = 0
+        completion_tokens, keep = 0, False
         try:
             t0 = time.perf_counter()
             logits = prefill(lm.model, seq, prompt[match.tokens:], cancelled)
@@ -254,8 +254,12 @@ class Engine:
                                     "message_id": result.message_id, "text": result.text})
                 if index == 0 and shared:
                     seq.drop_buffers()  # the branches gather the prompt from its pages
+            keep = req.use_kv_cache and req.n == 1
         finally:
-            seq.close()
+            if keep:  # the next turn of this conversation goes on from its buffers
+                manager.keep(seq)
+            else:
+                seq.close()
         job.emit("usage", {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
                            "cached_tokens": match.tokens})
 
@@ -282,6 +286,7 @@ class Engine:
                    "pages_cached": s.cached_pages, "bytes": s.used_bytes,
                    "bytes_shared": sum(pool.page_bytes for n in refs.values() if n > 1),
                    "budget_bytes": pool.max_bytes, "page_size": s.page_size,
+                   "resident_sequence_tokens": manager.resident_tokens(),
                    "evictions": s.evictions}
             disk = manager.store.stats() if manager.store is not None else None
             out[name] = {"hits": m.hits, "misses": m.misses, "tokens_served": m.tokens_served,

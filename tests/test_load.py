@@ -55,6 +55,7 @@ def cache_figures(engine) -> dict:
         for name, m in engine.managers.items():
             pool = m.pool
             holds = Counter(b for key in m.keys() for b in m.get(key).blocks)  # noqa: SIM118
+            holds.update(m.resident_blocks())  # the last finished sequence, kept resident
             refs = pool.ref_counts()
             stats = pool.stats()
             disk = m.store.stats() if m.store is not None else None

@@ -1,0 +1,119 @@
+"""CacheManager: verified reuse from entries, the prefix index and the resident sequence."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from kv_cache.manager import CacheManager
+from kv_cache.page_pool import PagePool
+from tests.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_tiny_model(seed=3)
+
+
+def pool_for(model, max_bytes=1 << 24):
+    a = model.args
+    return PagePool(a.num_hidden_layers, a.num_key_value_heads, a.hidden_size // a.num_attention_heads,
+                    page_size=4, dtype=mx.float32, max_bytes=max_bytes, fingerprint="tiny")
+
+
+def run(model, seq, tokens):
+    logits = model(mx.array(tokens)[None], cache=seq.layers)[0, -1]
+    seq.append_tokens(tokens)
+    return logits
+
+
+def reference(model, tokens):
+    cache = [KVCache() for _ in model.layers]
+    return model(mx.array(tokens)[None], cache=cache)[0, -1]
+
+
+def test_entry_reuse_is_verified_by_tokens_and_exact(model):
+    m = CacheManager(pool_for(model))
+    first = list(range(10, 31))
+    seq, match = m.start(first, ["a"])
+    assert match.tokens == 0 and match.source == "none"
+    run(model, seq, first)
+    m.save("a", seq)
+    seq.close()
+    edited = first[:9] + [99] + first[10:] + [5, 6]  # an edit at position 9
+    seq, match = m.start(edited, ["a"])
+    assert (match.tokens, match.source) == (9, "entry:a")
+    logits = run(model, seq, edited[9:])
+    assert mx.allclose(logits, reference(model, edited), atol=1e-4).item()
+    seq.close()
+    assert m.stats.hits == 1 and m.stats.misses == 1 and m.stats.tokens_served == 9
+
+
+def test_resident_sequence_is_continued_in_place(model):
+    m = CacheManager(pool_for(model))
+    turn1 = list(range(40, 63))
+    seq, _ = m.start(turn1, [])
+    run(model, seq, turn1)
+    m.save("t1", seq)
+    m.keep(seq)
+    assert m.resident_tokens() == len(turn1) and m.resident_blocks() == seq.table.blocks
+    turn2 = turn1 + [7, 8, 9]
+    again, match = m.start(turn2, ["t1"])
+    assert again is seq and match.source == "resident" and match.tokens == len(turn1)
+    assert m.resident_tokens() == 0  # handed out: not resident while it runs
+    logits = run(model, again, turn2[len(turn1):])
+    assert mx.allclose(logits, reference(model, turn2), atol=1e-4).item()
+    again.close()
+
+
+def test_resident_sequence_is_trimmed_to_what_the_tokens_verify(model):
+    m = CacheManager(pool_for(model))
+    turn1 = list(range(70, 90))
+    seq, _ = m.start(turn1, [])
+    run(model, seq, turn1)
+    m.keep(seq)
+    other = turn1[:13] + [1, 2, 3]
+    again, match = m.start(other, [])
+    assert again is seq and match.tokens == 13 and len(again.tokens) == 13
+    logits = run(model, again, other[13:])
+    assert mx.allclose(logits, reference(model, other), atol=1e-4).item()
+    again.close()
+
+
+def test_a_longer_verified_entry_wins_over_the_resident_sequence(model):
+    m = CacheManager(pool_for(model))
+    long = list(range(100, 130))
+    seq, _ = m.start(long, [])
+    run(model, seq, long)
+    m.save("long", seq)
+    seq.close()
+    short = list(range(100, 110))
+    seq2, _ = m.start(short, [])
+    run(model, seq2, short)
+    m.keep(seq2)
+    got, match = m.start(long + [1], ["long"])
+    assert got is not seq2 and match.source == "entry:long" and match.tokens == len(long)
+    assert seq2.closed and m.resident_tokens() == 0
+    got.close()
+    held = {b: n for b, n in m.pool.ref_counts().items() if n}
+    assert held == Counter(m.get("long").blocks)  # only the entry holds pages now
+
+
+def test_pressure_closes_the_resident_sequence_first(model):
+    pool = pool_for(model)
+    pool = PagePool(pool.num_layers, pool.num_kv_heads, pool.head_dim, page_size=4,
+                    dtype=mx.float32, max_bytes=pool.page_bytes * 8, fingerprint="tiny")
+    m = CacheManager(pool)
+    tokens = list(range(200, 224))  # 6 pages
+    seq, _ = m.start(tokens, [])
+    run(model, seq, tokens)
+    m.keep(seq)
+    other = list(range(300, 320))  # 5 pages: only fits once the resident sequence lets go
+    seq2, _ = m.start(other, [])
+    run(model, seq2, other)
+    seq2.commit()
+    assert seq.closed and m.resident_tokens() == 0
+    seq2.close()
