@@ -102,13 +102,16 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class CacheManager:
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
-    def __init__(self, pool: PagePool, store: DiskStore | None = None):
+    def __init__(self, pool: PagePool, store: DiskStore | None = None, max_resident: int = 4):
+        """``max_resident``: finished sequences kept with their working buffers (least recently
+        used dropped first), so that a turn continuing one of them skips gathering its pages."""
         self.pool = pool
+        self.max_resident = max_resident
         self.store = store
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._pending: list[tuple] = []  # entries to write to disk, handed over by flush()
         self._writer = DiskWriter() if store is not None else None
-        self._resident: PagedSequence | None = None  # the last finished sequence, buffers kept
+        self._resident: OrderedDict[int, PagedSequence] = OrderedDict()  # oldest first
         self.stats = ManagerStats()
         pool.reclaimer = self._reclaim
 
@@ -148,31 +151,36 @@ class CacheManager:
         return best
 
     def keep(self, seq: PagedSequence) -> None:
-        """Keep ``seq`` (finished, committed) resident with its working buffers: if the next
-        request continues it, ``start`` goes on from it without gathering its pages. One
-        sequence is kept; the one kept before is closed."""
+        """Keep ``seq`` (finished) resident with its working buffers: a request that continues
+        it goes on from it without gathering its pages. The least recently used resident
+        sequence beyond ``max_resident`` is closed."""
         seq.commit()
-        if self._resident is not None and self._resident is not seq:
-            self._resident.close()
-        self._resident = seq
+        self._resident[id(seq)] = seq
+        while len(self._resident) > self.max_resident:
+            self._resident.popitem(last=False)[1].close()
 
     def resident_tokens(self) -> int:
-        return len(self._resident.tokens) if self._resident is not None else 0
+        return sum(len(s.tokens) for s in self._resident.values())
 
     def resident_blocks(self) -> list[int]:
-        """The pages the resident sequence holds (it is one more holder of each)."""
-        return list(self._resident.table.blocks) if self._resident is not None else []
+        """The pages the resident sequences hold (each is one more holder of its pages)."""
+        return [b for s in self._resident.values() for b in s.table.blocks]
 
     def _take_resident(self, prompt: Sequence[int], match: Match) -> PagedSequence | None:
-        seq, self._resident = self._resident, None
-        if seq is None:
+        best, best_n = None, 0
+        for seq in self._resident.values():
+            n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+            if n > best_n and seq.layers[0].keys is not None:
+                best, best_n = seq, n
+        if best is None or best_n < match.tokens:
             return None
-        n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
-        if n > 0 and n >= match.tokens and seq.layers[0].keys is not None:
-            seq.trim(len(seq.tokens) - n)  # NOTE: verified by tokens, like any other reuse
-            return seq
-        seq.close()
-        return None
+        del self._resident[id(best)]
+        best.trim(len(best.tokens) - best_n)  # NOTE: verified by tokens, like any other reuse
+        return best
+
+    def _close_resident(self) -> None:
+        while self._resident:
+            self._resident.popitem()[1].close()
 
     def start(
         self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True
@@ -305,10 +313,8 @@ class CacheManager:
             self._writer.drain()
 
     def close(self) -> None:
-        """Close the resident sequence, finish the disk writes and close the store."""
-        if self._resident is not None:
-            self._resident.close()
-            self._resident = None
+        """Close the resident sequences, finish the disk writes and close the store."""
+        self._close_resident()
         self.sync()
         if self._writer is not None:
             self._writer.close()
@@ -331,9 +337,8 @@ class CacheManager:
             self.drop(key, from_disk=False)
 
     def _reclaim(self, n_pages: int) -> None:
-        if self._resident is not None and not self.pool.can_allocate(n_pages):
-            self._resident.close()
-            self._resident = None
+        while self._resident and not self.pool.can_allocate(n_pages):
+            self._resident.popitem(last=False)[1].close()
         while self._entries and not self.pool.can_allocate(n_pages):
             self.drop(next(iter(self._entries)), from_disk=False)
             self.stats.entries_dropped += 1

@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-kv-ram-gb", type=float, default=env_float("MAX_KV_RAM_GB", 2.0),
                    help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default 2)")
     p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
+    p.add_argument("--max-resident-sequences", type=int, default=4,
+                   help="finished conversations kept with their working buffers, so that their "
+                        "next turn skips gathering pages (0: none)")
     p.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "s3fifo"])
     p.add_argument("--api-key", default=os.environ.get("MLX_KVSERVER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
@@ -55,12 +58,15 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.max_kv_size_gb < 0 or args.max_kv_ram_gb <= 0 or args.page_size <= 0:
         raise SystemExit("--max-kv-size-gb, --max-kv-ram-gb and --page-size must be positive")
+    if args.max_resident_sequences < 0:
+        raise SystemExit("--max-resident-sequences must be 0 or more")
     return ServerConfig(
         models=args.models or ["default"], host=args.host, port=args.port,
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
-        page_size=args.page_size, eviction_policy=args.eviction_policy, api_key=args.api_key,
+        page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
+        eviction_policy=args.eviction_policy, api_key=args.api_key,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
         dequantize=False if args.keep_quantized else None)
 
@@ -72,7 +78,8 @@ def make_engine(models: list, config: ServerConfig):
     cache = CacheConfig(page_size=config.page_size, max_ram_bytes=int(config.max_kv_ram_gb * GB),
                         policy=config.eviction_policy, disk_dir=config.kv_cache_dir,
                         max_disk_bytes=int(config.max_kv_size_gb * GB),
-                        disk_policy=config.eviction_policy)
+                        disk_policy=config.eviction_policy,
+                        max_resident=config.max_resident_sequences)
     return Engine(models, cache, max_queue=config.max_queue)
 
 

@@ -35,6 +35,7 @@ class ServerConfig:
     max_kv_size_gb: float = 10.0
     max_kv_ram_gb: float = 2.0
     page_size: int = 32
+    max_resident_sequences: int = 4
     eviction_policy: str = "lru"
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)

@@ -76,6 +76,7 @@ class CacheConfig:
     disk_dir: Path | None = None  # None: memory only
     max_disk_bytes: int = 10 << 30
     disk_policy: str = "lru"
+    max_resident: int = 4  # finished sequences kept with their working buffers
 
 
 def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
@@ -127,7 +128,8 @@ class Engine:
                             page_size=self.cache_config.page_size, dtype=lm.dtype,
                             max_bytes=self.cache_config.max_ram_bytes,
                             policy=self.cache_config.policy, fingerprint=lm.fingerprint)
-            self.managers[lm.name] = CacheManager(pool, open_store(lm, self.cache_config))
+            self.managers[lm.name] = CacheManager(pool, open_store(lm, self.cache_config),
+                                                  max_resident=self.cache_config.max_resident)
         self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
         self.busy = False

@@ -91,15 +91,38 @@ def test_a_longer_verified_entry_wins_over_the_resident_sequence(model):
     m.save("long", seq)
     seq.close()
     short = list(range(100, 110))
-    seq2, _ = m.start(short, [])
-    run(model, seq2, short)
+    seq2, found = m.start(short, [])
+    assert (found.source, found.tokens) == ("prefix", 8)  # two sealed pages of "long"
+    run(model, seq2, short[found.tokens:])
     m.keep(seq2)
     got, match = m.start(long + [1], ["long"])
     assert got is not seq2 and match.source == "entry:long" and match.tokens == len(long)
-    assert seq2.closed and m.resident_tokens() == 0
+    assert not seq2.closed and m.resident_tokens() == len(short)  # still resident
     got.close()
     held = {b: n for b, n in m.pool.ref_counts().items() if n}
-    assert held == Counter(m.get("long").blocks)  # only the entry holds pages now
+    assert held == Counter(m.get("long").blocks) + Counter(m.resident_blocks())
+
+
+def test_alternating_conversations_each_continue_their_resident_sequence(model):
+    m = CacheManager(pool_for(model), max_resident=2)
+    a, b = list(range(10, 25)), list(range(50, 63))
+    seqs = {}
+    for name, toks in (("a", a), ("b", b)):
+        seq, _ = m.start(toks, [])
+        run(model, seq, toks)
+        m.keep(seq)
+        seqs[name] = seq
+    for name, toks in (("a", a + [1, 2]), ("b", b + [3]), ("a", a + [1, 2, 4])):
+        got, match = m.start(toks, [])
+        assert got is seqs[name] and match.source == "resident"
+        logits = run(model, got, toks[match.tokens:])
+        assert mx.allclose(logits, reference(model, toks), atol=1e-4).item()
+        m.keep(got)
+    c = list(range(80, 90))
+    seq, _ = m.start(c, [])
+    run(model, seq, c)
+    m.keep(seq)  # a third one: the least recently used ("b") is closed
+    assert seqs["b"].closed and not seqs["a"].closed and m.resident_tokens() == len(a) + 3 + 10
 
 
 def test_pressure_closes_the_resident_sequence_first(model):
