@@ -153,8 +153,16 @@ class CacheManager:
     def keep(self, seq: PagedSequence) -> None:
         """Keep ``seq`` (finished) resident with its working buffers: a request that continues
         it goes on from it without gathering its pages. The least recently used resident
-        sequence beyond ``max_resident`` is closed."""
-        seq.commit()
+        sequence beyond ``max_resident`` is closed. A sequence whose new positions do not fit
+        in the pool is closed instead (it could not be verified against its pages later)."""
+        try:
+            seq.commit()
+        except OutOfBlocksError:
+            seq.close()
+            return
+        if self.max_resident <= 0:
+            seq.close()
+            return
         self._resident[id(seq)] = seq
         while len(self._resident) > self.max_resident:
             self._resident.popitem(last=False)[1].close()

@@ -140,3 +140,25 @@ def test_pressure_closes_the_resident_sequence_first(model):
     seq2.commit()
     assert seq.closed and m.resident_tokens() == 0
     seq2.close()
+
+
+def test_a_sequence_that_does_not_fit_the_pool_is_not_kept(model):
+    pool = pool_for(model)
+    pool = PagePool(pool.num_layers, pool.num_kv_heads, pool.head_dim, page_size=4,
+                    dtype=mx.float32, max_bytes=pool.page_bytes * 2, fingerprint="tiny")
+    m = CacheManager(pool)
+    tokens = list(range(200, 215))  # 4 pages: more than the pool has
+    seq, _ = m.start(tokens, [])
+    run(model, seq, tokens)
+    m.keep(seq)
+    assert seq.closed and m.resident_tokens() == 0
+    assert not any(pool.ref_counts().values())
+
+
+def test_no_resident_sequences_when_disabled(model):
+    m = CacheManager(pool_for(model), max_resident=0)
+    tokens = list(range(20))
+    seq, _ = m.start(tokens, [])
+    run(model, seq, tokens)
+    m.keep(seq)
+    assert seq.closed and m.resident_tokens() == 0
