@@ -36,20 +36,27 @@ def error_response(e: APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-async def read_json(request: Request, limit: int):
+async def body_chunks(request: Request, limit: int, what: str = "the request body"):
+    """The body's chunks; 413 past ``limit`` bytes (declared or sent), 400 if the client leaves."""
+    too_large = APIError(413, f"{what} is larger than {limit} bytes", code="body_too_large")
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise APIError(413, f"the request body is larger than {limit} bytes",
-                       code="body_too_large")
-    body = bytearray()
+        raise too_large
+    size = 0
     try:
         async for chunk in request.stream():
-            body.extend(chunk)
-            if len(body) > limit:
-                raise APIError(413, f"the request body is larger than {limit} bytes",
-                               code="body_too_large")
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            yield chunk
     except ClientDisconnect:
-        raise APIError(400, "the client went away while sending the body")
+        raise APIError(400, f"the client went away while sending {what}")
+
+
+async def read_json(request: Request, limit: int):
+    body = bytearray()
+    async for chunk in body_chunks(request, limit):
+        body.extend(chunk)
     try:
         return json.loads(body)
     except (ValueError, UnicodeDecodeError) as e:
@@ -137,17 +144,9 @@ class App:
         limit = self.config.max_import_bytes
         fd, path = tempfile.mkstemp(suffix=".safetensors")
         try:
-            size = 0
             with os.fdopen(fd, "wb") as f:
-                try:
-                    async for chunk in request.stream():
-                        size += len(chunk)
-                        if size > limit:
-                            raise APIError(413, f"the file is larger than {limit} bytes",
-                                           code="body_too_large")
-                        f.write(chunk)
-                except ClientDisconnect:
-                    raise APIError(400, "the client went away while sending the file")
+                async for chunk in body_chunks(request, limit, "the file"):
+                    f.write(chunk)
             named = export_key(path)  # checks the header before MLX reads the file
             if key is None:
                 if named is None:
