@@ -60,6 +60,15 @@ def make_pool(lm, page_size, max_bytes=8 << 30):
                     dtype=lm.dtype, max_bytes=max_bytes, fingerprint=lm.fingerprint)
 
 
+def prefilled(lm, prompt, page_size):
+    """A sequence in a fresh pool holding ``prompt``, committed to pages; and its last logits."""
+    seq = PagedSequence(make_pool(lm, page_size))
+    _, logits = run_prefill(lm.model, seq.layers, prompt)
+    seq.append_tokens(prompt)
+    seq.commit()
+    return seq, logits
+
+
 def speed(lm, prompt, decode_n, repeats, page_size):
     rows = {"kv_prefill_s": [], "paged_prefill_s": [], "kv_decode_tps": [], "paged_decode_tps": []}
     same = True
@@ -93,11 +102,8 @@ def speed(lm, prompt, decode_n, repeats, page_size):
 
 
 def shared_prefix(lm, prompt, n_seqs, extra, page_size):
-    pool = make_pool(lm, page_size)
-    base = PagedSequence(pool)
-    _, logits = run_prefill(lm.model, base.layers, prompt)
-    base.append_tokens(prompt)
-    base.commit()
+    base, _ = prefilled(lm, prompt, page_size)
+    pool = base.pool
     seqs = [base.fork() for _ in range(n_seqs)]
     base.close()
     mx.synchronize()
@@ -133,11 +139,8 @@ def shared_prefix(lm, prompt, n_seqs, extra, page_size):
 
 
 def branches(lm, prompt, n_branches, new_tokens, page_size):
-    pool = make_pool(lm, page_size)
-    base = PagedSequence(pool)
-    _, logits = run_prefill(lm.model, base.layers, prompt)
-    base.append_tokens(prompt)
-    base.commit()
+    base, logits = prefilled(lm, prompt, page_size)
+    pool = base.pool
     base.drop_buffers()
     forks = [base.fork() for _ in range(n_branches)]
     mx.synchronize()
