@@ -178,3 +178,12 @@ def test_unusable_cache_dir_serves_without_disk(tiny_lm, tmp_path):
         stats = httpx.get(f"{url}/kv_cache/stats").json()["models"][tiny_lm.name]
     assert stats["disk_enabled"] is False and len(history) == 4
     assert os.path.isfile(blocker)
+
+
+def test_import_larger_than_the_limit_is_413_and_stores_nothing(tiny_lm, tmp_path):
+    with running_server([tiny_lm], config(tmp_path, max_import_bytes=1000)) as url:
+        r = httpx.post(f"{url}/kv_cache/import?message_id=big", content=b"x" * 5000)
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        assert httpx.get(f"{url}/kv_cache/big").status_code == 404
+        stats = httpx.get(f"{url}/kv_cache/stats").json()["models"][tiny_lm.name]
+    assert stats["ram"]["entries"] == 0 and stats["disk"]["entries"] == 0
