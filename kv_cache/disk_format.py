@@ -6,14 +6,25 @@ bytes), readable by ``mx.load`` and the ``safetensors`` package; bfloat16 is sto
 The header's ``__metadata__`` (strings only) says what the file is and for which model:
 
     format          "mlx-kvcache-page" or "mlx-kvcache-entry"
-    format_version  FORMAT_VERSION
-    fingerprint, dtype, page_size, num_layers, num_kv_heads, head_dim
+    format_version  FORMAT_VERSION ("2")
+    fingerprint, page_size
+    cache_spec      the model's cache spec as canonical JSON (``kv_cache.spec``): its paged groups
+                    (kind, layers, heads, head size, dtype, window) and recurrent-state slots
     tokens          JSON list of token ids
-    page:   hash, parent (hex; hash == page_hash(parent, tokens)); tensor "kv" [L, 2, H, P, D]
-    entry:  key (the message id, only here), page_hashes (JSON list of hex), tail_tokens;
-            tensor "tail" [L, 2, H, tail_tokens, D] when tail_tokens > 0
+    page:   group, hash, parent (hex; hash == page_hash(parent, tokens), in that group's chain);
+            tensor "kv" [group layers, 2, H, P, D] in the group's dtype
+    entry:  key (the message id, only here), page_hashes (JSON list of hex, every group's pages
+            one group after another), layout (JSON [[skip, count], ...] per group: the first
+            ``skip`` full pages are not stored, as no sliding window at the entry's end reads
+            them, then ``count`` pages), tail_tokens, state ("1" when the entry carries the
+            recurrent state after its tokens); tensors "tail.<group>" [.., tail_tokens, ..]
+            when tail_tokens > 0 and "state.<slot>.<i>" per recurrent-state array
     data_checksum   blake2b-256 of the tensor bytes (checked when data is loaded)
     meta_checksum   blake2b-256 of the canonical JSON of every other metadata field
+
+Version 2 (this one) replaced version 1's one page shape (dtype, num_layers, num_kv_heads,
+head_dim) by the cache spec, and added page groups, entry layouts and state snapshots. Files of
+another version are foreign: a miss, logged and removed.
 
 This module writes the format itself (JSON framing around raw little-endian bytes): numpy has no
 bfloat16 and the ``safetensors`` writer's API changed in 0.8; the tests read the files back with
@@ -40,14 +51,15 @@ from typing import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .page_pool import page_hash, root_hash
+from .hashing import chain_hashes, page_hash, root_hash
+from .spec import CacheSpec
 
 try:
     import fcntl
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
-FORMAT_VERSION = "1"
+FORMAT_VERSION = "2"
 PAGE_FORMAT = "mlx-kvcache-page"
 ENTRY_FORMAT = "mlx-kvcache-entry"
 MAX_HEADER_BYTES = 16 << 20  # hostile-header cap
@@ -98,26 +110,39 @@ class Geometry:
     """What a file must say to be usable by a store (anything else is foreign)."""
 
     fingerprint: str
-    dtype: str
     page_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
+    spec: CacheSpec
+
+    @classmethod
+    def plain(cls, fingerprint: str, dtype: str, page_size: int, num_layers: int,
+              num_kv_heads: int, head_dim: int) -> "Geometry":
+        """One group of full-attention layers."""
+        spec = CacheSpec.plain(num_layers, num_kv_heads, head_dim, DTYPES[dtype][0])
+        return cls(fingerprint, page_size, spec)
 
     @property
-    def root(self) -> bytes:
-        return root_hash(self.fingerprint)
+    def dtype(self) -> str:
+        """Group 0's dtype."""
+        return self.spec.groups[0].dtype
 
-    def shape(self, n: int) -> list[int]:
-        return [self.num_layers, 2, self.num_kv_heads, n, self.head_dim]
+    def root(self, group: int = 0) -> bytes:
+        return root_hash(self.fingerprint, group)
+
+    def shape(self, n: int, group: int = 0) -> list[int]:
+        return list(self.spec.groups[group].shape(n))
+
+    def group_dtype(self, group: int) -> str:
+        return self.spec.groups[group].dtype
+
+    def state_tensors(self) -> dict[str, tuple[list[int], str]]:
+        """Name -> (shape, dtype) of every recurrent-state tensor of an entry."""
+        return {f"state.{si}.{i}": (list(shape), dt)
+                for si, s in enumerate(self.spec.states)
+                for i, (shape, dt) in enumerate(zip(s.shapes, s.dtypes))}
 
     def metadata(self) -> dict[str, str]:
-        return {
-            "format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
-            "dtype": self.dtype, "page_size": str(self.page_size),
-            "num_layers": str(self.num_layers), "num_kv_heads": str(self.num_kv_heads),
-            "head_dim": str(self.head_dim),
-        }
+        return {"format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
+                "page_size": str(self.page_size), "cache_spec": self.spec.to_json()}
 
 
 # -- tensors <-> bytes ----------------------------------------------------------------------------
@@ -153,11 +178,14 @@ def from_storage(buf, offset: int, shape: Sequence[int], dtype: str) -> mx.array
     return arr.view(mx.bfloat16) if dt == mx.bfloat16 else arr
 
 
-def encode(tensors: dict[str, np.ndarray], code: str, metadata: dict[str, str]) -> list:
-    """A safetensors file as chunks: the header (length + JSON, padded to 8) and tensor buffers."""
+def encode(tensors: dict[str, np.ndarray], codes: dict[str, str] | str,
+           metadata: dict[str, str]) -> list:
+    """A safetensors file as chunks: the header (length + JSON, padded to 8) and tensor buffers.
+    ``codes``: each tensor's safetensors dtype code (or one code for all)."""
     header: dict = {"__metadata__": metadata}
     offset, chunks = 0, []
     for name, arr in tensors.items():
+        code = codes if isinstance(codes, str) else codes[name]
         header[name] = {"dtype": code, "shape": list(arr.shape),
                         "data_offsets": [offset, offset + arr.nbytes]}
         offset += arr.nbytes
@@ -180,18 +208,22 @@ def seal_metadata(meta: dict[str, str]) -> dict[str, str]:
 
 
 def page_metadata(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
-                  data_sum: str) -> dict[str, str]:
-    return seal_metadata({"format": PAGE_FORMAT, **geo.metadata(), "hash": h.hex(),
+                  data_sum: str, group: int = 0) -> dict[str, str]:
+    return seal_metadata({"format": PAGE_FORMAT, **geo.metadata(), "group": str(group),
+                          "hash": h.hex(),
                           "parent": parent.hex(), "tokens": json.dumps(list(tokens)),
                           "data_checksum": data_sum})
 
 
 def entry_metadata(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
-                   tail_tokens: int, data_sum: str) -> dict[str, str]:
+                   tail_tokens: int, data_sum: str, layout: Sequence[tuple[int, int]],
+                   state: bool) -> dict[str, str]:
     return seal_metadata({"format": ENTRY_FORMAT, **geo.metadata(), "key": key,
                           "tokens": json.dumps(list(tokens)),
                           "page_hashes": json.dumps([h.hex() for h in hashes]),
-                          "tail_tokens": str(tail_tokens), "data_checksum": data_sum})
+                          "layout": json.dumps([list(x) for x in layout]),
+                          "tail_tokens": str(tail_tokens), "state": "1" if state else "0",
+                          "data_checksum": data_sum})
 
 
 # -- parsing --------------------------------------------------------------------------------------
@@ -299,10 +331,13 @@ def check_common(geo: Geometry, h: Header, fmt: str) -> dict[str, str]:
     for k, v in want.items():
         if meta.get(k) != v:
             raise ForeignError(f"{k} differs from the store's")
-    for t in h.tensors.values():
-        if t.dtype != DTYPES[geo.dtype][1]:
-            raise ForeignError("tensor dtype differs from the store's")
     return meta
+
+
+def _check_tensors(h: Header, want: dict[str, tuple[list[int], str]], what: str) -> None:
+    if {k: (list(t.shape), t.dtype) for k, t in h.tensors.items()} != \
+            {k: (shape, DTYPES[dt][1]) for k, (shape, dt) in want.items()}:
+        raise FormatError(f"{what} tensors do not match its metadata")
 
 
 @dataclass(frozen=True, slots=True)
@@ -310,18 +345,20 @@ class PageMetaInfo:
     hash: bytes
     parent: bytes
     tokens: tuple[int, ...]
+    group: int = 0
 
 
 def parse_page(geo: Geometry, h: Header, expect: bytes) -> PageMetaInfo:
     meta = check_common(geo, h, PAGE_FORMAT)
-    kv = h.tensors.get("kv")
-    if len(h.tensors) != 1 or kv is None or list(kv.shape) != geo.shape(geo.page_size):
-        raise FormatError("a page file holds one tensor 'kv' of the page's shape")
+    group = _uint(meta, "group")
+    if group >= len(geo.spec.groups):
+        raise FormatError("a page of no group of this model")
+    _check_tensors(h, {"kv": (geo.shape(geo.page_size, group), geo.group_dtype(group))}, "page")
     ph, parent = _hex(meta.get("hash"), "hash"), _hex(meta.get("parent"), "parent")
     tokens = _tokens(meta)
     if len(tokens) != geo.page_size or page_hash(parent, tokens) != ph or ph != expect:
         raise FormatError("page hash does not match its tokens, parent or file name")
-    return PageMetaInfo(ph, parent, tokens)
+    return PageMetaInfo(ph, parent, tokens, group)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,41 +367,76 @@ class EntryMetaInfo:
     tokens: tuple[int, ...]
     page_hashes: list[bytes]
     tail_tokens: int
+    layout: tuple[tuple[int, int], ...] = ()
+    has_state: bool = False
 
 
 def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
     meta = check_common(geo, h, ENTRY_FORMAT)
     key, tokens, tail = meta.get("key"), _tokens(meta), _uint(meta, "tail_tokens")
-    hx = _json(meta, "page_hashes")
+    hx, layout = _json(meta, "page_hashes"), _json(meta, "layout")
     if not isinstance(hx, list):
         raise FormatError("metadata 'page_hashes' is not a list")
     hashes = [_hex(x, "page hash") for x in hx]
-    P = geo.page_size
-    if not isinstance(key, str) or tail >= P or len(tokens) != P * len(hashes) + tail:
+    P, groups = geo.page_size, geo.spec.groups
+    full = len(tokens) // P
+    if not (isinstance(layout, list) and len(layout) == len(groups)
+            and all(isinstance(x, list) and len(x) == 2 and all(type(v) is int and v >= 0
+                                                                  for v in x) for x in layout)):
+        raise FormatError("metadata 'layout' is not one [skip, count] per group")
+    if not isinstance(key, str) or tail >= P or len(tokens) != P * full + tail \
+            or any(skip + count != full for skip, count in layout) \
+            or sum(count for _, count in layout) != len(hashes) \
+            or meta.get("state") not in ("0", "1"):
         raise FormatError("entry key, tokens, pages and tail do not agree")
-    want = {"tail": geo.shape(tail)} if tail else {}
-    if {k: list(t.shape) for k, t in h.tensors.items()} != want:
-        raise FormatError("entry tensors do not match its tail")
-    if chain_hashes(geo.root, tokens, P)[: len(hashes)] != hashes:
-        raise FormatError("entry page hashes do not match its tokens")
-    return EntryMetaInfo(key, tokens, hashes, tail)
+    at = 0
+    for g, (skip, count) in enumerate(layout):
+        if skip and groups[g].kind != "sliding":
+            raise FormatError("a full-attention group skips pages")
+        if chain_hashes(geo.root(g), tokens, P)[skip:] != hashes[at : at + count]:
+            raise FormatError("entry page hashes do not match its tokens")
+        at += count
+    has_state = meta["state"] == "1"
+    want = {f"tail.{g}": (geo.shape(tail, g), geo.group_dtype(g))
+            for g in range(len(groups))} if tail else {}
+    if has_state:
+        want.update(geo.state_tensors())
+    _check_tensors(h, want, "entry")
+    return EntryMetaInfo(key, tokens, hashes, tail, tuple(tuple(x) for x in layout), has_state)
 
 
 def page_file(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
-              data: mx.array) -> list:
+              data: mx.array, group: int = 0) -> list:
     """A sealed page's file, as chunks to write."""
-    arr = to_storage(data, geo.dtype)
-    meta = page_metadata(geo, h, parent, tokens, checksum(arr))
-    return encode({"kv": arr}, DTYPES[geo.dtype][1], meta)
+    dt = geo.group_dtype(group)
+    arr = to_storage(data, dt)
+    meta = page_metadata(geo, h, parent, tokens, checksum(arr), group)
+    return encode({"kv": arr}, DTYPES[dt][1], meta)
 
 
 def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
-               tail: mx.array | None) -> list:
-    """An entry's manifest (with its open tail page's data), as chunks to write."""
-    tensors = {} if tail is None else {"tail": to_storage(tail, geo.dtype)}
-    meta = entry_metadata(geo, key, tokens, hashes, len(tokens) - geo.page_size * len(hashes),
-                          checksum(*tensors.values()))
-    return encode(tensors, DTYPES[geo.dtype][1], meta)
+               tails: dict[int, mx.array | np.ndarray] | None,
+               layout: Sequence[tuple[int, int]] | None = None,
+               state: Sequence[Sequence[mx.array | np.ndarray]] | None = None) -> list:
+    """An entry's manifest (with its open tail pages' data and its recurrent state), as chunks
+    to write. ``tails``: per group; ``layout``: per group (skip, count), default all pages of
+    one group."""
+    full = len(tokens) // geo.page_size
+    layout = [(0, full)] if layout is None else list(layout)
+    tensors, codes = {}, {}
+    for g, data in sorted((tails or {}).items()):
+        dt = geo.group_dtype(g)
+        tensors[f"tail.{g}"], codes[f"tail.{g}"] = to_storage(data, dt), DTYPES[dt][1]
+    if state is not None:
+        specs = geo.state_tensors()
+        for si, arrays in enumerate(state):
+            for i, a in enumerate(arrays):
+                name = f"state.{si}.{i}"
+                dt = specs[name][1]
+                tensors[name], codes[name] = to_storage(a, dt), DTYPES[dt][1]
+    meta = entry_metadata(geo, key, tokens, hashes, len(tokens) - geo.page_size * full,
+                          checksum(*tensors.values()), layout, state is not None)
+    return encode(tensors, codes, meta)
 
 
 def nbytes(chunks: Sequence) -> int:
@@ -383,25 +455,20 @@ def decode_page(geo: Geometry, buf: bytes, expect: bytes) -> mx.array:
     parse_page(geo, h, expect)
     _verified(h, buf)
     t = h.tensors["kv"]
-    return from_storage(buf, t.start, t.shape, geo.dtype)
+    return from_storage(buf, t.start, t.shape, geo.group_dtype(int(h.metadata["group"])))
 
 
-def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, mx.array | None]:
-    """A whole manifest, every check passed, to its metadata and tail data (None: no tail)."""
+def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, dict[str, mx.array]]:
+    """A whole manifest, every check passed, to its metadata and tensors (tails, state)."""
     h = parse_header(buf, len(buf))
     info = parse_entry(geo, h)
     _verified(h, buf)
-    t = h.tensors.get("tail")
-    return info, None if t is None else from_storage(buf, t.start, t.shape, geo.dtype)
-
-
-def chain_hashes(root: bytes, tokens: Sequence[int], page_size: int) -> list[bytes]:
-    """The chained hashes of every full page of ``tokens``."""
-    out, parent = [], root
-    for i in range(len(tokens) // page_size):
-        parent = page_hash(parent, tokens[i * page_size : (i + 1) * page_size])
-        out.append(parent)
-    return out
+    st = geo.state_tensors()
+    out = {}
+    for name, t in h.tensors.items():
+        dt = st[name][1] if name in st else geo.group_dtype(int(name.split(".")[1]))
+        out[name] = from_storage(buf, t.start, t.shape, dt)
+    return info, out
 
 
 # -- file system ----------------------------------------------------------------------------------

@@ -34,6 +34,7 @@ import mlx.core as mx
 
 from . import disk_format as fmt
 from .disk_format import FormatError, ForeignError, Geometry
+from .spec import CacheSpec
 from .eviction import make_policy
 
 try:
@@ -56,14 +57,25 @@ class PageRecord:
     hash: bytes | None  # chained content hash of a sealed full page; None for the open tail page
     tokens: tuple[int, ...]
     data: mx.array | None  # [layers, 2, kv_heads, n, head_dim]; None if the store has the page
+    group: int = 0  # the cache group whose layers the page holds
 
 
 @dataclass
 class StoredEntry:
     key: str  # the original message_id (lives in metadata only)
     tokens: tuple[int, ...]  # all tokens of the entry
-    page_hashes: list[bytes]  # sealed full pages, in order
+    page_hashes: list[bytes]  # sealed full pages, in order, group after group
     tail_tokens: int  # tokens in the open tail page (0 if none)
+    layout: tuple[tuple[int, int], ...] = ()  # per group: (pages not stored, pages stored)
+    has_state: bool = False  # carries the recurrent state after its tokens
+
+    def group_hashes(self) -> list[list[bytes | None]]:
+        """Per group, the hash of each full page (None where the entry does not store it)."""
+        out, at = [], 0
+        for skip, count in self.layout or ((0, len(self.page_hashes)),):
+            out.append([None] * skip + list(self.page_hashes[at : at + count]))
+            at += count
+        return out
 
 
 @dataclass(slots=True)
@@ -98,14 +110,25 @@ def _locked(fn):
 class DiskStore:
     """Pages and message-keyed entries of one model under ``root``, within ``max_bytes``."""
 
-    def __init__(self, root: Path, *, fingerprint: str, num_layers: int, num_kv_heads: int,
-                 head_dim: int, page_size: int, dtype: mx.Dtype, max_bytes: int,
-                 policy: str = "lru"):
-        if min(num_layers, num_kv_heads, head_dim, page_size) <= 0 or max_bytes < 0:
+    def __init__(self, root: Path, *, fingerprint: str, num_layers: int | None = None,
+                 num_kv_heads: int | None = None, head_dim: int | None = None,
+                 page_size: int, dtype: mx.Dtype | None = None, max_bytes: int,
+                 policy: str = "lru", spec: CacheSpec | None = None):
+        """The store of one model under ``root``: pages of the groups of ``spec`` or, without
+        one, of ``num_layers`` full-attention layers of one shape in ``dtype``."""
+        if spec is None:
+            if any(x is None for x in (num_layers, num_kv_heads, head_dim, dtype)) \
+                    or min(num_layers, num_kv_heads, head_dim) <= 0:
+                raise ValueError("layers, heads, head_dim and page_size must be > 0, "
+                                 "max_bytes >= 0")
+            spec = CacheSpec.plain(num_layers, num_kv_heads, head_dim, dtype)
+        if page_size <= 0 or max_bytes < 0:
             raise ValueError("layers, heads, head_dim and page_size must be > 0, max_bytes >= 0")
-        self.geo = Geometry(fingerprint, fmt.dtype_name(dtype), page_size, num_layers,
-                            num_kv_heads, head_dim)
-        self.page_size, self.dtype, self.max_bytes = page_size, dtype, max_bytes
+        for g in spec.groups:
+            fmt.DTYPES[g.dtype]  # a dtype the store keeps (KeyError otherwise)
+        self.geo = Geometry(fingerprint, page_size, spec)
+        self.page_size, self.max_bytes = page_size, max_bytes
+        self.dtype = spec.groups[0].mx_dtype if spec.groups else None
         self.policy = make_policy(policy)
         self._lock = threading.RLock()
         self._closed = True
@@ -141,8 +164,12 @@ class DiskStore:
 
     @_locked
     def put(self, key: str, tokens: Sequence[int], pages: Sequence[PageRecord],
-            pinned: Collection[str] = ()) -> bool:
-        """Save ``key`` (its pages in order: sealed full pages, then at most one open tail).
+            pinned: Collection[str] = (), *, tails: dict | None = None,
+            layout: Sequence[tuple[int, int]] | None = None, state=None) -> bool:
+        """Save ``key``: its sealed full pages in order (group after group; ``layout`` says per
+        group how many leading pages are left out and how many follow), its open tail page
+        per group (``tails``; a one-group store also takes it as a last record without hash)
+        and its recurrent ``state`` (per state slot, its arrays), if the model has one.
 
         Pages already on disk are not written again. True if saved; afterwards the store is
         within ``max_bytes``, having evicted entries other than ``key`` and ``pinned``. False
@@ -150,7 +177,7 @@ class DiskStore:
         the disk refuses the write. Inconsistent records (hashes that do not chain over
         ``tokens``, wrong shapes, no data for a page the store lacks) are a ``ValueError``.
         """
-        tokens, new_pages, manifest = self._prepare(key, tokens, pages)
+        tokens, new_pages, manifest = self._prepare(key, tokens, pages, tails, layout, state)
         if manifest is None:
             return False
         name = entry_name(key)
@@ -178,7 +205,7 @@ class DiskStore:
             return False
         if old is not None:
             self._forget_entry(old)
-        self._add_entry(key, name, hashes, len(tokens) - self.page_size * len(hashes), msize)
+        self._add_entry(key, name, hashes, len(tokens) % self.page_size, msize)
         if old is not None:
             self._gc(old.page_hashes)
         self._stats["puts"] += 1
@@ -196,7 +223,8 @@ class DiskStore:
         if got is None:
             return None
         info, _ = got
-        return StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens)
+        return StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens,
+                           info.layout, info.has_state)
 
     @_locked
     def load_page(self, h: bytes) -> mx.array | None:
@@ -220,15 +248,36 @@ class DiskStore:
         finally:
             os.close(sub_fd)
 
-    @_locked
     def load_tail(self, key: str) -> mx.array | None:
-        """The entry's open tail page data ``[layers, 2, kv_heads, tail_tokens, head_dim]``;
+        """Group 0's open tail page data ``[layers, 2, kv_heads, tail_tokens, head_dim]``;
         None when the entry has no tail or is missing, corrupt or foreign."""
+        tails = self.load_tails(key)
+        return None if tails is None else tails.get(0)
+
+    @_locked
+    def load_tails(self, key: str) -> dict[int, mx.array] | None:
+        """Per group, the entry's open tail page data; None when the entry has no tail or is
+        missing, corrupt or foreign."""
         e = self._entries.get(key)
         if e is None or e.tail_tokens == 0:
             return None
         got = self._read_entry(e, data=True)
-        return None if got is None else got[1]
+        if got is None:
+            return None
+        return {int(k.split(".")[1]): v for k, v in got[1].items() if k.startswith("tail.")}
+
+    @_locked
+    def load_state(self, key: str) -> list[list[mx.array]] | None:
+        """The recurrent state stored with the entry (per state slot, its arrays), or None."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        got = self._read_entry(e, data=True)
+        if got is None or not got[0].has_state:
+            return None
+        tensors = got[1]
+        return [[tensors[f"state.{si}.{i}"] for i in range(len(s.shapes))]
+                for si, s in enumerate(self.geo.spec.states)]
 
     @_locked
     def delete(self, key: str) -> bool:
@@ -291,7 +340,7 @@ class DiskStore:
 
     # -- put helpers ----------------------------------------------------------------------------
 
-    def _prepare(self, key, tokens, pages):
+    def _prepare(self, key, tokens, pages, tails=None, layout=None, state=None):
         """Validate a put; returns (tokens, new page files, manifest) — manifest None: refused."""
         if not isinstance(key, str):
             raise ValueError("a key is a str")
@@ -300,44 +349,64 @@ class DiskStore:
             raise ValueError("token ids must fit int64")
         P, geo = self.page_size, self.geo
         sealed = [p for p in pages if p.hash is not None]
-        tails = list(pages[len(sealed):])
-        if len(tails) > 1 or any(p.hash is not None for p in tails):
+        rest = list(pages[len(sealed):])
+        if len(rest) > 1 or any(p.hash is not None for p in rest):
             raise ValueError("pages are sealed full pages, then at most one open tail page")
-        if tuple(t for p in pages for t in p.tokens) != tokens:
-            raise ValueError("the pages' tokens do not make up the entry's tokens")
-        chain = fmt.chain_hashes(geo.root, tokens, P)
-        hashes = [bytes(p.hash) for p in sealed]
-        if any(len(p.tokens) != P for p in sealed) or chain[: len(hashes)] != hashes:
-            raise ValueError("sealed pages must be full and their hashes chain over the tokens")
-        new_pages, new_set, parent = [], set(), geo.root
-        for p, h in zip(sealed, hashes):
-            if p.data is not None:
-                self._check_shape(p.data, P)
-                if h in self._pages and not self._page_file_exists(h):
-                    self._lost_page(h)
-                if h not in self._pages and h not in new_set:
-                    new_set.add(h)
-                    chunks = fmt.page_file(geo, h, parent, p.tokens, p.data)
-                    new_pages.append((h, chunks, h.hex()[:2], fmt.nbytes(chunks)))
-            elif h not in self._pages:
-                raise ValueError(f"page {h.hex()[:12]} is not on disk and came without data")
-            parent = h
-        tail = tails[0] if tails else None
-        if tail is not None:
-            if not 0 < len(tail.tokens) < P or tail.data is None:
+        tails = dict(tails or {})
+        if rest:
+            if not 0 < len(rest[0].tokens) < P or rest[0].data is None:
                 raise ValueError(f"the open tail page holds 1..{P - 1} tokens and its data")
-            self._check_shape(tail.data, len(tail.tokens))
+            tails[0] = rest[0].data
+        full, groups = len(tokens) // P, geo.spec.groups
+        layout = [(0, len(sealed))] if layout is None else [tuple(x) for x in layout]
+        if layout is not None and len(layout) != len(groups):
+            raise ValueError(f"a layout per group: {len(groups)} wanted")
+        if any(skip + count != full for skip, count in layout) \
+                or sum(c for _, c in layout) != len(sealed):
+            raise ValueError("the pages do not make up the entry's tokens")
+        if (len(tokens) % P) and set(tails) != set(range(len(groups))) \
+                or not (len(tokens) % P) and tails:
+            raise ValueError("an open tail page per group when the tokens end inside a page")
+        if (state is None) == geo.spec.has_state and tokens:
+            raise ValueError("an entry of this model carries its recurrent state"
+                             if geo.spec.has_state else "this model has no recurrent state")
+        new_pages, new_set, hashes, at = [], set(), [], 0
+        for g, (skip, count) in enumerate(layout):
+            chain = fmt.chain_hashes(geo.root(g), tokens, P)
+            group_pages = sealed[at : at + count]
+            at += count
+            for i, p in enumerate(group_pages, start=skip):
+                h = bytes(p.hash)
+                if p.group != g or len(p.tokens) != P or chain[i] != h \
+                        or tuple(p.tokens) != tokens[i * P : (i + 1) * P]:
+                    raise ValueError("sealed pages must be full and their hashes chain over "
+                                     "the tokens")
+                hashes.append(h)
+                if p.data is not None:
+                    self._check_shape(p.data, P, g)
+                    if h in self._pages and not self._page_file_exists(h):
+                        self._lost_page(h)
+                    if h not in self._pages and h not in new_set:
+                        new_set.add(h)
+                        parent = geo.root(g) if i == 0 else chain[i - 1]
+                        chunks = fmt.page_file(geo, h, parent, p.tokens, p.data, g)
+                        new_pages.append((h, chunks, h.hex()[:2], fmt.nbytes(chunks)))
+                elif h not in self._pages:
+                    raise ValueError(f"page {h.hex()[:12]} is not on disk and came without data")
+        for g, data in tails.items():
+            self._check_shape(data, len(tokens) % P, g)
         try:
-            chunks = fmt.entry_file(geo, key, tokens, hashes, None if tail is None else tail.data)
+            chunks = fmt.entry_file(geo, key, tokens, hashes, tails, layout, state)
         except FormatError as e:
             log.warning("disk store: entry refused: %s", e)
             self._stats["refused"] += 1
             return tokens, new_pages, None
         return tokens, new_pages, (chunks, hashes, fmt.nbytes(chunks))
 
-    def _check_shape(self, data: mx.array, n: int) -> None:
-        if list(data.shape) != self.geo.shape(n):
-            raise ValueError(f"page data of shape {data.shape}; {self.geo.shape(n)} expected")
+    def _check_shape(self, data: mx.array, n: int, group: int = 0) -> None:
+        if list(data.shape) != self.geo.shape(n, group):
+            raise ValueError(f"page data of shape {data.shape}; {self.geo.shape(n, group)} "
+                             "expected")
 
     def _fits_after_evicting_all(self, old, protected, needed, add) -> bool:
         refs, free = Counter(self._refs), 0
@@ -449,13 +518,13 @@ class DiskStore:
             return False
 
     def _read_entry(self, e: _Entry, data: bool):
-        """(metadata, tail data or None) of a manifest, or None (a bad file is removed)."""
+        """(metadata, tensors) of a manifest, or None (a bad file is removed)."""
         try:
             got = self._read(self._entries_fd, e.name, whole=data)
             if data:
                 info, tail = fmt.decode_entry(self.geo, got)
             else:
-                info, tail = fmt.parse_entry(self.geo, got), None
+                info, tail = fmt.parse_entry(self.geo, got), {}
             if info.key != e.key:
                 raise FormatError("the manifest is another key's")
         except (FormatError, OSError) as err:

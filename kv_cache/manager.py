@@ -27,7 +27,8 @@ from .disk_format import host_array
 from .disk_store import DiskStore, PageRecord, StoredEntry
 from .errors import OutOfBlocksError
 from .page_pool import PagePool
-from .sequence import PagedSequence
+from .sequence import PagedSequence, Snapshot
+from .spec import SLIDING
 
 log = logging.getLogger("kv_cache.manager")
 
@@ -36,15 +37,26 @@ log = logging.getLogger("kv_cache.manager")
 class Entry:
     key: str
     tokens: tuple[int, ...]
-    blocks: list[int]
+    tables: list[list[int | None]]  # per cache group; None: a page no window at the end reads
+    state: Snapshot | None = None  # recurrent state after ``tokens``
+
+    @property
+    def blocks(self) -> list[int | None]:
+        """Group 0's pages."""
+        return self.tables[0] if self.tables else []
 
 
 @dataclass(slots=True)
 class Match:
     tokens: int  # prompt tokens whose keys and values are reused
-    blocks: list[int]
+    tables: list[list[int | None]]
     source: str  # "entry:<key>", "disk:<key>", "prefix" or "none"
     stored: StoredEntry | None = None
+    state: Snapshot | None = None
+
+    @property
+    def blocks(self) -> list[int | None]:
+        return self.tables[0] if self.tables else []
 
 
 @dataclass(slots=True)
@@ -130,25 +142,82 @@ class CacheManager:
     # -- lookup ---------------------------------------------------------------------------------
 
     def find(self, prompt: Sequence[int], keys: Iterable[str]) -> Match:
-        """The longest verified reuse for ``prompt``; always leaves one token to run."""
+        """The longest verified reuse for ``prompt``; always leaves one token to run.
+
+        A candidate's stored tokens decide how much of it is valid (the common prefix); a
+        sliding window must still have the pages it reads at that point, and a recurrent state
+        exists only where an entry ends, so for such models a candidate counts only in full."""
         limit = len(prompt) - 1
-        best = Match(0, [], "none")
+        best = Match(0, self._no_tables(), "none")
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
-                n = min(common_prefix(entry.tokens, prompt), limit)
+                n = self._usable(prompt, limit, entry.tokens, entry.tables, entry.state is not None)
                 if n > best.tokens:
-                    best = Match(n, entry.blocks, f"entry:{key}")
+                    best = Match(n, entry.tables, f"entry:{key}", state=entry.state)
             elif self.store is not None and (stored := self.store.get(key)) is not None:
-                n = min(common_prefix(stored.tokens, prompt), limit)
+                n = self._usable(prompt, limit, stored.tokens, self._stored_tables(stored),
+                                 stored.has_state)
                 if n > best.tokens:
                     best = Match(n, [], f"disk:{key}", stored)
-        by_prefix = self.pool.match_prefix(prompt)
-        n = min(len(by_prefix) * self.pool.page_size, limit)
-        if n > best.tokens:
-            best = Match(n, by_prefix, "prefix")
-        best.blocks = best.blocks[: -(-best.tokens // self.pool.page_size)]
+        if not self.pool.spec.has_state:
+            n, tables = self._by_prefix(prompt, limit)
+            if n > best.tokens:
+                best = Match(n, tables, "prefix")
+        if best.stored is None:
+            best.tables = self._cut(best.tables, best.tokens)
         return best
+
+    def _no_tables(self) -> list[list[int | None]]:
+        return [[] for _ in self.pool.groups]
+
+    def _stored_tables(self, stored: StoredEntry) -> list[list]:
+        return [[None] * skip + [True] * count for skip, count in stored.layout]
+
+    def _usable(self, prompt, limit, tokens, tables, has_state: bool) -> int:
+        n = min(common_prefix(tokens, prompt), limit)
+        if self.pool.spec.has_state and (n != len(tokens) or not has_state):
+            return 0
+        return n if self._window_ok(tables, n) else 0
+
+    def _window_ok(self, tables, n: int) -> bool:
+        """Whether every sliding-window group holds the pages it reads after ``n`` positions."""
+        P = self.pool.page_size
+        for g, table in zip(self.pool.groups, tables):
+            if g.kind == SLIDING and n:
+                need = table[g.first_needed(n) // P : -(-n // P)]
+                if len(need) < -(-n // P) - g.first_needed(n) // P or None in need:
+                    return False
+        return True
+
+    def _by_prefix(self, prompt, limit) -> tuple[int, list[list[int | None]]]:
+        """The longest reuse the pool's prefix index finds by tokens alone."""
+        pool, P = self.pool, self.pool.page_size
+        full = [g for g, spec in enumerate(pool.groups) if spec.kind != SLIDING]
+        found = {g: pool.match_prefix(prompt, g) for g in full}
+        pages = min((len(b) for b in found.values()), default=len(prompt) // P)
+        n = min(pages * P, limit)
+        tables = []
+        for g, spec in enumerate(pool.groups):
+            if g in found:
+                tables.append(found[g][:pages])
+            else:
+                hashes = pool.chain(prompt[: pages * P], g)
+                tables.append(pool.match_hashes(hashes, prompt))
+        while n > 0 and not self._window_ok(tables, n):
+            n -= P  # NOTE: an earlier page boundary may still have its window cached
+            n -= n % P
+        return max(n, 0), tables
+
+    def _cut(self, tables, n: int) -> list[list[int | None]]:
+        """``tables`` cut to the pages that the first ``n`` positions use (and a window reads)."""
+        P = self.pool.page_size
+        out = []
+        for g, table in zip(self.pool.groups, tables):
+            t = list(table[: -(-n // P)])
+            skip = min(g.first_needed(n) // P, len(t))
+            out.append([None] * skip + t[skip:])
+        return out
 
     def keep(self, seq: PagedSequence) -> None:
         """Keep ``seq`` (finished) resident with its working buffers: a request that continues
@@ -172,13 +241,14 @@ class CacheManager:
 
     def resident_blocks(self) -> list[int]:
         """The pages the resident sequences hold (each is one more holder of its pages)."""
-        return [b for s in self._resident.values() for b in s.table.blocks]
+        return [b for s in self._resident.values() for t in s.tables for b in t.blocks
+                if b is not None]
 
     def _take_resident(self, prompt: Sequence[int], match: Match) -> PagedSequence | None:
         best, best_n = None, 0
         for seq in self._resident.values():
             n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
-            if n > best_n and seq.layers[0].keys is not None:
+            if n > best_n and seq.has_buffers() and seq.can_trim_to(n):
                 best, best_n = seq, n
         if best is None or best_n < match.tokens:
             return None
@@ -195,18 +265,18 @@ class CacheManager:
     ) -> tuple[PagedSequence, Match]:
         """A sequence that holds the reusable prefix of ``prompt``; the caller runs the rest."""
         if not use_cache:
-            return PagedSequence(self.pool), Match(0, [], "none")
+            return PagedSequence(self.pool), Match(0, self._no_tables(), "none")
         match = self.find(prompt, keys)
         resident = self._take_resident(prompt, match)
         if resident is not None:
             self.stats.hits += 1
             self.stats.tokens_served += len(resident.tokens)
-            return resident, Match(len(resident.tokens), list(resident.table.blocks), "resident")
-        loaded: list[int] = []
+            return resident, Match(len(resident.tokens), [list(t.blocks) for t in resident.tables],
+                                   "resident")
+        loaded: list[list[int | None]] = []
         if match.stored is not None:
-            loaded = self._load(match.stored, match.tokens)
-            match.blocks = loaded
-            match.tokens = min(match.tokens, len(loaded) * self.pool.page_size)
+            match.tokens, loaded, match.state = self._load(match.stored, match.tokens)
+            match.tables = loaded
             if match.tokens == 0:
                 match.source = "none"
         elif match.source.startswith("entry:"):
@@ -220,57 +290,93 @@ class CacheManager:
                 self.store.touch(match.stored.key)
         else:
             self.stats.misses += 1
-        seq = PagedSequence(self.pool, prompt[: match.tokens], match.blocks)
-        for b in loaded:  # the sequence holds them now
-            self.pool.release(b)
+        seq = PagedSequence(self.pool, prompt[: match.tokens],
+                            match.tables if match.tokens else [], match.state)
+        for t in loaded:  # the sequence holds them now
+            for b in t:
+                if b is not None:
+                    self.pool.release(b)
         return seq, match
 
-    def _load(self, stored: StoredEntry, n: int) -> list[int]:
-        """Hold the pages of ``stored`` that cover its first ``n`` tokens, from memory where the
-        pool has them, else from disk; stops at the first page that cannot be had."""
-        P, pool = self.pool.page_size, self.pool
-        need = -(-n // P)
-        blocks: list[int] = []
-        parent = pool.root
+    def _load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
+                                                         Snapshot | None]:
+        """Hold the pages of ``stored`` that its first ``n`` tokens use, from memory where the
+        pool has them, else from disk: ``(tokens covered, tables, state)``. A model with one
+        full-attention group keeps what loads up to the first page that cannot be had; any
+        other gets all it needs or nothing."""
+        pool, P = self.pool, self.pool.page_size
+        tables: list[list[int | None]] = []
+        covered = n
+        state = None
+        if pool.spec.has_state:
+            state = self.store.load_state(stored.key) if n == len(stored.tokens) else None
+            if state is None:
+                return 0, [], None
+        hashes = stored.group_hashes()
+        tails = None
         try:
-            for i, h in enumerate(stored.page_hashes[:need]):
-                block = pool.lookup(h)
-                if block is not None:
-                    pool.hold(block)
-                else:
-                    data = self.store.load_page(h)
-                    if data is None:
-                        return blocks
-                    block = pool.add_sealed(parent, stored.tokens[i * P : (i + 1) * P], data)
-                    self.stats.pages_read_from_disk += 1
-                blocks.append(block)
-                parent = h
-            if need > len(stored.page_hashes):  # the reuse reaches into the open tail page
-                tail = self.store.load_tail(stored.key)
-                if tail is None:
-                    return blocks
-                start = len(stored.page_hashes) * P
-                k = n - start
-                (block,) = pool.allocate(1)
-                pool.write(block, mx.contiguous(tail[:, :, :, :k, :]),
-                           stored.tokens[start : start + k])
-                blocks.append(block)
+            for g, spec in enumerate(pool.groups):
+                skip = spec.first_needed(n) // P
+                table: list[int | None] = [None] * skip
+                tables.append(table)
+                for i in range(skip, -(-n // P)):
+                    tokens = stored.tokens[i * P : (i + 1) * P]
+                    if i < len(hashes[g]):
+                        h = hashes[g][i]
+                        block = None if h is None else pool.lookup(h)
+                        if block is not None:
+                            pool.hold(block)
+                        else:
+                            data = None if h is None else self.store.load_page(h)
+                            if data is None:
+                                break
+                            parent = pool.roots[g] if i == 0 else pool.chain(
+                                stored.tokens[: i * P], g)[-1]
+                            block = pool.add_sealed(parent, tokens, data, g)
+                            self.stats.pages_read_from_disk += 1
+                    else:  # the reuse reaches into the open tail page
+                        tails = self.store.load_tails(stored.key) if tails is None else tails
+                        if not tails or tails.get(g) is None:
+                            break
+                        k = n - i * P
+                        (block,) = pool.allocate(1, g)
+                        pool.write(block, mx.contiguous(tails[g][:, :, :, :k, :]), tokens[:k])
+                    table.append(block)
+                covered = min(covered, len(table) * P)
         except OutOfBlocksError as e:
             log.warning("memory full while loading %s from disk: %s", stored.key, e)
-        return blocks
+            covered = 0
+        single = len(pool.groups) == 1 and pool.groups[0].kind != SLIDING and not state
+        if covered < n and not single:
+            covered = 0
+        tables = self._cut_loaded(tables, covered)
+        return covered, tables, state
+
+    def _cut_loaded(self, tables, n: int) -> list[list[int | None]]:
+        """Release what loaded beyond the first ``n`` positions' needs."""
+        keep = self._cut(tables, n) if n else [[] for _ in tables]
+        for table, kept in zip(tables, keep):
+            for i, b in enumerate(table):
+                if b is not None and (i >= len(kept) or kept[i] is None):
+                    self.pool.release(b)
+        return keep
 
     # -- entries --------------------------------------------------------------------------------
 
     def save(self, key: str, seq: PagedSequence, n_tokens: int | None = None) -> Entry:
-        """Keep the first ``n_tokens`` (default all) of ``seq`` under ``key``; the disk copy is
-        written by the next ``flush()``."""
+        """Keep the first ``n_tokens`` (default all) of ``seq`` under ``key``, with the recurrent
+        state when that is where the sequence stands; the disk copy is written by the next
+        ``flush()``."""
         seq.commit()
         n = len(seq.tokens) if n_tokens is None else n_tokens
-        blocks = seq.prefix_blocks(n)
-        for b in blocks:
-            self.pool.hold(b)
+        tables = seq.prefix_tables(n)
+        for t in tables:
+            for b in t:
+                if b is not None:
+                    self.pool.hold(b)
         self.drop(key, from_disk=False)
-        entry = Entry(key, tuple(seq.tokens[:n]), list(blocks))
+        state = seq.state_snapshot() if n == len(seq.tokens) else None
+        entry = Entry(key, tuple(seq.tokens[:n]), tables, state)
         self._entries[key] = entry
         if self.store is not None and n > 0:
             self._pending.append(self._capture(entry))
@@ -281,24 +387,28 @@ class CacheManager:
         may be evicted from memory before the write, their arrays stay alive."""
         P, pool, n = self.pool.page_size, self.pool, len(entry.tokens)
         full = n // P
-        pages = [(pool.hash_of(b), pool.tokens(b), pool.data(b)) for b in entry.blocks[:full]]
-        tail = None
-        if n % P:
-            tail = mx.contiguous(pool.data(entry.blocks[full])[:, :, :, : n % P, :])
-        return entry.key, entry.tokens, pages, tail
+        pages, tails, layout = [], {}, []
+        for g, table in enumerate(entry.tables):
+            present = [(i, b) for i, b in enumerate(table[:full]) if b is not None]
+            skip = present[0][0] if present else full
+            layout.append((skip, full - skip))
+            pages += [(g, pool.hash_of(b), pool.tokens(b), pool.data(b)) for _, b in present]
+            if n % P:
+                tails[g] = mx.contiguous(pool.data(table[full])[:, :, :, : n % P, :])
+        return entry.key, entry.tokens, pages, tails, layout, entry.state
 
     def _writer_task(self, captured: tuple) -> Callable[[], None]:
-        key, tokens, pages, tail = captured
+        key, tokens, pages, tails, layout, state = captured
         # Pages already on disk need no data; the rest go over as host bytes (zero-copy).
-        records = [PageRecord(h, t, None if self.store.has_page(h) else host_array(d))
-                   for h, t, d in pages]
-        if tail is not None:
-            records.append(PageRecord(None, tokens[len(pages) * self.pool.page_size :],
-                                      host_array(tail)))
+        records = [PageRecord(h, t, None if self.store.has_page(h) else host_array(d), g)
+                   for g, h, t, d in pages]
+        tails = {g: host_array(d) for g, d in tails.items()}
+        state = None if state is None else [[host_array(a) for a in arrays] for arrays in state]
 
         def write() -> None:
             try:
-                ok = self.store.put(key, tokens, records, pinned=(key,))
+                ok = self.store.put(key, tokens, records, pinned=(key,), tails=tails,
+                                    layout=layout, state=state)
             except ValueError as e:  # e.g. a page evicted from disk since the check above
                 log.info("cache entry %s not saved to disk: %s", key, e)
                 ok = False
@@ -333,8 +443,10 @@ class CacheManager:
         """Forget ``key`` in memory (and on disk unless told otherwise)."""
         entry = self._entries.pop(key, None)
         if entry is not None:
-            for b in entry.blocks:
-                self.pool.release(b)
+            for t in entry.tables:
+                for b in t:
+                    if b is not None:
+                        self.pool.release(b)
         if from_disk and self.store is not None:
             self.sync()  # a queued write of this key must not bring it back
         on_disk = bool(from_disk and self.store is not None and self.store.delete(key))
@@ -344,9 +456,9 @@ class CacheManager:
         for key in list(self._entries):
             self.drop(key, from_disk=False)
 
-    def _reclaim(self, n_pages: int) -> None:
-        while self._resident and not self.pool.can_allocate(n_pages):
+    def _reclaim(self, n_pages: int, group: int = 0) -> None:
+        while self._resident and not self.pool.can_allocate(n_pages, group):
             self._resident.popitem(last=False)[1].close()
-        while self._entries and not self.pool.can_allocate(n_pages):
+        while self._entries and not self.pool.can_allocate(n_pages, group):
             self.drop(next(iter(self._entries)), from_disk=False)
             self.stats.entries_dropped += 1

@@ -1,10 +1,11 @@
 """The page pool: the one owner of every page's storage, ref count, seal and content hash.
 
-A page holds ``page_size`` token positions of keys and values for every layer, stored as one MLX
-array shaped ``[num_layers, 2, num_kv_heads, n, head_dim]`` (``n`` grows to ``page_size`` while
-the page is open). Full pages are sealed: immutable, hashed with a chain over the model
-fingerprint, the parent page's hash and the page's token ids, and entered in the prefix index, so
-every sequence that starts with the same tokens holds the same physical page.
+A page belongs to one group of the model's cache spec (``kv_cache.spec``) and holds ``page_size``
+token positions of keys and values for every layer of that group, stored as one MLX array shaped
+``[group layers, 2, kv_heads, n, head_dim]`` (``n`` grows to ``page_size`` while the page is
+open). Full pages are sealed: immutable, hashed with a chain over the model fingerprint and the
+group (the chain's root), the parent page's hash and the page's token ids, and entered in the
+prefix index, so every sequence that starts with the same tokens holds the same physical page.
 
 Pages that nothing holds stay cached for reuse until the byte budget needs their room; an
 eviction policy chooses among them, and only among leaf pages (no cached page continues them).
@@ -13,18 +14,18 @@ The pool grows on demand: storage exists only for pages that hold data.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import mlx.core as mx
-import numpy as np
 
 from .block_allocator import BlockAllocator
 from .errors import InvalidBlockError, OutOfBlocksError
 from .eviction import EvictionPolicy, make_policy
+from .hashing import chain_hashes, page_hash, root_hash
+from .spec import CacheSpec, GroupSpec
 
-Reclaimer = Callable[[int], None]
+Reclaimer = Callable[[int, int], None]  # (pages, group)
 
 
 @dataclass(slots=True)
@@ -35,6 +36,7 @@ class PageMeta:
     hash: bytes | None = None  # chained content hash, set when sealed
     parent: bytes | None = None  # hash of the page before it (the root hash for the first)
     indexed: bool = False  # entered in the prefix index (False only on a hash collision)
+    group: int = 0  # the cache spec's group whose layers the page holds
 
 
 @dataclass(slots=True)
@@ -48,23 +50,8 @@ class PoolStats:
     sealed_pages: int
     evictions: int = 0
     prefix_hits: int = 0
+    used_bytes: int = 0
     extra: dict = field(default_factory=dict)
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used_pages * self.page_bytes
-
-
-def page_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
-    """Chained content hash of a page: its parent's hash and its token ids."""
-    h = hashlib.sha256(parent)
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return h.digest()
-
-
-def root_hash(fingerprint: str) -> bytes:
-    """The chain's root: pages of different models never share a hash."""
-    return hashlib.sha256(b"kv-cache-root\0" + fingerprint.encode()).digest()
 
 
 class PagePool:
@@ -72,26 +59,43 @@ class PagePool:
 
     def __init__(
         self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
+        num_layers: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
         *,
         page_size: int = 32,
         dtype: mx.Dtype = mx.float16,
         max_bytes: int = 2 << 30,
         policy: str | EvictionPolicy = "lru",
         fingerprint: str = "",
+        spec: CacheSpec | None = None,
     ):
-        if min(num_layers, num_kv_heads, head_dim, page_size) <= 0:
-            raise ValueError("layers, heads, head_dim and page_size must all be > 0")
-        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        """Pages for the paged groups of ``spec``, or, without one, for a model whose
+        ``num_layers`` layers are all full attention of one shape in ``dtype``."""
+        if spec is None:
+            if any(x is None for x in (num_layers, num_kv_heads, head_dim)) \
+                    or min(num_layers, num_kv_heads, head_dim, page_size) <= 0:
+                raise ValueError("layers, heads, head_dim and page_size must all be > 0")
+            spec = CacheSpec.plain(num_layers, num_kv_heads, head_dim, dtype)
+        if page_size <= 0:
+            raise ValueError("page_size must be > 0")
+        self.spec = spec
+        self.groups: tuple[GroupSpec, ...] = spec.groups
+        g0 = self.groups[0] if self.groups else None
+        # Group 0's layout, for single-group callers and reports.
+        self.num_layers = len(g0.layers) if g0 else 0
+        self.num_kv_heads = g0.num_kv_heads if g0 else 0
+        self.head_dim = g0.head_dim if g0 else 0
+        self.dtype = g0.mx_dtype if g0 else dtype
         self.page_size = page_size
-        self.dtype = dtype
-        self.page_bytes = num_layers * 2 * num_kv_heads * page_size * head_dim * dtype.size
+        self.group_page_bytes = [g.page_bytes(page_size) for g in self.groups]
+        self.page_bytes = self.group_page_bytes[0] if self.groups else 0
         self.max_bytes = max_bytes
-        self.allocator = BlockAllocator(max_bytes // self.page_bytes)
+        smallest = min(self.group_page_bytes, default=0)
+        self.allocator = BlockAllocator(max_bytes // smallest if smallest else 0)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
         self.fingerprint = fingerprint
+        self.roots = [root_hash(fingerprint, g) for g in range(len(self.groups))]
         self.root = root_hash(fingerprint)
         self.reclaimer: Reclaimer | None = None  # asked to drop holds when pages run short
         self._meta: dict[int, PageMeta] = {}
@@ -99,6 +103,8 @@ class PagePool:
         self._index: dict[bytes, int] = {}  # hash -> sealed block
         self._children: dict[bytes, int] = {}  # hash -> number of indexed pages continuing it
         self._num_cached = 0  # indexed pages with ref_count 0
+        self._cached_bytes = 0
+        self._used_bytes = 0
         self._evictions = 0
         self._prefix_hits = 0
 
@@ -108,32 +114,42 @@ class PagePool:
     def capacity(self) -> int:
         return self.allocator.num_blocks
 
-    def can_allocate(self, n: int) -> bool:
-        """Whether ``n`` pages can be had without dropping any holder (evicting cached pages)."""
-        return n <= self.allocator.num_free + self._num_cached
+    def block_bytes(self, block: int) -> int:
+        return self.group_page_bytes[self._get(block).group]
 
-    def allocate(self, n: int) -> list[int]:
-        """``n`` new open pages, each held once by the caller: all or none.
+    def can_allocate(self, n: int, group: int = 0) -> bool:
+        """Whether ``n`` pages of ``group`` can be had without dropping any holder (evicting
+        cached pages)."""
+        if n == 0:
+            return True
+        free_bytes = self.max_bytes - self._used_bytes + self._cached_bytes
+        return (n * self.group_page_bytes[group] <= free_bytes
+                and n <= self.allocator.num_free + self._num_cached)
+
+    def allocate(self, n: int, group: int = 0) -> list[int]:
+        """``n`` new open pages of ``group``, each held once by the caller: all or none.
 
         Evicts cached pages as needed; when that is not enough, asks the reclaimer (once) to
         drop holds, then raises ``OutOfBlocksError``.
         """
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
-        if not self.can_allocate(n) and self.reclaimer is not None:
-            self.reclaimer(n)
-        if not self.can_allocate(n):
+        if not self.can_allocate(n, group) and self.reclaimer is not None:
+            self.reclaimer(n, group)
+        if not self.can_allocate(n, group):
             raise OutOfBlocksError(
                 f"need {n} pages; {self.allocator.num_free} free and {self._num_cached} cached "
-                f"of {self.capacity} ({self.page_bytes} bytes each)"
+                f"of {self.capacity} ({self.group_page_bytes[group]} bytes each)"
             )
-        while self.allocator.num_free < n:
+        need = n * self.group_page_bytes[group]
+        while self.allocator.num_free < n or self._used_bytes + need > self.max_bytes:
             victim = self.policy.victim(self._can_evict)
             assert victim is not None, "cached pages are counted but none is evictable"
             self._evict(victim)
         blocks = self.allocator.alloc_n(n)
         for b in blocks:
-            self._meta[b] = PageMeta(ref_count=1)
+            self._meta[b] = PageMeta(ref_count=1, group=group)
+        self._used_bytes += need
         return blocks
 
     # -- holders --------------------------------------------------------------------------------
@@ -143,6 +159,7 @@ class PagePool:
         meta = self._get(block)
         if meta.ref_count == 0:
             self._num_cached -= 1
+            self._cached_bytes -= self.group_page_bytes[meta.group]
         meta.ref_count += 1
         if meta.indexed:
             self.policy.access(block)
@@ -155,6 +172,7 @@ class PagePool:
         if meta.ref_count == 0:
             if meta.indexed:
                 self._num_cached += 1
+                self._cached_bytes += self.group_page_bytes[meta.group]
             else:
                 self._free(block)
 
@@ -175,8 +193,11 @@ class PagePool:
     def hash_of(self, block: int) -> bytes | None:
         return self._get(block).hash
 
+    def group_of(self, block: int) -> int:
+        return self._get(block).group
+
     def data(self, block: int) -> mx.array:
-        """The page's storage, ``[layers, 2, kv_heads, n, head_dim]``. Read only."""
+        """The page's storage, ``[group layers, 2, kv_heads, n, head_dim]``. Read only."""
         self._get(block)
         return self._data[block]
 
@@ -187,17 +208,18 @@ class PagePool:
         return not meta.sealed and meta.ref_count == 1 and len(meta.tokens) == at
 
     def write(self, block: int, kv: mx.array, tokens: Sequence[int]) -> None:
-        """Append ``kv`` (``[layers, 2, kv_heads, n, head_dim]``) for ``tokens`` to an open page."""
+        """Append ``kv`` (``[group layers, 2, kv_heads, n, head_dim]``) for ``tokens`` to an open
+        page."""
         meta = self._get(block)
         # NOTE: invariant 1: a sealed page never changes; a shared page is copied before a write.
         assert not meta.sealed, f"write to sealed block {block}"
         assert meta.ref_count == 1, f"write to block {block} held {meta.ref_count} times"
-        n = len(tokens)
-        if kv.shape != (self.num_layers, 2, self.num_kv_heads, n, self.head_dim):
+        n, group = len(tokens), self.groups[meta.group]
+        if kv.shape != group.shape(n):
             raise ValueError(f"page data of shape {kv.shape} does not fit this pool")
         if len(meta.tokens) + n > self.page_size:
             raise ValueError(f"block {block} has room for {self.page_size - len(meta.tokens)}")
-        kv = kv.astype(self.dtype)
+        kv = kv.astype(group.mx_dtype)
         old = self._data.get(block)
         self._data[block] = kv if old is None else mx.concatenate([old, kv], axis=3)
         meta.tokens = meta.tokens + tuple(int(t) for t in tokens)
@@ -210,7 +232,7 @@ class PagePool:
             raise ValueError(f"cannot copy {n} tokens of block {block} ({len(meta.tokens)} held)")
         self.hold(block)  # keep the source alive if allocation evicts
         try:
-            (new,) = self.allocate(1)
+            (new,) = self.allocate(1, meta.group)
         finally:
             self.release(block)
         self._data[new] = mx.contiguous(self._data[block][:, :, :, :n, :])
@@ -242,14 +264,16 @@ class PagePool:
             self.policy.insert(block, ident=h)
         return block
 
-    def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array) -> int:
-        """A sealed page built from outside data (a disk store); held once by the caller."""
+    def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array,
+                   group: int = 0) -> int:
+        """A sealed page of ``group`` built from outside data (a disk store); held once by the
+        caller."""
         h = page_hash(parent, tokens)
         existing = self._index.get(h)
         if existing is not None and self._meta[existing].tokens == tuple(tokens):
             self.hold(existing)
             return existing
-        (block,) = self.allocate(1)
+        (block,) = self.allocate(1, group)
         self.write(block, kv, tokens)
         return self.seal(block, parent)
 
@@ -278,9 +302,10 @@ class PagePool:
         first ``num_tokens`` positions, then ``room`` zero positions to write into: one copy of
         the data, straight into each layer's own buffer."""
         pieces = self._pieces(blocks, num_tokens)
-        pad = [mx.zeros((self.num_kv_heads, room, self.head_dim), self.dtype)] if room else []
+        g = self.groups[self._get(blocks[0]).group]
+        pad = [mx.zeros((g.num_kv_heads, room, g.head_dim), g.mx_dtype)] if room else []
         out = []
-        for layer in range(self.num_layers):
+        for layer in range(len(g.layers)):
             k = mx.concatenate([p[layer, 0] for p in pieces] + pad, axis=1)
             v = mx.concatenate([p[layer, 1] for p in pieces] + pad, axis=1)
             out.append((k[None], v[None]))
@@ -288,12 +313,13 @@ class PagePool:
 
     # -- prefix index ---------------------------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int]) -> list[int]:
-        """The indexed full pages that hold the longest page-aligned prefix of ``tokens``.
+    def match_prefix(self, tokens: Sequence[int], group: int = 0) -> list[int]:
+        """The indexed full pages of ``group`` that hold the longest page-aligned prefix of
+        ``tokens``.
 
         Returns block ids without holding them; the caller holds what it keeps.
         """
-        P, parent, blocks = self.page_size, self.root, []
+        P, parent, blocks = self.page_size, self.roots[group], []
         for i in range(len(tokens) // P):
             chunk = tuple(int(t) for t in tokens[i * P : (i + 1) * P])
             h = page_hash(parent, chunk)
@@ -309,10 +335,24 @@ class PagePool:
         """The indexed block holding the sealed page with chain hash ``h`` (not held)."""
         return self._index.get(h)
 
+    def match_hashes(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> list[int | None]:
+        """For each chain hash of ``hashes`` (pages of ``tokens``), the indexed block holding it
+        with the same tokens, or None. Not held."""
+        P, out = self.page_size, []
+        for i, h in enumerate(hashes):
+            b = self._index.get(h)
+            ok = b is not None and self._meta[b].tokens == tuple(tokens[i * P : (i + 1) * P])
+            out.append(b if ok else None)
+        return out
+
+    def chain(self, tokens: Sequence[int], group: int = 0) -> list[bytes]:
+        """The chain hashes of every full page of ``tokens`` in ``group``."""
+        return chain_hashes(self.roots[group], tokens, self.page_size)
+
     def parent_hash(self, blocks: Sequence[int], index: int) -> bytes:
-        """The chain hash that the ``index``-th page of ``blocks`` continues."""
+        """The chain hash that the ``index``-th page of ``blocks`` (one group's) continues."""
         if index == 0:
-            return self.root
+            return self.roots[self._get(blocks[0]).group]
         h = self._get(blocks[index - 1]).hash
         assert h is not None, f"page {index - 1} of a sequence is not sealed"
         return h
@@ -332,6 +372,7 @@ class PagePool:
         meta = self._meta[block]
         assert self._can_evict(block), f"evicting block {block}, which is held or not a leaf"
         self._num_cached -= 1
+        self._cached_bytes -= self.group_page_bytes[meta.group]
         self._evictions += 1
         self._free(block, from_policy=True)
 
@@ -355,6 +396,7 @@ class PagePool:
             if not from_policy:
                 self.policy.remove(block)
         self._data.pop(block, None)
+        self._used_bytes -= self.group_page_bytes[meta.group]
         self.allocator.free(block)
 
     # -- reports --------------------------------------------------------------------------------
@@ -371,6 +413,7 @@ class PagePool:
             sealed_pages=sum(1 for m in self._meta.values() if m.sealed),
             evictions=self._evictions,
             prefix_hits=self._prefix_hits,
+            used_bytes=self._used_bytes,
         )
 
     def ref_counts(self) -> dict[int, int]:

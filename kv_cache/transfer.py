@@ -14,39 +14,69 @@ from .manager import CacheManager, Entry
 from .sequence import PagedSequence
 
 FORMAT = "mlx-kvcache-export"
-VERSION = "1"
+VERSION = "2"
 
 
 class TransferError(ValueError):
     """An export file that cannot be imported here (corrupt, foreign, malformed)."""
 
 
-def _checksum(kv: mx.array, tokens) -> str:
+def _checksum(tensors: dict[str, mx.array], tokens) -> str:
     h = hashlib.blake2b(digest_size=32)
     h.update(json.dumps(list(tokens)).encode())
-    h.update(memoryview(kv.view(mx.uint16) if kv.dtype == mx.bfloat16 else kv))
+    for name in sorted(tensors):
+        kv = tensors[name]
+        h.update(name.encode())
+        h.update(memoryview(kv.view(mx.uint16) if kv.dtype == mx.bfloat16 else kv))
     return h.hexdigest()
 
 
-def entry_kv(manager: CacheManager, key: str) -> tuple[tuple[int, ...], mx.array] | None:
-    """The tokens and ``[layers, 2, kv_heads, n, head_dim]`` keys/values of ``key``, from
-    memory or disk; None when neither has it."""
+def _gather(pool, tables, n: int) -> dict[str, mx.array]:
+    """Per group ``kv.<g>``: the positions of the first ``n`` a window at ``n`` reads (all, for
+    full attention)."""
+    P, out = pool.page_size, {}
+    for g, (spec, table) in enumerate(zip(pool.groups, tables)):
+        start = spec.first_needed(n) // P * P
+        blocks = table[start // P : -(-n // P)]
+        if None in blocks:
+            return {}
+        out[f"kv.{g}"] = pool.gather(blocks, n - start)
+    return out
+
+
+def entry_kv(manager: CacheManager, key: str) -> tuple[tuple[int, ...], dict[str, mx.array]] | None:
+    """The tokens and tensors (``kv.<group>`` pages, ``state.<slot>.<i>``) of ``key``, from
+    memory or disk; None when neither has it whole."""
+    pool = manager.pool
     entry = manager.get(key)
     if entry is not None:
-        return entry.tokens, manager.pool.gather(entry.blocks, len(entry.tokens))
-    stored = manager.store.get(key) if manager.store is not None else None
-    if stored is None:
+        if pool.spec.has_state and entry.state is None:
+            return None
+        tensors = _gather(pool, entry.tables, len(entry.tokens))
+        state = entry.state
+        tokens = entry.tokens
+    else:
+        stored = manager.store.get(key) if manager.store is not None else None
+        if stored is None:
+            return None
+        n, tables, state = manager._load(stored, len(stored.tokens))
+        try:
+            if n < len(stored.tokens):
+                return None  # part of it is gone or corrupt
+            tensors = _gather(pool, tables, n)
+            mx.eval(list(tensors.values()))
+        finally:
+            for t in tables:
+                for b in t:
+                    if b is not None:
+                        pool.release(b)
+        tokens = stored.tokens
+    if len(tensors) != len(pool.groups):
         return None
-    blocks = manager._load(stored, len(stored.tokens))
-    try:
-        if len(blocks) < -(-len(stored.tokens) // manager.pool.page_size):
-            return None  # part of it is gone or corrupt
-        kv = manager.pool.gather(blocks, len(stored.tokens))
-        mx.eval(kv)
-        return stored.tokens, kv
-    finally:
-        for b in blocks:
-            manager.pool.release(b)
+    for si, arrays in enumerate(state or []):
+        for i, a in enumerate(arrays):
+            tensors[f"state.{si}.{i}"] = a
+    return tokens, tensors
 
 
 def export_entry(manager: CacheManager, key: str) -> bytes | None:
@@ -54,24 +84,23 @@ def export_entry(manager: CacheManager, key: str) -> bytes | None:
     found = entry_kv(manager, key)
     if found is None:
         return None
-    tokens, kv = found
-    kv = mx.contiguous(kv)
-    mx.eval(kv)
+    tokens, tensors = found
+    tensors = {k: mx.contiguous(v) for k, v in tensors.items()}
+    mx.eval(list(tensors.values()))
     pool = manager.pool
     meta = {"format": FORMAT, "format_version": VERSION, "fingerprint": pool.fingerprint,
-            "key": key, "tokens": json.dumps(list(tokens)), "dtype": str(pool.dtype),
-            "num_layers": str(pool.num_layers), "num_kv_heads": str(pool.num_kv_heads),
-            "head_dim": str(pool.head_dim), "checksum": _checksum(kv, tokens)}
+            "key": key, "tokens": json.dumps(list(tokens)), "cache_spec": pool.spec.to_json(),
+            "checksum": _checksum(tensors, tokens)}
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     try:
-        mx.save_safetensors(path, {"kv": kv}, metadata=meta)
+        mx.save_safetensors(path, tensors, metadata=meta)
         return Path(path).read_bytes()
     finally:
         os.unlink(path)
 
 
-def read_export(path: str | Path) -> tuple[dict, mx.array]:
+def read_export(path: str | Path) -> tuple[dict, dict[str, mx.array]]:
     """Parse and verify an export file; ``TransferError`` for anything wrong with it."""
     try:
         arrays, meta = mx.load(str(path), return_metadata=True)
@@ -81,43 +110,57 @@ def read_export(path: str | Path) -> tuple[dict, mx.array]:
         raise TransferError("not a KV cache export file")
     if meta.get("format_version") != VERSION:
         raise TransferError(f"unsupported export version {meta.get('format_version')!r}")
-    kv = arrays.get("kv")
     try:
         tokens = json.loads(meta["tokens"])
         assert isinstance(tokens, list) and all(type(t) is int and 0 <= t < 2**31
                                                 for t in tokens)
     except (KeyError, ValueError, AssertionError):
         raise TransferError("the export's token ids are missing or malformed")
-    if kv is None or kv.ndim != 5 or kv.shape[1] != 2 or kv.shape[3] != len(tokens):
+    if not isinstance(arrays, dict) or any(a.ndim == 5 and (a.shape[1] != 2 or
+                                                            a.shape[3] > len(tokens))
+                                           for k, a in arrays.items() if k.startswith("kv.")):
         raise TransferError("the export's data does not match its token ids")
-    if meta.get("checksum") != _checksum(kv, tokens):
+    if meta.get("checksum") != _checksum(arrays, tokens):
         raise TransferError("the export's checksum does not match its data")
     meta["tokens"] = tokens
-    return meta, kv
+    return meta, arrays
 
 
 def import_entry(manager: CacheManager, path: str | Path, key: str | None = None) -> Entry:
     """Add an export file's cache under its key (or ``key``); it must be this model's."""
-    meta, kv = read_export(path)
+    meta, arrays = read_export(path)
     pool = manager.pool
     if meta.get("fingerprint") != pool.fingerprint:
         raise TransferError("the export was made with another model (fingerprint differs)")
-    geometry = (pool.num_layers, 2, pool.num_kv_heads, pool.head_dim)
-    if (kv.shape[0], kv.shape[1], kv.shape[2], kv.shape[4]) != geometry \
-            or kv.dtype != pool.dtype:
-        raise TransferError(f"the export's layout {kv.shape} {kv.dtype} does not fit this model")
     tokens = meta["tokens"]
     if not tokens:
         raise TransferError("the export holds no tokens")
+    n, P = len(tokens), pool.page_size
+    want = {}
+    for g, spec in enumerate(pool.groups):
+        want[f"kv.{g}"] = (spec.shape(n - spec.first_needed(n) // P * P), spec.mx_dtype)
+    for si, s in enumerate(pool.spec.states):
+        for i, (shape, dt) in enumerate(zip(s.shapes, s.dtypes)):
+            want[f"state.{si}.{i}"] = (tuple(shape), getattr(mx, dt))
+    got = {k: (tuple(a.shape), a.dtype) for k, a in arrays.items()}
+    if got != want:
+        raise TransferError("the export's layout does not fit this model")
     key = key or meta.get("key")
     if not isinstance(key, str) or not key:
         raise TransferError("the export names no key and none was given")
+    state = [[arrays[f"state.{si}.{i}"] for i in range(len(s.shapes))]
+             for si, s in enumerate(pool.spec.states)] or None
     seq = PagedSequence(pool)
     try:
-        for i, layer in enumerate(seq.layers):
-            layer.load(kv[i, 0][None], kv[i, 1][None])
-            layer.offset = len(tokens)
+        for g, layers in enumerate(seq.group_layers):
+            kv = arrays[f"kv.{g}"]
+            base = n - kv.shape[3]
+            for i, layer in enumerate(layers):
+                layer.load(kv[i, 0][None], kv[i, 1][None], base)
+                layer.offset = n
         seq.tokens = list(tokens)
+        for c, arrays_ in zip(seq.state_layers, state or []):
+            c.cache = list(arrays_)
         return manager.save(key, seq)
     finally:
         seq.close()

@@ -21,6 +21,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from kv_cache.spec import CacheSpec, spec_of_model
+
 from .gguf import dequantize_to_float32, is_gguf, load_gguf
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,7 @@ class LoadedModel:
     head_dim: int
     dtype: mx.Dtype  # dtype of the KV activations
     dequantized: bool = False
+    cache_spec: CacheSpec | None = None  # every cache slot: paged groups and recurrent states
 
 
 def default_model_path() -> Path:
@@ -173,7 +176,7 @@ def file_digest(path: Path) -> str:
 
 
 def _fingerprint(model: nn.Module, weight_files: list[Path], config: dict[str, Any],
-                 tok: ChatTokenizer, dtype: mx.Dtype) -> str:
+                 tok: ChatTokenizer, spec: CacheSpec) -> str:
     from mlx.utils import tree_flatten
 
     params = tree_flatten(model.parameters())
@@ -184,33 +187,24 @@ def _fingerprint(model: nn.Module, weight_files: list[Path], config: dict[str, A
         "config": config,
         "tokenizer": tok.content_digest(),
         "chat_template": tok.chat_template,
-        "dtype": str(dtype),
+        "cache_spec": spec.describe(),
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()
 
 
-def _kv_geometry(model: nn.Module) -> tuple[int, int, mx.Dtype]:
-    """(num_kv_heads, head_dim, dtype) of the KV cache, read off a one-token forward pass."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    keys = getattr(cache[0], "keys", None)
-    if keys is not None:
-        mx.eval(keys)
-        return int(keys.shape[1]), int(keys.shape[3]), keys.dtype
-    raise ValueError(f"{type(model).__name__}: its cache has no keys; not a plain KV model")
-
-
 def _finish(name: str, source: str, model: nn.Module, tok: ChatTokenizer, config: dict[str, Any],
             weight_files: list[Path], context_length: int, dequantized: bool) -> LoadedModel:
-    kv_heads, head_dim, dtype = _kv_geometry(model)
-    fp = _fingerprint(model, weight_files, config, tok, dtype)
+    model_type = config.get("model_type") or config.get("text_config", {}).get("model_type")
+    spec = spec_of_model(model, model_type)
+    fp = _fingerprint(model, weight_files, config, tok, spec)
+    g0 = spec.groups[0] if spec.groups else None
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=fp,
                        context_length=context_length, source=source,
-                       num_layers=len(model.layers), num_kv_heads=kv_heads, head_dim=head_dim,
-                       dtype=dtype, dequantized=dequantized)
+                       num_layers=spec.num_slots, num_kv_heads=g0.num_kv_heads if g0 else 0,
+                       head_dim=g0.head_dim if g0 else 0,
+                       dtype=g0.mx_dtype if g0 else mx.float32, dequantized=dequantized,
+                       cache_spec=spec)
 
 
 def _gguf_name(path: Path) -> str:

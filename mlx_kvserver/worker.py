@@ -92,10 +92,9 @@ def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
         except OSError:
             pass
     try:
-        store = DiskStore(root, fingerprint=lm.fingerprint, num_layers=lm.num_layers,
-                          num_kv_heads=lm.num_kv_heads, head_dim=lm.head_dim,
-                          page_size=cache.page_size, dtype=lm.dtype,
-                          max_bytes=cache.max_disk_bytes, policy=cache.disk_policy)
+        store = DiskStore(root, fingerprint=lm.fingerprint, spec=lm.cache_spec,
+                          page_size=cache.page_size, max_bytes=cache.max_disk_bytes,
+                          policy=cache.disk_policy)
     except Exception as e:  # unreadable dir, locked by another server, ...
         log.warning("disk cache for %s disabled: cannot open %s: %s", lm.name, root, e)
         return None
@@ -124,8 +123,7 @@ class Engine:
         self.cache_config = cache or CacheConfig()
         self.managers: dict[str, CacheManager] = {}
         for lm in models:
-            pool = PagePool(lm.num_layers, lm.num_kv_heads, lm.head_dim,
-                            page_size=self.cache_config.page_size, dtype=lm.dtype,
+            pool = PagePool(spec=lm.cache_spec, page_size=self.cache_config.page_size,
                             max_bytes=self.cache_config.max_ram_bytes,
                             policy=self.cache_config.policy, fingerprint=lm.fingerprint)
             self.managers[lm.name] = CacheManager(pool, open_store(lm, self.cache_config),
@@ -286,7 +284,7 @@ class Engine:
             refs = pool.ref_counts()
             ram = {"entries": len(manager), "pages": s.used_pages, "pages_held": s.held_pages,
                    "pages_cached": s.cached_pages, "bytes": s.used_bytes,
-                   "bytes_shared": sum(pool.page_bytes for n in refs.values() if n > 1),
+                   "bytes_shared": sum(pool.block_bytes(b) for b, n in refs.items() if n > 1),
                    "budget_bytes": pool.max_bytes, "page_size": s.page_size,
                    "resident_sequence_tokens": manager.resident_tokens(),
                    "evictions": s.evictions}

@@ -145,7 +145,7 @@ def test_round_trip_is_bit_exact(tmp_path, stores, dtype):
     # Plain safetensors files: mx.load reads the same bits, the dtype in the header is true.
     loaded = mx.load(str(page_path(tmp_path, recs[0].hash)))
     assert loaded["kv"].dtype == dtype and np.array_equal(bits(loaded["kv"]), bits(recs[0].data))
-    assert mx.load(str(entry_path(tmp_path, "m1")))["tail"].dtype == dtype
+    assert mx.load(str(entry_path(tmp_path, "m1")))["tail.0"].dtype == dtype
 
 
 def test_files_are_self_describing_safetensors(tmp_path, stores):
@@ -158,21 +158,25 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
     with safe_open(str(page_path(tmp_path, recs[0].hash)), framework="numpy") as f:
         meta = f.metadata()
         assert list(f.keys()) == ["kv"] and f.get_tensor("kv").dtype == np.float16
-    assert {k: meta[k] for k in ("format", "format_version", "fingerprint", "dtype", "page_size",
-                                 "num_layers", "num_kv_heads", "head_dim")} == {
-        "format": "mlx-kvcache-page", "format_version": "1", "fingerprint": FP,
-        "dtype": "float16", "page_size": "4", "num_layers": "2", "num_kv_heads": "2",
-        "head_dim": "4"}
+    assert {k: meta[k] for k in ("format", "format_version", "fingerprint", "page_size",
+                                 "group")} == {
+        "format": "mlx-kvcache-page", "format_version": "2", "fingerprint": FP,
+        "page_size": "4", "group": "0"}
+    assert json.loads(meta["cache_spec"]) == {
+        "num_slots": 2, "states": [],
+        "groups": [{"kind": "full", "layers": [0, 1], "num_kv_heads": 2, "head_dim": 4,
+                    "dtype": "float16", "window": 0}]}
     assert json.loads(meta["tokens"]) == [0, 1, 2, 3]
     assert meta["hash"] == recs[0].hash.hex() and meta["parent"] == root_hash(FP).hex()
     assert meta["data_checksum"].startswith("blake2b-256:")
     assert meta["meta_checksum"] == fmt.meta_checksum(meta)
     with safe_open(str(entry_path(tmp_path, "msg-1")), framework="numpy") as f:
         meta = f.metadata()
-        assert f.get_tensor("tail").shape == (2, 2, 2, 2, 4)
+        assert f.get_tensor("tail.0").shape == (2, 2, 2, 2, 4)
     assert meta["format"] == "mlx-kvcache-entry" and meta["key"] == "msg-1"
     assert json.loads(meta["tokens"]) == toks and meta["tail_tokens"] == "2"
     assert json.loads(meta["page_hashes"]) == [recs[0].hash.hex()]
+    assert json.loads(meta["layout"]) == [[0, 1]] and meta["state"] == "0"
 
 
 def test_entries_without_tail_and_empty(tmp_path, stores):
@@ -180,7 +184,7 @@ def test_entries_without_tail_and_empty(tmp_path, stores):
     assert s.put("full", list(range(8)), records(list(range(8))))
     assert s.get("full").tail_tokens == 0 and s.load_tail("full") is None
     assert s.put("empty", [], [])
-    assert s.get("empty") == type(s.get("full"))("empty", (), [], 0)
+    assert s.get("empty") == type(s.get("full"))("empty", (), [], 0, ((0, 0),), False)
     assert s.get("nope") is None and s.load_tail("nope") is None
     assert s.load_page(b"\0" * 32) is None and not s.has_page(b"\0" * 32)
     assert sorted(s.keys()) == ["empty", "full"]
@@ -470,7 +474,7 @@ def test_another_format_version_is_foreign(tmp_path, stores):
     install(tmp_path / "r", h, page, man)
     for path in (page_path(tmp_path / "r", h), entry_path(tmp_path / "r", "k")):
         header, data = header_of(path)
-        header["__metadata__"]["format_version"] = "2"
+        header["__metadata__"]["format_version"] = "1"  # the format before cache specs
         write_with_header(path, header, data)
     s = stores(tmp_path / "r", **SMALL)
     assert s.keys() == [] and s.stats()["foreign_files_removed"] == 2

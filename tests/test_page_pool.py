@@ -441,19 +441,19 @@ def test_reclaimer_is_asked_when_pages_run_short():
     a, b = pool.allocate(2)
     calls = []
 
-    def reclaim(n):
-        calls.append(n)
+    def reclaim(n, group):
+        calls.append((n, group))
         pool.release(a)
 
     pool.reclaimer = reclaim
     assert pool.allocate(1) == [a]
-    assert calls == [1]
+    assert calls == [(1, 0)]
 
 
 def test_reclaimer_is_not_asked_when_free_or_cached_pages_suffice():
     pool = make_pool(3)
     calls = []
-    pool.reclaimer = calls.append
+    pool.reclaimer = lambda n, group: calls.append((n, group))
     pool.allocate(1)
     b = cached(pool, (1, 2))
     pool.allocate(1)  # the last free page
@@ -465,10 +465,10 @@ def test_reclaimer_is_asked_once_then_out_of_blocks():
     pool = make_pool(2)
     pool.allocate(2)
     calls = []
-    pool.reclaimer = calls.append
+    pool.reclaimer = lambda n, group: calls.append((n, group))
     with pytest.raises(OutOfBlocksError):
         pool.allocate(2)
-    assert calls == [2]
+    assert calls == [(2, 0)]
 
 
 # -- eviction --------------------------------------------------------------------------------------
