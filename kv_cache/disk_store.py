@@ -19,12 +19,9 @@ from __future__ import annotations
 
 import errno
 import functools
-import hashlib
 import logging
 import os
-import re
 import threading
-import time
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +30,9 @@ from typing import Collection, Sequence
 import mlx.core as mx
 
 from . import disk_format as fmt
-from .disk_format import FormatError, ForeignError, Geometry
+from . import atomic_fs as afs
+from .disk_format import FormatError, Geometry
+from .disk_index import IndexedEntry, StoreIndex, entry_name
 from .spec import CacheSpec
 from .eviction import make_policy
 
@@ -44,10 +43,6 @@ except ImportError:  # not POSIX
 
 log = logging.getLogger(__name__)
 
-_PAGE_NAME = re.compile(r"([0-9a-f]{64})\.safetensors")
-_ENTRY_NAME = _PAGE_NAME
-_HEX2 = re.compile(r"[0-9a-f]{2}")
-_UNREADABLE = (errno.EACCES, errno.EPERM)
 
 
 @dataclass
@@ -78,23 +73,8 @@ class StoredEntry:
         return out
 
 
-@dataclass(slots=True)
-class _Entry:  # the in-memory index of one manifest (no tokens: get() reads them)
-    key: str
-    name: str
-    page_hashes: tuple[bytes, ...]
-    tail_tokens: int
-    size: int
-    id: int
-
-
 class DiskStoreLockedError(RuntimeError):
     """Another DiskStore (this process or another) has the root open."""
-
-
-def entry_name(key: str) -> str:
-    """The manifest's file name: a hash of the key, never the key itself (invariant 7)."""
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + ".safetensors"
 
 
 def _locked(fn):
@@ -107,7 +87,7 @@ def _locked(fn):
     return wrapper
 
 
-class DiskStore:
+class DiskStore(StoreIndex):
     """Pages and message-keyed entries of one model under ``root``, within ``max_bytes``."""
 
     def __init__(self, root: Path, *, fingerprint: str, num_layers: int | None = None,
@@ -134,19 +114,19 @@ class DiskStore:
         self._closed = True
         self.root = Path(os.path.realpath(root))
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        self._root_fd = fmt.open_dir(str(self.root), None, create=False)
+        self._root_fd = afs.open_dir(str(self.root), None, create=False)
         self._fds = [self._root_fd]
         try:
             self._lock_fd = self._take_lock()
-            self._entries_fd = fmt.open_dir("entries", self._root_fd, create=True)
+            self._entries_fd = afs.open_dir("entries", self._root_fd, create=True)
             self._fds.append(self._entries_fd)
-            self._pages_fd = fmt.open_dir("pages", self._root_fd, create=True)
+            self._pages_fd = afs.open_dir("pages", self._root_fd, create=True)
             self._fds.append(self._pages_fd)
         except BaseException:
             self._close_fds()
             raise
         self._closed = False
-        self._entries: OrderedDict[str, _Entry] = OrderedDict()  # least recent first
+        self._entries: OrderedDict[str, IndexedEntry] = OrderedDict()  # least recent first
         self._by_id: dict[int, str] = {}
         self._pages: dict[bytes, int] = {}  # present page files: hash -> size
         self._refs: Counter[bytes] = Counter()  # entries referencing each page hash
@@ -157,6 +137,23 @@ class DiskStore:
         self._build_index()
 
     # -- public API -----------------------------------------------------------------------------
+
+    @_locked
+    def write_note(self, name: str, data: bytes) -> bool:
+        """Write a small file of the store's own (a note saying which model it holds) at its
+        root, after removing temp files a crash left there. A temp file and a rename: a link
+        planted under ``name`` is replaced, never written through. False (logged) on failure."""
+        if not name or "/" in name or name.startswith(".") or name in ("entries", "pages"):
+            raise ValueError(f"not a note name: {name!r}")
+        try:
+            for f in os.listdir(self._root_fd):  # a write that a crash cut short
+                if f.startswith(afs.TMP_PREFIX):
+                    afs.unlink(self._root_fd, f)
+            afs.atomic_write(self._root_fd, name, [data])
+            return True
+        except OSError as e:
+            log.warning("disk store: could not write %s: %s", name, e)
+            return False
 
     @_locked
     def has_page(self, h: bytes) -> bool:
@@ -197,7 +194,7 @@ class DiskStore:
                     raise OSError(errno.EACCES, "cannot remove the files of evicted entries")
             self._write_pages(new_pages)
             chunks, hashes, _ = manifest
-            msize = fmt.atomic_write(self._entries_fd, name, chunks, mtime_ns=self._tick())
+            msize = afs.atomic_write(self._entries_fd, name, chunks, mtime_ns=self._tick())
         except OSError as e:
             self._stats["errors"] += 1
             log.warning("disk store: could not save an entry: %s", e)
@@ -234,7 +231,7 @@ class DiskStore:
             return None
         name = h.hex() + ".safetensors"
         try:
-            sub_fd = fmt.open_dir(name[:2], self._pages_fd, create=False)
+            sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
         except OSError:
             self._lost_page(h)
             return None
@@ -408,116 +405,25 @@ class DiskStore:
             raise ValueError(f"page data of shape {data.shape}; {self.geo.shape(n, group)} "
                              "expected")
 
-    def _fits_after_evicting_all(self, old, protected, needed, add) -> bool:
-        refs, free = Counter(self._refs), 0
-        going = [e for k, e in self._entries.items() if k not in protected]
-        for e in going + ([old] if old is not None else []):
-            free += e.size
-            refs.subtract(set(e.page_hashes))
-        free += sum(s for h, s in self._pages.items() if refs[h] <= 0 and h not in needed)
-        return self._bytes - free + add <= self.max_bytes
-
-    def _projected(self, old, needed, add) -> int:
-        """Bytes after this put if nothing more were evicted."""
-        b = self._bytes + add
-        if old is not None:
-            b -= old.size + sum(self._pages.get(h, 0) for h in old.page_hashes
-                                if self._refs[h] == 1 and h not in needed)
-        return b
-
     def _write_pages(self, new_pages) -> None:
         """Write new page files as one batch (one full flush); index each as it lands."""
         fds: dict[str, int] = {}
         try:
             for _, _, sub, _ in new_pages:
                 if sub not in fds:
-                    fds[sub] = fmt.open_dir(sub, self._pages_fd, create=True)
+                    fds[sub] = afs.open_dir(sub, self._pages_fd, create=True)
 
             def landed(i: int, size: int) -> None:
                 self._pages[new_pages[i][0]] = size
                 self._bytes += size
 
-            fmt.atomic_write_many([(fds[sub], h.hex() + ".safetensors", chunks, None)
+            afs.atomic_write_many([(fds[sub], h.hex() + ".safetensors", chunks, None)
                                    for h, chunks, sub, _ in new_pages], landed)
         finally:
             for fd in fds.values():
                 os.close(fd)
 
-    def _evict_one(self, protected: Collection[str], keep: Collection[bytes] = ()) -> bool:
-        """Evict the policy's victim among entries not ``protected``; False if none could go."""
-        vid = self.policy.victim(lambda i: self._by_id.get(i) not in protected)
-        if vid is None:
-            return False
-        key = self._by_id[vid]
-        if not self._drop_entry(key, keep=keep):
-            self.policy.insert(vid, ident=key)  # still on disk: still a candidate
-            return False
-        self._stats["evictions"] += 1
-        return True
-
-    def _tick(self) -> int:
-        self._clock = max(time.time_ns(), self._clock + 1)
-        return self._clock
-
-    # -- index ----------------------------------------------------------------------------------
-
-    def _add_entry(self, key, name, hashes, tail, size, at_end=True) -> None:
-        e = _Entry(key, name, tuple(hashes), tail, size, self._next_id)
-        self._next_id += 1
-        self._entries[key] = e
-        self._entries.move_to_end(key, last=at_end)
-        self._by_id[e.id] = key
-        self._refs.update(set(e.page_hashes))
-        self._bytes += size
-        self.policy.insert(e.id, ident=key)
-
-    def _forget_entry(self, e: _Entry) -> None:
-        del self._entries[e.key]
-        del self._by_id[e.id]
-        self.policy.remove(e.id)
-        self._refs.subtract(set(e.page_hashes))
-        self._bytes -= e.size
-
-    def _drop_entry(self, key: str, keep: Collection[bytes] = ()) -> bool:
-        """Remove an entry's manifest, then the pages only it referenced (a crash in between
-        leaves orphan pages, which start-up removes)."""
-        e = self._entries[key]
-        if not fmt.unlink(self._entries_fd, e.name):
-            return False
-        self._forget_entry(e)
-        self._gc(e.page_hashes, keep)
-        return True
-
-    def _gc(self, hashes, keep: Collection[bytes] = ()) -> None:
-        """Delete the page files among ``hashes`` that no entry references."""
-        for h in hashes:
-            if self._refs[h] <= 0:
-                self._refs.pop(h, None)
-                if h in self._pages and h not in keep:
-                    name = h.hex() + ".safetensors"
-                    try:
-                        sub_fd = fmt.open_dir(name[:2], self._pages_fd, create=False)
-                    except OSError:
-                        self._lost_page(h)
-                        continue
-                    try:
-                        if fmt.unlink(sub_fd, name):
-                            self._lost_page(h)
-                    finally:
-                        os.close(sub_fd)
-
-    def _lost_page(self, h: bytes) -> None:
-        self._bytes -= self._pages.pop(h, 0)
-
-    def _page_file_exists(self, h: bytes) -> bool:
-        name = h.hex() + ".safetensors"
-        try:
-            os.stat(f"{name[:2]}/{name}", dir_fd=self._pages_fd, follow_symlinks=False)
-            return True
-        except OSError:
-            return False
-
-    def _read_entry(self, e: _Entry, data: bool):
+    def _read_entry(self, e: IndexedEntry, data: bool):
         """(metadata, tensors) of a manifest, or None (a bad file is removed)."""
         try:
             got = self._read(self._entries_fd, e.name, whole=data)
@@ -543,100 +449,11 @@ class DiskStore:
     @staticmethod
     def _read(dir_fd: int, name: str, whole: bool):
         """The whole file (bytes) or its header only (``Header``), never through a link."""
-        fd, size = fmt.open_regular(name, dir_fd)
+        fd, size = afs.open_regular(name, dir_fd)
         try:
-            return fmt.read_all(fd, size) if whole else fmt.read_header(fd, size)
+            return afs.read_all(fd, size) if whole else fmt.read_header(fd, size)
         finally:
             os.close(fd)
-
-    def _bad_file(self, err: Exception, dir_fd: int, name: str, what: str) -> bool:
-        """Log a file that failed to read and remove it if it is bad; True if it is gone
-        (drop it from the index), False on a transient error (EIO, EMFILE: a miss for now)."""
-        if isinstance(err, FileNotFoundError):
-            log.warning("disk store: %s %s vanished", what, name[:16])
-            return True
-        if isinstance(err, OSError) and err.errno not in _UNREADABLE:
-            self._stats["errors"] += 1
-            log.warning("disk store: %s %s not readable now: %s", what, name[:16], err)
-            return False
-        kind = "foreign" if isinstance(err, ForeignError) else "corrupt"
-        removed = fmt.unlink(dir_fd, name)
-        self._stats[f"{kind}_files_removed"] += removed
-        log.warning("disk store: %s %s %s (%s)%s", kind, what, name[:16], err,
-                    "; removed" if removed else "; could not remove it")
-        return True
-
-    def _build_index(self) -> None:
-        """Index pages and entries from their headers only; remove temp, bad and orphan files."""
-        for sub in self._scan(self._pages_fd):
-            if not (_HEX2.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
-                continue
-            try:
-                sub_fd = fmt.open_dir(sub.name, self._pages_fd, create=False)
-            except OSError:
-                continue
-            try:
-                for f in self._scan(sub_fd):
-                    m = _PAGE_NAME.fullmatch(f.name)
-                    if m and m.group(1)[:2] == sub.name:
-                        h = bytes.fromhex(m.group(1))
-                        got = self._index_file(sub_fd, f.name, lambda hdr: fmt.parse_page(
-                            self.geo, hdr, h), "page")
-                        if got is not None:
-                            self._pages[h] = got[1]
-                            self._bytes += got[1]
-            finally:
-                os.close(sub_fd)
-        found = []
-        for f in self._scan(self._entries_fd):
-            if _ENTRY_NAME.fullmatch(f.name):
-                got = self._index_file(self._entries_fd, f.name,
-                                       lambda hdr: fmt.parse_entry(self.geo, hdr), "manifest")
-                if got is None:
-                    continue
-                info, size, mtime = got
-                if entry_name(info.key) != f.name:
-                    self._bad_file(FormatError("named for another key"), self._entries_fd,
-                                   f.name, "manifest")
-                    continue
-                found.append((mtime, f.name, info, size))
-        for mtime, name, info, size in sorted(found, key=lambda x: (x[0], x[1])):
-            self._add_entry(info.key, name, info.page_hashes, info.tail_tokens, size)
-            self._clock = max(self._clock, mtime)
-        self._gc(list(self._pages))  # orphans: pages no manifest references
-        while self._bytes > self.max_bytes and self._evict_one(()):
-            pass  # the budget may have shrunk since the last run
-
-    def _scan(self, dir_fd: int):
-        """A directory's entries; temp files and planted symlinks are removed on the way."""
-        try:
-            items = list(os.scandir(dir_fd))
-        except OSError as e:
-            log.warning("disk store: cannot list a directory: %s", e)
-            return []
-        out = []
-        for f in items:
-            if f.name.startswith(fmt.TMP_PREFIX):
-                self._stats["temp_files_removed"] += fmt.unlink(dir_fd, f.name)
-            elif f.is_symlink() and (_PAGE_NAME.fullmatch(f.name) or _HEX2.fullmatch(f.name)):
-                log.warning("disk store: symlink %s planted in the store; removed", f.name[:16])
-                self._stats["corrupt_files_removed"] += fmt.unlink(dir_fd, f.name)
-            else:
-                out.append(f)
-        return out
-
-    def _index_file(self, dir_fd: int, name: str, parse, what: str):
-        try:
-            fd, size = fmt.open_regular(name, dir_fd)
-            try:
-                hdr = fmt.read_header(fd, size)
-                mtime = os.fstat(fd).st_mtime_ns
-            finally:
-                os.close(fd)
-            return parse(hdr), size, mtime
-        except (FormatError, OSError) as err:
-            self._bad_file(err, dir_fd, name, what)
-            return None
 
     def _take_lock(self) -> int | None:
         if fcntl is None:

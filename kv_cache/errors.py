@@ -19,3 +19,11 @@ class InvalidBlockError(KVCacheError, ValueError):
 
 class DoubleFreeError(InvalidBlockError):
     """A block id freed while already free."""
+
+
+class FormatError(ValueError):
+    """Not a valid file of ours: truncated, corrupt, hostile or not a regular file."""
+
+
+class ForeignError(FormatError):
+    """A valid file for another model, dtype, geometry or format version: never used."""

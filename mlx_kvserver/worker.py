@@ -12,7 +12,6 @@ import concurrent.futures
 import hashlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -23,7 +22,6 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache import disk_format
 from kv_cache.disk_store import DiskStore
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
@@ -99,17 +97,7 @@ def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
         log.warning("disk cache for %s disabled: cannot open %s: %s", lm.name, root, e)
         return None
     note = json.dumps({"name": lm.name, "source": lm.source, "fingerprint": lm.fingerprint})
-    try:  # temp file and rename: a link planted as model.json is replaced, never written through
-        root_fd = disk_format.open_dir(str(store.root), None, create=False)
-        try:
-            for name in os.listdir(root_fd):  # a write that a crash cut short
-                if name.startswith(disk_format.TMP_PREFIX):
-                    disk_format.unlink(root_fd, name)
-            disk_format.atomic_write(root_fd, "model.json", [note.encode()])
-        finally:
-            os.close(root_fd)
-    except OSError:
-        pass
+    store.write_note("model.json", note.encode())
     log.info("disk cache for %s at %s (%d entries)", lm.name, root, len(store.keys()))
     return store
 

@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kv_cache import disk_format as fmt
+from kv_cache import atomic_fs as afs
 from kv_cache.disk_store import DiskStore, DiskStoreLockedError, PageRecord, entry_name
 from kv_cache.page_pool import page_hash, root_hash
 
@@ -224,8 +225,8 @@ def test_shared_pages_are_stored_once(tmp_path, stores, monkeypatch):
     assert s.put("a", a, records(a))
     page_size = page_path(tmp_path, hashes(a)[0]).stat().st_size
     writes = []
-    real = fmt.atomic_write_many
-    monkeypatch.setattr(fmt, "atomic_write_many", lambda files, done: (
+    real = afs.atomic_write_many
+    monkeypatch.setattr(afs, "atomic_write_many", lambda files, done: (
         writes.extend(f[1] for f in files), real(files, done))[1])
     assert s.put("b", b, records(b))
     assert writes == [hashes(b)[2].hex() + ".safetensors", entry_name("b")]
@@ -280,7 +281,7 @@ def test_restart_indexes_from_headers_only(tmp_path, stores, monkeypatch):
     def no_data(*a, **k):
         raise AssertionError("tensor data read during start-up or get()")
 
-    monkeypatch.setattr(fmt, "read_all", no_data)
+    monkeypatch.setattr(afs, "read_all", no_data)
     monkeypatch.setattr(fmt, "from_storage", no_data)
     s = stores(tmp_path)
     assert s.keys() == ["k1", "k3", "k4", "k5", "k2"]  # recency survives (touch = mtime)

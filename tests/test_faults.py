@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 
 import kv_cache.disk_store
-from kv_cache import disk_format
+from kv_cache import atomic_fs
 from mlx_kvserver.config import ServerConfig
 from tests.server_utils import running_server
 from tests.test_load import disk_file_bytes
@@ -112,7 +112,7 @@ def stats_of(url: str) -> dict:
 
 
 def temp_files(root: Path) -> list[Path]:
-    return [p for p in root.rglob("*") if p.name.startswith(disk_format.TMP_PREFIX)]
+    return [p for p in root.rglob("*") if p.name.startswith(atomic_fs.TMP_PREFIX)]
 
 
 # -- SIGKILL during saves --------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def test_sigkill_at_random_points_during_saves_fifty_times(tiny_model_dir, tmp_p
             entries = next(iter(cache.iterdir())) / "entries"
             deadline = time.monotonic() + 2
             while time.monotonic() < deadline and not any(
-                    n.startswith(disk_format.TMP_PREFIX) for n in os.listdir(entries)):
+                    n.startswith(atomic_fs.TMP_PREFIX) for n in os.listdir(entries)):
                 pass
         server.kill()
         sender.join(timeout=30)
@@ -260,7 +260,7 @@ def test_full_disk_keeps_answering_and_counts_failed_saves(tiny_lm, tmp_path, mo
         history, _ = turns(url, "full", 2)
         saved = model_stats(url)["disk_saves"]
         files = sorted((tmp_path / "kv").rglob("*.safetensors"))
-        monkeypatch.setattr(disk_format, "os", OsWith(write=refuse(errno.ENOSPC)))
+        monkeypatch.setattr(atomic_fs, "os", OsWith(write=refuse(errno.ENOSPC)))
         history, cached = turns(url, "full", 3, history)
         s = model_stats(url)
         assert cached > 0  # the memory cache still serves
@@ -286,7 +286,7 @@ def read_only(monkeypatch) -> None:
 
     fake = OsWith(open=open_, write=rofs, mkdir=rofs, replace=rofs, unlink=rofs, utime=rofs,
                   rename=rofs)
-    monkeypatch.setattr(disk_format, "os", fake)
+    monkeypatch.setattr(atomic_fs, "os", fake)
     monkeypatch.setattr(kv_cache.disk_store, "os", fake)
     real_mkdir = Path.mkdir
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from kv_cache import disk_format
+from kv_cache import atomic_fs
 from mlx_kvserver.config import ServerConfig
 from tests.server_utils import make_engine, running_server
 
@@ -37,7 +37,7 @@ def skip_fsync(monkeypatch) -> None:
     """Durability is not what these tests check (tests/test_faults.py kills real processes);
     fsync on a shared disk would take most of their time."""
     monkeypatch.setattr(os, "fsync", lambda fd: None)
-    monkeypatch.setattr(disk_format, "fsync_file", lambda fd: None)
+    monkeypatch.setattr(atomic_fs, "fsync_file", lambda fd: None)
 
 
 def disk_file_bytes(root: Path) -> int:

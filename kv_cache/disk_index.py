@@ -1,0 +1,227 @@
+"""The disk store's in-memory index and accounting: which entries and page files exist, how
+many entries reference each page, the bytes they take against the budget, eviction in policy
+order, and the start-up scan that builds all of it from file headers alone.
+
+``StoreIndex`` is a part of ``DiskStore`` (it keeps the store's state and is used under the
+store's lock); it touches files only to remove what the index no longer references.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import re
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Collection
+
+from . import atomic_fs as afs
+from . import disk_format as fmt
+from .errors import ForeignError, FormatError
+
+log = logging.getLogger("kv_cache.disk_store")
+
+PAGE_NAME = re.compile(r"([0-9a-f]{64})\.safetensors")
+ENTRY_NAME = PAGE_NAME
+_HEX2 = re.compile(r"[0-9a-f]{2}")
+_UNREADABLE = (errno.EACCES, errno.EPERM)
+
+
+@dataclass(slots=True)
+class IndexedEntry:  # the in-memory index of one manifest (no tokens: get() reads them)
+    key: str
+    name: str
+    page_hashes: tuple[bytes, ...]
+    tail_tokens: int
+    size: int
+    id: int
+
+
+def entry_name(key: str) -> str:
+    """The manifest's file name: a hash of the key, never the key itself (invariant 7)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + ".safetensors"
+
+
+class StoreIndex:
+    """Entries, page files, reference counts and bytes of a ``DiskStore``."""
+
+    def _fits_after_evicting_all(self, old, protected, needed, add) -> bool:
+        refs, free = Counter(self._refs), 0
+        going = [e for k, e in self._entries.items() if k not in protected]
+        for e in going + ([old] if old is not None else []):
+            free += e.size
+            refs.subtract(set(e.page_hashes))
+        free += sum(s for h, s in self._pages.items() if refs[h] <= 0 and h not in needed)
+        return self._bytes - free + add <= self.max_bytes
+
+    def _projected(self, old, needed, add) -> int:
+        """Bytes after this put if nothing more were evicted."""
+        b = self._bytes + add
+        if old is not None:
+            b -= old.size + sum(self._pages.get(h, 0) for h in old.page_hashes
+                                if self._refs[h] == 1 and h not in needed)
+        return b
+
+    def _evict_one(self, protected: Collection[str], keep: Collection[bytes] = ()) -> bool:
+        """Evict the policy's victim among entries not ``protected``; False if none could go."""
+        vid = self.policy.victim(lambda i: self._by_id.get(i) not in protected)
+        if vid is None:
+            return False
+        key = self._by_id[vid]
+        if not self._drop_entry(key, keep=keep):
+            self.policy.insert(vid, ident=key)  # still on disk: still a candidate
+            return False
+        self._stats["evictions"] += 1
+        return True
+
+    def _tick(self) -> int:
+        self._clock = max(time.time_ns(), self._clock + 1)
+        return self._clock
+
+    def _add_entry(self, key, name, hashes, tail, size, at_end=True) -> None:
+        e = IndexedEntry(key, name, tuple(hashes), tail, size, self._next_id)
+        self._next_id += 1
+        self._entries[key] = e
+        self._entries.move_to_end(key, last=at_end)
+        self._by_id[e.id] = key
+        self._refs.update(set(e.page_hashes))
+        self._bytes += size
+        self.policy.insert(e.id, ident=key)
+
+    def _forget_entry(self, e: IndexedEntry) -> None:
+        del self._entries[e.key]
+        del self._by_id[e.id]
+        self.policy.remove(e.id)
+        self._refs.subtract(set(e.page_hashes))
+        self._bytes -= e.size
+
+    def _drop_entry(self, key: str, keep: Collection[bytes] = ()) -> bool:
+        """Remove an entry's manifest, then the pages only it referenced (a crash in between
+        leaves orphan pages, which start-up removes)."""
+        e = self._entries[key]
+        if not afs.unlink(self._entries_fd, e.name):
+            return False
+        self._forget_entry(e)
+        self._gc(e.page_hashes, keep)
+        return True
+
+    def _gc(self, hashes, keep: Collection[bytes] = ()) -> None:
+        """Delete the page files among ``hashes`` that no entry references."""
+        for h in hashes:
+            if self._refs[h] <= 0:
+                self._refs.pop(h, None)
+                if h in self._pages and h not in keep:
+                    name = h.hex() + ".safetensors"
+                    try:
+                        sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
+                    except OSError:
+                        self._lost_page(h)
+                        continue
+                    try:
+                        if afs.unlink(sub_fd, name):
+                            self._lost_page(h)
+                    finally:
+                        os.close(sub_fd)
+
+    def _lost_page(self, h: bytes) -> None:
+        self._bytes -= self._pages.pop(h, 0)
+
+    def _page_file_exists(self, h: bytes) -> bool:
+        name = h.hex() + ".safetensors"
+        try:
+            os.stat(f"{name[:2]}/{name}", dir_fd=self._pages_fd, follow_symlinks=False)
+            return True
+        except OSError:
+            return False
+
+    def _bad_file(self, err: Exception, dir_fd: int, name: str, what: str) -> bool:
+        """Log a file that failed to read and remove it if it is bad; True if it is gone
+        (drop it from the index), False on a transient error (EIO, EMFILE: a miss for now)."""
+        if isinstance(err, FileNotFoundError):
+            log.warning("disk store: %s %s vanished", what, name[:16])
+            return True
+        if isinstance(err, OSError) and err.errno not in _UNREADABLE:
+            self._stats["errors"] += 1
+            log.warning("disk store: %s %s not readable now: %s", what, name[:16], err)
+            return False
+        kind = "foreign" if isinstance(err, ForeignError) else "corrupt"
+        removed = afs.unlink(dir_fd, name)
+        self._stats[f"{kind}_files_removed"] += removed
+        log.warning("disk store: %s %s %s (%s)%s", kind, what, name[:16], err,
+                    "; removed" if removed else "; could not remove it")
+        return True
+
+    def _build_index(self) -> None:
+        """Index pages and entries from their headers only; remove temp, bad and orphan files."""
+        for sub in self._scan(self._pages_fd):
+            if not (_HEX2.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                sub_fd = afs.open_dir(sub.name, self._pages_fd, create=False)
+            except OSError:
+                continue
+            try:
+                for f in self._scan(sub_fd):
+                    m = PAGE_NAME.fullmatch(f.name)
+                    if m and m.group(1)[:2] == sub.name:
+                        h = bytes.fromhex(m.group(1))
+                        got = self._index_file(sub_fd, f.name, lambda hdr: fmt.parse_page(
+                            self.geo, hdr, h), "page")
+                        if got is not None:
+                            self._pages[h] = got[1]
+                            self._bytes += got[1]
+            finally:
+                os.close(sub_fd)
+        found = []
+        for f in self._scan(self._entries_fd):
+            if ENTRY_NAME.fullmatch(f.name):
+                got = self._index_file(self._entries_fd, f.name,
+                                       lambda hdr: fmt.parse_entry(self.geo, hdr), "manifest")
+                if got is None:
+                    continue
+                info, size, mtime = got
+                if entry_name(info.key) != f.name:
+                    self._bad_file(FormatError("named for another key"), self._entries_fd,
+                                   f.name, "manifest")
+                    continue
+                found.append((mtime, f.name, info, size))
+        for mtime, name, info, size in sorted(found, key=lambda x: (x[0], x[1])):
+            self._add_entry(info.key, name, info.page_hashes, info.tail_tokens, size)
+            self._clock = max(self._clock, mtime)
+        self._gc(list(self._pages))  # orphans: pages no manifest references
+        while self._bytes > self.max_bytes and self._evict_one(()):
+            pass  # the budget may have shrunk since the last run
+
+    def _scan(self, dir_fd: int):
+        """A directory's entries; temp files and planted symlinks are removed on the way."""
+        try:
+            items = list(os.scandir(dir_fd))
+        except OSError as e:
+            log.warning("disk store: cannot list a directory: %s", e)
+            return []
+        out = []
+        for f in items:
+            if f.name.startswith(afs.TMP_PREFIX):
+                self._stats["temp_files_removed"] += afs.unlink(dir_fd, f.name)
+            elif f.is_symlink() and (PAGE_NAME.fullmatch(f.name) or _HEX2.fullmatch(f.name)):
+                log.warning("disk store: symlink %s planted in the store; removed", f.name[:16])
+                self._stats["corrupt_files_removed"] += afs.unlink(dir_fd, f.name)
+            else:
+                out.append(f)
+        return out
+
+    def _index_file(self, dir_fd: int, name: str, parse, what: str):
+        try:
+            fd, size = afs.open_regular(name, dir_fd)
+            try:
+                hdr = fmt.read_header(fd, size)
+                mtime = os.fstat(fd).st_mtime_ns
+            finally:
+                os.close(fd)
+            return parse(hdr), size, mtime
+        except (FormatError, OSError) as err:
+            self._bad_file(err, dir_fd, name, what)
+            return None
