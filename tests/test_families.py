@@ -159,16 +159,19 @@ def test_two_continuations_share_pages_and_each_goes_on_exactly(lm):
         client = openai.OpenAI(base_url=url, api_key="x", max_retries=0, timeout=120)
         r = client.chat.completions.create(model=lm.name, messages=first, max_tokens=MAX_TOKENS,
                                            n=2, temperature=1.0, seed=3)
-        # Only the two answers hold the prompt's pages once the prompt's own entry is gone.
-        assert httpx.delete(f"{url}/kv_cache/f-u0").status_code == 200
-        stats = httpx.get(f"{url}/kv_cache/stats").json()["models"][lm.name]
-        assert stats["ram"]["entries"] == 2
-        assert stats["ram"]["bytes_shared"] > 0
+        others = ["f-u0"]  # every entry but the two answers
         for choice in r.choices:
             history = first + [{"role": "assistant", "content": choice.message.content,
                                 "message_id": choice.message.model_extra["message_id"]},
                                user(f"f{choice.index}", 1)]
-            warm, _, usage = ask(url, lm, history)
+            warm, mid, usage = ask(url, lm, history)
             cold, _, _ = ask(url, lm, history, use_cache=False)
             assert warm == cold, f"choice {choice.index}"
             assert cached(usage) > 0, f"choice {choice.index}"
+            others += [f"f{choice.index}-u1", mid]
+        # With every other entry gone, the prompt's pages are still held by both answers.
+        for key in others:
+            assert httpx.delete(f"{url}/kv_cache/{key}").status_code == 200, key
+        stats = httpx.get(f"{url}/kv_cache/stats").json()["models"][lm.name]
+        assert stats["ram"]["entries"] == 2
+        assert stats["ram"]["bytes_shared"] > 0
