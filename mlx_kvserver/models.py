@@ -193,10 +193,25 @@ def _fingerprint(model: nn.Module, weight_files: list[Path], config: dict[str, A
     return hashlib.sha256(blob).hexdigest()
 
 
+def _materialize(model: nn.Module) -> None:
+    """Evaluate every array the model holds: parameters, and the private ones alike.
+
+    NOTE: an unevaluated array can only be evaluated on the thread that built it ("There is no
+    Stream(cpu, 0) in current thread"), and the server runs its models on another thread than
+    the one that loads them. ``mlx_lm.utils.load`` evaluates ``parameters()`` only, which leave
+    out names starting with "_", such as the ``_freqs`` of mlx-lm's yarn (gpt-oss), llama3 and
+    proportional (Gemma 4) ropes.
+    """
+    from mlx.utils import tree_flatten
+
+    mx.eval([v for _, v in tree_flatten(model) if isinstance(v, mx.array)])
+
+
 def _finish(name: str, source: str, model: nn.Module, tok: ChatTokenizer, config: dict[str, Any],
             weight_files: list[Path], context_length: int, dequantized: bool) -> LoadedModel:
     model_type = config.get("model_type") or config.get("text_config", {}).get("model_type")
     spec = spec_of_model(model, model_type)
+    _materialize(model)  # after the probe: it may have stored arrays on the model too
     fp = _fingerprint(model, weight_files, config, tok, spec)
     g0 = spec.groups[0] if spec.groups else None
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=fp,

@@ -186,3 +186,29 @@ def test_gguf_names() -> None:
         "SmolLM2-135M-Instruct-Q4_1"
     assert models._gguf_name(Path("Llama-3.2-1B.Q4_K_M.gguf")) == "Llama-3.2-1B-Q4_K_M"
     assert models._gguf_name(Path("plain.gguf")) == "plain"
+
+
+@pytest.mark.parametrize("model_type", ["gpt_oss", "gemma4_text"])
+def test_a_model_loaded_on_one_thread_runs_on_another(tmp_path: Path, model_type: str) -> None:
+    # The server loads models on the main thread and runs them on its generation thread. These
+    # two families hold rope frequencies (yarn, proportional) that are no parameters.
+    import threading
+
+    from mlx_lm.models.cache import make_prompt_cache
+    from tiny_families import make_tiny_family_dir
+
+    lm = resolve_and_load(str(make_tiny_family_dir(tmp_path / model_type, model_type)))
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append(lm.model(mx.array([[1, 2, 3]]), cache=make_prompt_cache(lm.model)))
+            mx.eval(out[-1])
+        except Exception as e:  # noqa: BLE001 (reported below, on the test's thread)
+            out.append(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    thread.join()
+    assert isinstance(out[-1], mx.array), out[-1]
+    assert out[-1].shape == (1, 3, lm.tokenizer.vocab_size)
