@@ -172,7 +172,9 @@ class CacheManager:
         return [[] for _ in self.pool.groups]
 
     def _stored_tables(self, stored: StoredEntry) -> list[list]:
-        return [[None] * skip + [True] * count for skip, count in stored.layout]
+        """Which pages ``stored`` has, per group, as a table of placeholders (None: not stored)."""
+        tail = [True] if stored.tail_tokens else []
+        return [[None] * skip + [True] * count + tail for skip, count in stored.layout]
 
     def _usable(self, prompt, limit, tokens, tables, has_state: bool) -> int:
         n = min(common_prefix(tokens, prompt), limit)

@@ -161,12 +161,23 @@ class PagedSequence:
 
     def _write_group(self, g: int, start: int, end: int) -> list[int]:
         P, pool, table, layers = self.pool.page_size, self.pool, self.tables[g], self.group_layers[g]
-        if isinstance(layers[0], PagedWindowCache) and layers[0].keep_from(end) > start:
-            # Positions before the window's start at ``end`` are never read again: no pages.
+        if isinstance(layers[0], PagedWindowCache):
             lo = layers[0].keep_from(end)
-            self._release_before(g, lo)
-            table.blocks.extend([None] * (lo // P - len(table.blocks)))
-            table.num_tokens = start = lo
+            if lo > start:
+                # Positions before the window's start at ``end`` are never read again: no pages.
+                self._release_before(g, lo)
+                table.blocks.extend([None] * (lo // P - len(table.blocks)))
+                table.num_tokens = start = lo
+            else:
+                # A page the window reads was released before a trim brought it back into the
+                # window: write it again from the buffer (sealing finds the same page if cached).
+                missing = next((i for i in range(lo // P, len(table.blocks))
+                                if table.blocks[i] is None), None)
+                if missing is not None:
+                    for b in table.truncate(missing * P):
+                        if b is not None:
+                            pool.release(b)
+                    start = missing * P
         kv = mx.stack([mx.stack(parts) for parts in
                        zip(*(layer.positions(start, end) for layer in layers))], axis=1)
         if start % P and not pool.is_writable(table.blocks[-1], start % P):
