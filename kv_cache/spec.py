@@ -151,19 +151,34 @@ class CacheSpec:
         return cls(int(d["num_slots"]), groups, states)
 
 
+_SUPPORTED = ("KVCache", "RotatingKVCache", "ArraysCache")
+
+
+def check_cache_types(caches: Sequence[Any], model_type: str = "model") -> None:
+    """``UnsupportedCacheError`` naming the model type and the first layer whose cache is not
+    one this library pages or snapshots (checked before any forward pass)."""
+    for i, c in enumerate(caches):
+        name = type(c).__name__
+        if name not in _SUPPORTED or type(c).__module__ != "mlx_lm.models.cache":
+            raise UnsupportedCacheError(
+                f"{model_type}: layer {i} keeps a {name}, which this server cannot page or "
+                "snapshot (supported: KVCache, RotatingKVCache without keep, ArraysCache)")
+        if name == "RotatingKVCache" and c.keep:
+            raise UnsupportedCacheError(
+                f"{model_type}: layer {i} is a sliding-window cache that keeps its first "
+                f"{c.keep} positions; not supported")
+
+
 def spec_from_caches(caches: Sequence[Any], model_type: str = "model") -> CacheSpec:
     """The spec of ``caches``, mlx-lm cache objects after a one-token forward pass."""
     from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+    check_cache_types(caches, model_type)
     paged: dict[tuple, list[int]] = {}
     states: list[StateSpec] = []
     for i, c in enumerate(caches):
         kind = type(c)
         if kind is KVCache or kind is RotatingKVCache:
-            if kind is RotatingKVCache and c.keep:
-                raise UnsupportedCacheError(
-                    f"{model_type}: layer {i} is a sliding-window cache that keeps its first "
-                    f"{c.keep} positions; not supported")
             if c.keys is None:
                 raise UnsupportedCacheError(f"{model_type}: layer {i} stored no keys in a forward "
                                             "pass")
@@ -183,10 +198,6 @@ def spec_from_caches(caches: Sequence[Any], model_type: str = "model") -> CacheS
                                             "state empty after a forward pass")
             states.append(StateSpec(i, tuple(tuple(int(d) for d in a.shape) for a in arrays),
                                     tuple(str(a.dtype).split(".")[-1] for a in arrays)))
-        else:
-            raise UnsupportedCacheError(
-                f"{model_type}: layer {i} keeps a {kind.__name__}, which this server cannot page "
-                "or snapshot (supported: KVCache, RotatingKVCache without keep, ArraysCache)")
     groups = tuple(GroupSpec(kind, tuple(layers), heads, dim, dt, window)
                    for (kind, window, heads, dim, dt), layers in
                    sorted(paged.items(), key=lambda kv: kv[1][0]))
@@ -197,9 +208,10 @@ def spec_of_model(model: Any, model_type: str | None = None) -> CacheSpec:
     """Read a model's cache spec off its own cache after a one-token forward pass."""
     from mlx_lm.models.cache import make_prompt_cache
 
+    model_type = str(model_type or getattr(getattr(model, "args", None), "model_type", None)
+                     or type(model).__module__.rsplit(".", 1)[-1])
     caches = make_prompt_cache(model)
+    check_cache_types(caches, model_type)
     model(mx.array([[0]]), cache=caches)
     mx.eval([getattr(c, "keys", None) for c in caches if getattr(c, "keys", None) is not None])
-    model_type = model_type or getattr(getattr(model, "args", None), "model_type", None) \
-        or type(model).__module__.rsplit(".", 1)[-1]
-    return spec_from_caches(caches, str(model_type))
+    return spec_from_caches(caches, model_type)

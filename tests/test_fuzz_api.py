@@ -240,7 +240,7 @@ def join(header: dict, data: bytes) -> bytes:
 
 def mutate_header(export: bytes, how: str) -> bytes:
     header, data = split(export)
-    meta, kv = header["__metadata__"], header["kv"]
+    meta, kv = header["__metadata__"], header["kv.0"]  # the export of group 0's pages
     if how == "length past the end":
         return struct.pack("<Q", len(export) + 64) + export[8:]
     if how == "length 2**64-1":
