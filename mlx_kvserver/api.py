@@ -368,7 +368,11 @@ class RequestGuard:
     """ASGI middleware run before anything else: refuses (403, JSON) a request whose Host header
     names another server (a DNS-rebinding page reaching a loopback server under its own name) or
     that a browser sent from an origin not given with ``--cors-origin`` (a cross-site page's
-    "simple" POST needs no CORS preflight, so CORS alone would not stop it from acting)."""
+    "simple" POST needs no CORS preflight, so CORS alone would not stop it from acting).
+
+    The server's own page is same-origin: a browser sends ``Origin: http://<Host>`` with its
+    POSTs and DELETEs. That origin is accepted while the Host check is on (the Host was one of
+    the server's own names, so the page was served by this server under that name)."""
 
     def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str]):
         self.app, self.hosts, self.origins = app, hosts, origins
@@ -390,8 +394,10 @@ class RequestGuard:
                                 "header (add more with --allowed-host)", type="permission_error",
                                 code="host_not_allowed")
         origins = [v for k, v in scope.get("headers", ()) if k == b"origin"]
+        own = {f"{s}://{hosts[0].decode('latin-1').strip().lower()}" for s in ("http", "https")} \
+            if self.hosts is not None and len(hosts) == 1 else set()
         if origins and "*" not in self.origins and any(
-                o.decode("latin-1") not in self.origins for o in origins):
+                o.decode("latin-1") not in self.origins | own for o in origins):
             return APIError(403, "requests from this origin are not allowed (see --cors-origin)",
                             type="permission_error", code="origin_not_allowed")
         return None
