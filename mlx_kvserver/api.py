@@ -28,6 +28,7 @@ from .metrics import CONTENT_TYPE_LATEST, ChatWatch, Metrics, RequestCounter
 from .models import ModelRegistry, UnknownModelError
 from .openapi import openapi_spec
 from .schemas import check_message_id, parse_chat_request, unknown_model
+from .web import page_routes
 from .worker import Engine, Job
 
 log = logging.getLogger("mlx_kvserver.api")
@@ -298,6 +299,7 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
               methods=["GET"]),
         Route("/v1/kv_cache/{message_id:path}", guarded(app_state.kv_entry),
               methods=["GET", "DELETE"]),
+        *page_routes(),  # the chat page at / and its files: public, like /health
     ]
     middleware = [Middleware(RequestCounter, metrics=app_state.metrics),
                   Middleware(RequestGuard, hosts=allowed_hosts(config),
