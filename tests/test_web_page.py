@@ -238,6 +238,7 @@ EVIL = """Here is **bold**, *italic* and `<b>code</b>`.
 <script>window.__pwned = "script"</script>
 <img src=x onerror="window.__pwned = 'img'">
 [click me](javascript:window.__pwned='link') and [a real link](https://example.com/a?b=1)
+See https://example.org/page.
 
 ```html
 <img src=x onerror="window.__pwned = 'code'">
@@ -277,7 +278,8 @@ def test_model_output_with_html_renders_as_text(served, web):
     assert code.text == "<img src=x onerror=\"window.__pwned = 'code'\">"
     assert code.get_attribute("class") == "lang-html"
     links = body.find_elements("css selector", "a")
-    assert [a.get_attribute("href") for a in links] == ["https://example.com/a?b=1"]
+    assert [a.get_attribute("href") for a in links] == ["https://example.com/a?b=1",
+                                                        "https://example.org/page"]
     assert links[0].get_attribute("rel") == "noopener noreferrer nofollow"
     items = body.find_elements("css selector", "ul li")
     assert len(items) == 2 and "<iframe" in items[0].text

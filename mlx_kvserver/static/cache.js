@@ -77,7 +77,7 @@ export class CachePanel {
       const entries = await this.entries();
       this.body.replaceChildren();
       for (const [name, s] of Object.entries(stats.models ?? {})) this.body.append(modelStats(name, s));
-      this.body.append(this.entryList(entries));
+      this.body.append(this.entryList(entries, Object.keys(stats.models ?? {}).length > 1));
     } catch (e) {
       this.notify(`cache panel: ${e.message}`);
     } finally {
@@ -100,7 +100,7 @@ export class CachePanel {
     return found;
   }
 
-  entryList(entries) {
+  entryList(entries, showModel) {
     const box = el("section", "cache-entries");
     box.append(el("h4", null, "this conversation's entries"));
     if (!entries.length) box.append(el("p", "muted", "none cached"));
@@ -110,7 +110,7 @@ export class CachePanel {
       const where = [info.in_memory && "RAM", info.on_disk && "disk"].filter(Boolean).join(" + ");
       const label = `${message.role}: ${message.content.slice(0, 40) || "(empty)"}`;
       item.append(el("div", "entry-label", label),
-        el("div", "entry-info muted", `${info.tokens} tokens, ${where || "-"}, ${info.model}`));
+        el("div", "entry-info muted", `${info.tokens} tokens, ${where || "-"}${showModel ? `, ${info.model}` : ""}`));
       const exp = item.appendChild(el("button", "entry-export", "export"));
       const del = item.appendChild(el("button", "entry-delete danger", "delete"));
       exp.type = del.type = "button";

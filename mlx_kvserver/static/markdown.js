@@ -18,7 +18,7 @@ const INLINE = new RegExp([
   /~~(?=\S)([\s\S]*?\S)~~/,                             // 6 strikethrough
   /\*(?=[^\s*])([\s\S]*?[^\s*])\*/,                     // 7 italic
   /(?<![\w])_(?=[^\s_])([\s\S]*?[^\s_])_(?![\w])/,      // 8 italic
-  /\[([^\]\n]+)\]\(\s*<?([^)\s>]+)>?\s*\)/,             // 9, 10 link
+  /\[([^\]\n]+)\]\(\s*<?((?:[^()\s<>]|\([^()\s]*\))+)>?\s*\)/, // 9, 10 link
   /(https?:\/\/[^\s<>()]*[^\s<>().,;:!?'"*_~])/,        // 11 bare URL
 ].map((r) => r.source).join("|"), "g");
 
@@ -38,14 +38,16 @@ export function safeHref(url) {
   }
 }
 
-function link(text, href, parent) {
+/** A link to http(s) or mailto only; `label` is Markdown, or null to show the URL as is. */
+function link(label, href, parent) {
   const safe = safeHref(href);
   if (!safe) return false;
   const a = el("a");
   a.href = safe;
   a.rel = "noopener noreferrer nofollow";
   a.target = "_blank";
-  renderInline(text, a);
+  if (label === null) a.textContent = href;
+  else renderInline(label, a);
   parent.append(a);
   return true;
 }
@@ -63,7 +65,7 @@ export function renderInline(text, parent) {
     else if (m[7] !== undefined || m[8] !== undefined) renderInline(m[7] ?? m[8], parent.appendChild(el("em")));
     else if (m[9] !== undefined) {
       if (!link(m[9], m[10], parent)) parent.append(m[0]);
-    } else if (!link(m[11], m[11], parent)) parent.append(m[0]);
+    } else if (!link(null, m[11], parent)) parent.append(m[0]);
   }
   if (last < text.length) parent.append(text.slice(last));
 }
@@ -172,11 +174,7 @@ function renderBlocks(lines, parent) {
     } else {
       const body = [line];
       for (i++; i < lines.length && lines[i].trim() !== "" && !isBlockStart(lines[i], lines[i + 1]); i++) body.push(lines[i]);
-      const p = parent.appendChild(el("p"));
-      body.forEach((l, k) => {
-        if (k) p.append(el("br"));
-        renderInline(l, p);
-      });
+      renderInline(body.join("\n"), parent.appendChild(el("p"))); // line breaks kept (CSS)
     }
   }
 }
