@@ -13,7 +13,7 @@ from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Route
 from starlette.staticfiles import StaticFiles
 
 STATIC = Path(__file__).resolve().parent / "static"
@@ -41,6 +41,14 @@ class StaticFilesNoSniff(StaticFiles):
         return response
 
 
+FILES = StaticFilesNoSniff(directory=STATIC)
+
+
+async def static_file(request: Request) -> Response:
+    """A file of the page: only names inside ``static/`` (StaticFiles refuses the rest)."""
+    return await FILES.get_response(request.path_params["path"], request.scope)
+
+
 def page_routes() -> list:
     return [Route("/", index, methods=["GET"]),
-            Mount("/static", StaticFilesNoSniff(directory=STATIC), name="static")]
+            Route("/static/{path:path}", static_file, methods=["GET"])]

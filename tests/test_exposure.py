@@ -19,6 +19,8 @@ KEY = "s3cret-key"
 HELLO = [{"role": "user", "content": "hello", "message_id": "exp-u0"}]
 OPERATIONS = sorted((path, method.upper()) for path, ops in openapi_spec()["paths"].items()
                     for method in ops)
+PUBLIC = {(path, method.upper()) for path, ops in openapi_spec()["paths"].items()
+          for method, op in ops.items() if op.get("security") == []}  # /health, the chat page
 
 
 # -- binding ---------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def keyed(tiny_lm, tmp_path_factory):
 
 
 def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.Response:
-    path = path.replace("{message_id}", "exp-u0")
+    path = path.replace("{message_id}", "exp-u0").replace("{path}", "app.js")
     kw: dict = {}
     if path.endswith("/chat/completions"):
         kw["json"] = {"messages": HELLO, "max_tokens": 2}
@@ -67,10 +69,14 @@ def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.R
     return httpx.request(method, base + path, headers=headers, timeout=60, **kw)
 
 
+def test_only_health_and_the_chat_page_are_public():
+    assert PUBLIC == {("/health", "GET"), ("/", "GET"), ("/static/{path}", "GET")}
+
+
 @pytest.mark.parametrize("path,method", OPERATIONS, ids=[f"{m} {p}" for p, m in OPERATIONS])
 def test_every_route_but_health_requires_the_api_key(keyed, path, method):
     base, export = keyed
-    if path == "/health":
+    if (path, method) in PUBLIC:
         assert call(base, path, method, export).status_code == 200
         return
     for auth in (None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", KEY):
