@@ -7,7 +7,7 @@ import { CachePanel } from "./cache.js";
 import { turnChart } from "./chart.js";
 import { Client } from "./client.js";
 import { renderMarkdown } from "./markdown.js";
-import { loadSettings, newId, saveSettings, Store } from "./store.js";
+import { loadSettings, newId, saveSettings, Store, STORAGE_KEY } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
 const store = new Store();
@@ -300,6 +300,12 @@ function bind() {
     $(id).addEventListener("change", () => { settings[key] = $(id).value.trim(); saveSettings(settings); });
   }
   $("forget-key").addEventListener("click", () => client.forgetKey());
+  window.addEventListener("storage", (e) => { // another tab changed the conversations
+    if (e.key === STORAGE_KEY && !streaming) {
+      store.load();
+      render();
+    }
+  });
 }
 
 async function init() {
