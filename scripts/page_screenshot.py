@@ -1,38 +1,29 @@
 """A screenshot of the chat page (docs/chat-page.png) on the real default model.
 
-Starts the server as a subprocess on loopback with a fresh cache directory, opens the page in
-headless Chromium (Debian's chromium + chromium-driver, through selenium), has a short
-conversation (each turn after the first comes from the cache), opens the cache panel and saves
-the screenshot. Usage: python scripts/page_screenshot.py [--out docs/chat-page.png]
+Starts the server as a subprocess on loopback with a fresh cache directory (as bench_ttft.py
+does), opens the page in headless Chromium (Debian's chromium + chromium-driver, through
+selenium), has a short conversation (each turn after the first comes from the cache), opens
+the cache panel and saves the screenshot.
+Usage: python scripts/page_screenshot.py [--out docs/chat-page.png]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 
+from bench_ttft import Server, free_port  # noqa: E402
 from tests.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium  # noqa: E402
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.",
              "List three famous landmarks in Paris.",
              "Write a Python function that returns the square of a number. Use a code block."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> int:
@@ -48,27 +39,11 @@ def main() -> int:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
-    tmp = Path(tempfile.mkdtemp(prefix="page-shot-"))
-    port = free_port()
-    log = open(tmp / "server.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "mlx_kvserver", "--model", args.model, "--port", str(port),
-         "--kv-cache-dir", str(tmp / "kv"), "--max-tokens", str(args.max_tokens)],
-        cwd=ROOT, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=log,
-        stderr=subprocess.STDOUT)
-    root = f"http://127.0.0.1:{port}"
+    server = Server(Path(tempfile.mkdtemp(prefix="page-shot-")) / "kv", free_port(),
+                    ["--model", args.model, "--max-tokens", str(args.max_tokens)])
+    root = server.url.removesuffix("/v1")
     web = None
     try:
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(f"{root}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"the server did not start; see {log.name}")
-            time.sleep(0.5)
         web = start_chromium(*found, size=(1440, 980))
         wait = WebDriverWait(web, 600)
         web.get(root + "/")
@@ -89,9 +64,7 @@ def main() -> int:
     finally:
         if web is not None:
             quit_chromium(web)
-        server.terminate()
-        server.wait(timeout=60)
-        log.close()
+        server.stop()
     return 0
 
 
