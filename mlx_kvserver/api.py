@@ -24,9 +24,11 @@ from kv_cache.transfer import TransferError
 
 from .config import ServerConfig
 from .errors import APIError, bad_request
+from .metrics import CONTENT_TYPE_LATEST, ChatWatch, Metrics, RequestCounter
 from .models import ModelRegistry, UnknownModelError
 from .openapi import openapi_spec
 from .schemas import check_message_id, parse_chat_request, unknown_model
+from .web import page_routes
 from .worker import Engine, Job
 
 log = logging.getLogger("mlx_kvserver.api")
@@ -70,6 +72,7 @@ class App:
 
     def __init__(self, config: ServerConfig, registry: ModelRegistry, engine: Engine):
         self.config, self.registry, self.engine = config, registry, engine
+        self.metrics = Metrics()
 
     def model_for(self, request: Request, name: str | None):
         header = request.headers.get("x-model-id")
@@ -94,6 +97,7 @@ class App:
         req = parse_chat_request(body, default_max_tokens=self.config.max_tokens,
                                  default_temperature=self.config.temperature)
         lm = self.model_for(request, req.model)
+        watch = self.metrics.watch(lm.name)
         job = Job(req, lm, asyncio.get_running_loop())
         self.engine.submit(job)
         try:
@@ -106,9 +110,10 @@ class App:
             job.cancel()
             raise
         if req.stream:
-            return StreamingResponse(self._stream(job, data), media_type="text/event-stream",
+            return StreamingResponse(self._stream(job, data, watch),
+                                     media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._complete(job, data)
+        return await self._complete(job, data, watch)
 
     # -- KV cache management --------------------------------------------------------------------
 
@@ -165,19 +170,24 @@ class App:
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_spec(self.registry.names()))
 
-    async def _events(self, job: Job) -> AsyncIterator[tuple[str, dict]]:
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(await self.metrics.scrape(self.engine), media_type=CONTENT_TYPE_LATEST)
+
+    async def _events(self, job: Job, watch: ChatWatch) -> AsyncIterator[tuple[str, dict]]:
         try:
             while True:
                 kind, data = await job.events.get()
                 if kind == "done":
                     return
+                watch.event(kind, data)
                 yield kind, data
         finally:
+            watch.close()
             job.cancel()  # a client that went away cancels its generation
 
-    async def _complete(self, job: Job, accepted: dict) -> Response:
+    async def _complete(self, job: Job, accepted: dict, watch: ChatWatch) -> Response:
         choices, usage = {}, None
-        async for kind, data in self._events(job):
+        async for kind, data in self._events(job, watch):
             if kind == "error":
                 return error_response(data)
             if kind == "finish":
@@ -196,7 +206,7 @@ class App:
             "usage": usage_body(usage or {**accepted, "completion_tokens": 0}),
         })
 
-    async def _stream(self, job: Job, accepted: dict) -> AsyncIterator[str]:
+    async def _stream(self, job: Job, accepted: dict, watch: ChatWatch) -> AsyncIterator[str]:
         ids: dict[int, str] = {}
 
         def chunk(index: int | None, delta: dict | None, finish=None, usage=None) -> str:
@@ -210,7 +220,7 @@ class App:
                 body["usage"] = usage
             return f"data: {json.dumps(body)}\n\n"
 
-        async for kind, data in self._events(job):
+        async for kind, data in self._events(job, watch):
             if kind == "start":
                 ids[data["index"]] = data["message_id"]
                 yield chunk(data["index"], {"role": "assistant", "content": "",
@@ -280,6 +290,7 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
     routes = [
         Route("/health", guarded(app_state.health, public=True), methods=["GET"]),
         Route("/openapi.json", guarded(app_state.openapi), methods=["GET"]),
+        Route("/metrics", guarded(app_state.metrics_text), methods=["GET"]),
         Route("/v1/models", guarded(app_state.models), methods=["GET"]),
         Route("/v1/chat/completions", guarded(app_state.chat_completions), methods=["POST"]),
         Route("/v1/kv_cache/stats", guarded(app_state.kv_stats), methods=["GET"]),
@@ -288,8 +299,10 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
               methods=["GET"]),
         Route("/v1/kv_cache/{message_id:path}", guarded(app_state.kv_entry),
               methods=["GET", "DELETE"]),
+        *page_routes(),  # the chat page at / and its files: public, like /health
     ]
-    middleware = [Middleware(RequestGuard, hosts=allowed_hosts(config),
+    middleware = [Middleware(RequestCounter, metrics=app_state.metrics),
+                  Middleware(RequestGuard, hosts=allowed_hosts(config),
                              origins=frozenset(config.cors_origins))]
     if config.cors_origins:
         middleware.append(Middleware(CORSMiddleware, allow_origins=config.cors_origins,
@@ -305,6 +318,7 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
                     exception_handlers={404: not_found, 405: not_found})
     app.router.redirect_slashes = False  # an API answers 404, not a redirect, to "/v1/models/"
     app.state.engine, app.state.registry = engine, registry
+    app.state.metrics = app_state.metrics
     return app
 
 
@@ -356,7 +370,11 @@ class RequestGuard:
     """ASGI middleware run before anything else: refuses (403, JSON) a request whose Host header
     names another server (a DNS-rebinding page reaching a loopback server under its own name) or
     that a browser sent from an origin not given with ``--cors-origin`` (a cross-site page's
-    "simple" POST needs no CORS preflight, so CORS alone would not stop it from acting)."""
+    "simple" POST needs no CORS preflight, so CORS alone would not stop it from acting).
+
+    The server's own page is same-origin: a browser sends ``Origin: http://<Host>`` with its
+    POSTs and DELETEs. That origin is accepted while the Host check is on (the Host was one of
+    the server's own names, so the page was served by this server under that name)."""
 
     def __init__(self, app, hosts: frozenset[str] | None, origins: frozenset[str]):
         self.app, self.hosts, self.origins = app, hosts, origins
@@ -378,8 +396,10 @@ class RequestGuard:
                                 "header (add more with --allowed-host)", type="permission_error",
                                 code="host_not_allowed")
         origins = [v for k, v in scope.get("headers", ()) if k == b"origin"]
+        own = {f"{s}://{hosts[0].decode('latin-1').strip().lower()}" for s in ("http", "https")} \
+            if self.hosts is not None and len(hosts) == 1 else set()
         if origins and "*" not in self.origins and any(
-                o.decode("latin-1") not in self.origins for o in origins):
+                o.decode("latin-1") not in self.origins | own for o in origins):
             return APIError(403, "requests from this origin are not allowed (see --cors-origin)",
                             type="permission_error", code="origin_not_allowed")
         return None

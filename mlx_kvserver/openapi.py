@@ -28,6 +28,10 @@ def _json(schema: dict, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _text(kind: str, description: str) -> dict:
+    return {"description": description, "content": {kind: {"schema": {"type": "string"}}}}
+
+
 def _errors(*codes: int) -> dict:
     what = {400: "bad input", 401: "missing or wrong API key", 403: "Host or Origin refused",
             404: "no such model, entry or route", 405: "method not allowed",
@@ -95,6 +99,13 @@ def openapi_spec(models: list[str] | None = None) -> dict:
             "/health": {"get": _op("liveness, loaded models, queue", _json(anything, "ok"),
                                    public=True)},
             "/openapi.json": {"get": _op("this document", _json(anything, "OpenAPI 3.1"))},
+            "/metrics": {"get": _op("Prometheus metrics", _text("text/plain", "the metrics"))},
+            "/": {"get": _op("the chat page (HTML)", _text("text/html", "the page"),
+                             public=True)},
+            "/static/{path}": {"get": _op(
+                "the chat page's files", _text("text/javascript", "a file"), 404, public=True,
+                parameters=[{"name": "path", "in": "path", "required": True,
+                             "schema": {"type": "string"}}])},
             "/v1/models": {"get": _op("the served models", _json(anything, "a model list"))},
             "/v1/chat/completions": {"post": _op(
                 "a chat completion (streamed as server-sent events with stream=true)",

@@ -22,13 +22,16 @@ from urllib.parse import urlparse
 
 import httpx
 
+from .stats_table import stats_table
+
 HELP = """commands:
   /new           start a new conversation (the system prompt stays)
   /regen         drop the last answer and generate it again (your message's cache is reused)
   /fork          branch from here: keeps the history (and its server cache); /back returns here
   /back          leave the current branch: back to the point of the last /fork
   /system [TEXT] set the system prompt (no TEXT: clear it)
-  /stats         the server's KV-cache stats and this session's totals
+  /stats         the server's KV cache (hits, tokens from cache, RAM and disk against their
+                 budgets, evictions) and this session's totals; /stats --json: the raw stats
   /help          this help
   /quit          leave (also Ctrl-D); Ctrl-C stops an answer"""
 
@@ -262,7 +265,7 @@ class Repl:
         self.say(f"[ttft {ttft} | {rate} tok/s | {done} tokens | "
                  f"cached {cached}/{prompt} prompt tokens]", dim=True)
 
-    def stats(self) -> None:
+    def stats(self, raw: bool = False) -> None:
         try:
             code, body = self.client.get(f"{self.client.base_url}/kv_cache/stats")
             if code == 404:
@@ -270,7 +273,10 @@ class Repl:
                 self.say("server /health (this server has no /v1/kv_cache/stats):")
             else:
                 self.say("server KV cache (/v1/kv_cache/stats):")
-            self.say(json.dumps(body, indent=2) if code < 400 else describe_error(body, code))
+            if code >= 400:
+                self.say(describe_error(body, code))
+            else:
+                self.say(json.dumps(body, indent=2) if raw else stats_table(body))
         except httpx.HTTPError as e:
             self.say(f"error: cannot talk to {self.client.root}: {e}")
         t = self.totals
@@ -305,7 +311,10 @@ class Repl:
             conv.set_system(arg.strip())
             self.say("system prompt set" if arg.strip() else "system prompt cleared")
         elif name == "/stats":
-            self.stats()
+            if arg.strip() in ("", "--json"):
+                self.stats(raw=arg.strip() == "--json")
+            else:
+                self.say("usage: /stats [--json]")
         else:
             if name != "/help":
                 self.say(f"unknown command {name}")

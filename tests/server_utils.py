@@ -25,15 +25,16 @@ def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:
 
 @contextlib.contextmanager
 def running_server(models: list[LoadedModel], config: ServerConfig | None = None,
-                   engine: Engine | None = None) -> Iterator[str]:
-    """Serve ``models`` on 127.0.0.1 at a free port; yields the base URL (``http://.../v1``)."""
+                   engine: Engine | None = None, port: int = 0) -> Iterator[str]:
+    """Serve ``models`` on 127.0.0.1 at ``port`` (0: a free one); yields the base URL
+    (``http://.../v1``)."""
     config = config or ServerConfig()
     engine = engine or make_engine(models, config)
     app = build_app(config, ModelRegistry(models), engine)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NOTE: with
     # proto 0, asyncio does not set TCP_NODELAY on accepted connections: 40 ms per request.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

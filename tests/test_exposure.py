@@ -19,6 +19,8 @@ KEY = "s3cret-key"
 HELLO = [{"role": "user", "content": "hello", "message_id": "exp-u0"}]
 OPERATIONS = sorted((path, method.upper()) for path, ops in openapi_spec()["paths"].items()
                     for method in ops)
+PUBLIC = {(path, method.upper()) for path, ops in openapi_spec()["paths"].items()
+          for method, op in ops.items() if op.get("security") == []}  # /health, the chat page
 
 
 # -- binding ---------------------------------------------------------------------------------------
@@ -58,7 +60,7 @@ def keyed(tiny_lm, tmp_path_factory):
 
 
 def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.Response:
-    path = path.replace("{message_id}", "exp-u0")
+    path = path.replace("{message_id}", "exp-u0").replace("{path}", "app.js")
     kw: dict = {}
     if path.endswith("/chat/completions"):
         kw["json"] = {"messages": HELLO, "max_tokens": 2}
@@ -67,10 +69,14 @@ def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.R
     return httpx.request(method, base + path, headers=headers, timeout=60, **kw)
 
 
+def test_only_health_and_the_chat_page_are_public():
+    assert PUBLIC == {("/health", "GET"), ("/", "GET"), ("/static/{path}", "GET")}
+
+
 @pytest.mark.parametrize("path,method", OPERATIONS, ids=[f"{m} {p}" for p, m in OPERATIONS])
 def test_every_route_but_health_requires_the_api_key(keyed, path, method):
     base, export = keyed
-    if path == "/health":
+    if (path, method) in PUBLIC:
         assert call(base, path, method, export).status_code == 200
         return
     for auth in (None, "Bearer wrong", f"Basic {KEY}", f"Bearer {KEY}x", "Bearer", KEY):
@@ -197,3 +203,27 @@ def test_cors_for_a_configured_origin(tiny_lm):
         assert r.status_code == 403 and "access-control-allow-origin" not in r.headers
         assert preflight(base, "http://evil.example").headers.get(
             "access-control-allow-origin") is None
+
+
+def test_the_servers_own_page_is_same_origin(plain, tiny_lm):
+    """A browser sends ``Origin`` with the page's POSTs and DELETEs: the server's own origin
+    (scheme and the Host it was reached by) passes while the Host check is on; any other
+    origin, a look-alike included, is still refused."""
+    host = plain.removeprefix("http://")
+    body = {"messages": HELLO, "max_tokens": 2}
+    for origin in (f"http://{host}", f"https://{host}"):
+        r = httpx.post(f"{plain}/v1/chat/completions", json=body, headers={"Origin": origin},
+                       timeout=60)
+        assert r.status_code == 200, (origin, r.text)
+    port = host.rsplit(":", 1)[1]
+    for origin, h in [(f"http://localhost:{port}", host), (f"http://{host}.evil", host),
+                      (f"http://{host}:1", host), (f"ftp://{host}", host), ("null", host),
+                      (f"http://evil.example:{port}", f"evil.example:{port}")]:
+        r = httpx.post(f"{plain}/v1/chat/completions", json=body, timeout=60,
+                       headers={"Origin": origin, "Host": h})
+        assert r.status_code == 403, (origin, h)
+    # with the Host check off, the Host proves nothing: only --cors-origin origins pass
+    with running_server([tiny_lm], ServerConfig(allowed_hosts=["*"], max_tokens=2)) as url:
+        own = url.removesuffix("/v1")
+        r = httpx.post(f"{url}/chat/completions", json=body, headers={"Origin": own}, timeout=60)
+        assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"

@@ -152,17 +152,51 @@ def test_repl_errors_interrupts_and_unknown_commands():
     assert len(STATUS.findall(out)) == 1
 
 
-def test_stats_uses_kv_cache_route_or_falls_back_to_health():
-    health = (200, {"status": "ok", "models": ["m"]})
-    client = FakeClient([answer("A", "m1", prompt=10, cached=4)], {
-        "http://fake/v1/kv_cache/stats": (404, {"error": {"message": "not found"}}),
-        "http://fake/health": health})
+STATS = {"object": "kv_cache.stats", "models": {
+    "tiny-a": {"hits": 3, "misses": 1, "tokens_served": 1234, "disk_hits": 1,
+               "ram": {"entries": 5, "bytes": 12 << 20, "budget_bytes": 2 << 30,
+                       "bytes_shared": 3 << 19, "evictions": 2},
+               "disk": {"entries": 7, "bytes_on_disk": 40 << 20, "budget": 10 << 30,
+                        "evictions": 1}},
+    "a-much-longer-model-name": {"hits": 0, "misses": 0, "tokens_served": 0,
+                                 "ram": {"entries": 0, "bytes": 0, "budget_bytes": 1 << 30,
+                                         "bytes_shared": 0, "evictions": 0},
+                                 "disk": None}}}
+
+
+def test_stats_is_a_table_of_the_kv_cache_route_and_json_on_request():
+    client = FakeClient([answer("A", "m1", prompt=10, cached=4)],
+                        {"http://fake/v1/kv_cache/stats": (200, STATS)})
     _, out, _ = run_repl(client, ["hi", "/stats"])
-    assert "server /health" in out and '"status": "ok"' in out
+    lines = out.splitlines()
+    head = lines.index("server KV cache (/v1/kv_cache/stats):")
+    table = lines[head + 1:head + 9]
+    assert table == [
+        "                        tiny-a                        a-much-longer-model-name",
+        "  cache hits            3 of 4 lookups (1 from disk)  0 of 0 lookups",
+        "  tokens from cache     1,234                         0",
+        "  RAM used              12.0 MiB of 2.0 GiB (0.6%)    0 B of 1.0 GiB (0.0%)",
+        "  RAM entries           5, 1.5 MiB shared             0, 0 B shared",
+        "  disk used             40.0 MiB of 10.0 GiB (0.4%)   off",
+        "  disk entries          7                             -",
+        "  evictions RAM / disk  2 pages / 1 entries           0 pages / -"]
+    assert "{" not in out  # not a JSON dump
     assert "session: 1 turns, 10 prompt tokens, 4 from cache (40%), 3 completion tokens" in out
-    client.gets["http://fake/v1/kv_cache/stats"] = (200, {"m": {"entries": 3}})
+    _, out, _ = run_repl(client, ["/stats --json", "/stats --bogus"])
+    assert '"tokens_served": 1234' in out and '"object": "kv_cache.stats"' in out
+    assert "usage: /stats [--json]" in out
+
+
+def test_stats_falls_back_to_health_or_shows_the_error():
+    client = FakeClient([], {
+        "http://fake/v1/kv_cache/stats": (404, {"error": {"message": "not found"}}),
+        "http://fake/health": (200, {"status": "ok", "models": ["m"]})})
     _, out, _ = run_repl(client, ["/stats"])
-    assert "/v1/kv_cache/stats" in out and '"entries": 3' in out and "/health" not in out
+    assert "server /health" in out and "  status: ok\n  models: ['m']" in out
+    client.gets["http://fake/v1/kv_cache/stats"] = (401, {"error": {
+        "message": "a valid API key is required", "type": "authentication_error"}})
+    _, out, _ = run_repl(client, ["/stats"])
+    assert "HTTP 401 authentication_error: a valid API key is required" in out
 
 
 # -- the real REPL in a pseudo-terminal ---------------------------------------------------------
@@ -264,8 +298,9 @@ def test_repl_in_a_pty_streams_answers_reuses_cache_and_shows_stats(server, tiny
         cached, prompt = int(answers[1].group(3)), int(answers[1].group(4))
         assert 0 < cached < prompt  # the second turn: the history came from the cache
         pty.type("/stats")
-        pty.expect(r"server KV cache \(/v1/kv_cache/stats\):\n\{\n  \"object\": \"kv_cache.stats\"")
-        pty.expect(r"\"hits\": 1,")
+        pty.expect(r"server KV cache \(/v1/kv_cache/stats\):\n +" + re.escape(tiny_lm.name))
+        pty.expect(r"\n  cache hits +1 of 2 lookups\n  tokens from cache +\d+\n"
+                   r"  RAM used +[\d.]+ KiB of 2\.0 GiB \(0\.0%\)\n")
         pty.expect(r"session: 2 turns, \d+ prompt tokens, \d+ from cache")
         pty.expect(">>>")
         pty.type("/quit")

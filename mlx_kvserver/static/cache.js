@@ -1,0 +1,139 @@
+// The cache panel: the server's KV cache per model (GET v1/kv_cache/stats) and the entries of the
+// open conversation's messages (GET v1/kv_cache/{id}), each with export and delete.
+
+import { ApiError } from "./client.js";
+
+export function bytes(n) {
+  if (n == null) return "-";
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  let v = Number(n);
+  while (v >= 1024 && i < units.length - 1) { v /= 1024; i++; }
+  return `${i ? v.toFixed(1) : v} ${units[i]}`;
+}
+
+function el(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
+function row(table, label, value, used, budget) {
+  const tr = table.appendChild(el("tr"));
+  tr.append(el("th", null, label));
+  const td = tr.appendChild(el("td", null, value));
+  if (budget) {
+    const meter = el("meter");
+    meter.min = 0;
+    meter.max = budget;
+    meter.value = used;
+    meter.high = budget * 0.9;
+    td.append(meter);
+  }
+  return tr;
+}
+
+function modelStats(name, s) {
+  const box = el("section", "cache-model");
+  box.dataset.model = name;
+  box.append(el("h4", null, name));
+  const t = box.appendChild(el("table", "kv"));
+  const lookups = s.hits + s.misses;
+  row(t, "hits", `${s.hits} of ${lookups} lookups${s.disk_hits ? ` (${s.disk_hits} from disk)` : ""}`).dataset.stat = "hits";
+  row(t, "tokens from cache", String(s.tokens_served)).dataset.stat = "tokens";
+  const r = s.ram;
+  row(t, "RAM", `${bytes(r.bytes)} of ${bytes(r.budget_bytes)}`, r.bytes, r.budget_bytes).dataset.stat = "ram";
+  row(t, "RAM entries", `${r.entries} (${r.pages_held} pages held, ${r.pages_cached} cached)`).dataset.stat = "ram-entries";
+  row(t, "shared", bytes(r.bytes_shared)).dataset.stat = "shared";
+  const d = s.disk;
+  if (d) {
+    row(t, "disk", `${bytes(d.bytes_on_disk)} of ${bytes(d.budget)}`, d.bytes_on_disk, d.budget).dataset.stat = "disk";
+    row(t, "disk entries", String(d.entries)).dataset.stat = "disk-entries";
+  } else row(t, "disk", "off").dataset.stat = "disk";
+  row(t, "evictions", `RAM ${r.evictions}, disk ${d ? d.evictions : "-"}`).dataset.stat = "evictions";
+  return box;
+}
+
+export class CachePanel {
+  /** `conversation()` gives the open conversation (or null); `notify(text)` reports errors. */
+  constructor(root, client, conversation, notify) {
+    Object.assign(this, { root, client, conversation, notify });
+    this.body = root.querySelector(".cache-body");
+    root.querySelector(".cache-refresh").addEventListener("click", () => this.refresh());
+    this.busy = false;
+  }
+
+  get open() {
+    return !this.root.hidden;
+  }
+
+  async refresh() {
+    if (this.busy) return;
+    this.busy = true;
+    this.root.dataset.state = "loading";
+    try {
+      const stats = await this.client.json("v1/kv_cache/stats");
+      const entries = await this.entries();
+      this.body.replaceChildren();
+      for (const [name, s] of Object.entries(stats.models ?? {})) this.body.append(modelStats(name, s));
+      this.body.append(this.entryList(entries, Object.keys(stats.models ?? {}).length > 1));
+    } catch (e) {
+      this.notify(`cache panel: ${e.message}`);
+    } finally {
+      this.busy = false;
+      this.root.dataset.state = "ready";
+    }
+  }
+
+  async entries() {
+    const conv = this.conversation();
+    const found = [];
+    for (const m of [...(conv?.messages ?? [])].reverse()) {
+      if (!m.message_id) continue;
+      try {
+        found.push({ message: m, info: await this.client.json(`v1/kv_cache/${encodeURIComponent(m.message_id)}`) });
+      } catch (e) {
+        if (!(e instanceof ApiError && e.status === 404)) throw e;
+      }
+    }
+    return found;
+  }
+
+  entryList(entries, showModel) {
+    const box = el("section", "cache-entries");
+    box.append(el("h4", null, "this conversation's entries"));
+    if (!entries.length) box.append(el("p", "muted", "none cached"));
+    for (const { message, info } of entries) {
+      const item = box.appendChild(el("div", "cache-entry"));
+      item.dataset.messageId = info.message_id;
+      const where = [info.in_memory && "RAM", info.on_disk && "disk"].filter(Boolean).join(" + ");
+      const label = `${message.role}: ${message.content.slice(0, 40) || "(empty)"}`;
+      item.append(el("div", "entry-label", label),
+        el("div", "entry-info muted", `${info.tokens} tokens, ${where || "-"}${showModel ? `, ${info.model}` : ""}`));
+      const exp = item.appendChild(el("button", "entry-export", "export"));
+      const del = item.appendChild(el("button", "entry-delete danger", "delete"));
+      exp.type = del.type = "button";
+      exp.addEventListener("click", () => this.export(info.message_id).catch((e) => this.notify(e.message)));
+      del.addEventListener("click", () => this.remove(info.message_id).catch((e) => this.notify(e.message)));
+    }
+    return box;
+  }
+
+  async export(id) {
+    const response = await this.client.fetch(`v1/kv_cache/export/${encodeURIComponent(id)}`);
+    const url = URL.createObjectURL(await response.blob());
+    const a = el("a");
+    a.href = url;
+    a.download = `kv-${id.replace(/[^\w.-]/g, "_")}.safetensors`;
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60_000);
+  }
+
+  async remove(id) {
+    await this.client.fetch(`v1/kv_cache/${encodeURIComponent(id)}`, { method: "DELETE" });
+    await this.refresh();
+  }
+}
