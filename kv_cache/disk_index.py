@@ -41,7 +41,7 @@ class IndexedEntry:  # the in-memory index of one manifest (no tokens: get() rea
 
 
 def entry_name(key: str) -> str:
-    """The manifest's file name: a hash of the key, never the key itself (invariant 7)."""
+    """The manifest's file name: a hash of the key, never the key itself (docs/ARCHITECTURE.md, invariant 7)."""
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest() + ".safetensors"
 
 

@@ -7,8 +7,8 @@ Layout under ``root`` (one store, one model per root; a lock file keeps out a se
                                           open tail page's data; the key lives only in metadata
     .lock                                 held (flock) while a store has the root open
 
-Files are described in ``disk_format``. Every write is a temp file, fsync, rename, directory fsync
-(invariant 5); start-up removes temp files and indexes entries and pages from headers only. A
+Files are described in ``disk_format``; the invariants cited are those of docs/ARCHITECTURE.md.
+Every write is a temp file, fsync, rename, directory fsync (invariant 5); start-up removes temp files and indexes entries and pages from headers only. A
 truncated, corrupt, foreign or planted file is a miss: logged and removed, never an exception out
 of a read. After every ``put`` the files fit ``max_bytes`` (invariant 6): entries go in policy
 order (LRU: last put or touch first), never the one being written nor a pinned one, and a page

@@ -211,7 +211,7 @@ class PagePool:
         """Append ``kv`` (``[group layers, 2, kv_heads, n, head_dim]``) for ``tokens`` to an open
         page."""
         meta = self._get(block)
-        # NOTE: invariant 1: a sealed page never changes; a shared page is copied before a write.
+        # NOTE: docs/ARCHITECTURE.md, invariant 1: a sealed page never changes; a shared page is copied before a write.
         assert not meta.sealed, f"write to sealed block {block}"
         assert meta.ref_count == 1, f"write to block {block} held {meta.ref_count} times"
         n, group = len(tokens), self.groups[meta.group]
