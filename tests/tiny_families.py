@@ -20,16 +20,15 @@ layers, the tiny tokenizer's vocabulary):
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map_with_path
+from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes
 
-from tests.tiny_model import CHAT_TEMPLATE, _tokenizer_json, tiny_config, tiny_vocab_size
+from tests.tiny_model import CHAT_TEMPLATE, tiny_config, tiny_vocab_size, write_model_dir
 
 FAMILIES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "gemma4_text", "qwen3_5", "lfm2",
             "nemotron_h")
@@ -142,17 +141,6 @@ def make_tiny_family_model(model_type: str, seed: int = 0) -> nn.Module:
 def make_tiny_family_dir(path: str | Path, model_type: str, seed: int = 0, *,
                          chat_template: str = CHAT_TEMPLATE) -> Path:
     """Write a complete model folder (config, weights, tiny tokenizer) and return its path."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_family_model(model_type, seed)
-    (path / "config.json").write_text(json.dumps(tiny_family_config(model_type), indent=1))
-    mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
-                        metadata={"format": "mlx"})
-    (path / "tokenizer.json").write_text(_tokenizer_json())
-    tok_cfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-        "pad_token": "<|endoftext|>", "chat_template": chat_template,
-        "model_max_length": CONTEXT, "clean_up_tokenization_spaces": False,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
-    return path
+    return write_model_dir(path, make_tiny_family_model(model_type, seed),
+                           tiny_family_config(model_type), chat_template=chat_template,
+                           max_length=CONTEXT)

@@ -82,22 +82,28 @@ def make_tiny_model(seed: int = 0, num_layers: int = 2, hidden: int = 64, heads:
     return model
 
 
-def make_tiny_model_dir(path: str | Path, seed: int = 0, *, chat_template: str = CHAT_TEMPLATE,
-                        **model_kw: Any) -> Path:
-    """Write a complete MLX model folder (config, weights, tokenizer) and return its path."""
+def write_model_dir(path: str | Path, model, config: dict[str, Any], *,
+                    chat_template: str = CHAT_TEMPLATE, max_length: int = 2048) -> Path:
+    """Write ``model`` with ``config`` and the tiny tokenizer as a complete MLX model folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_model(seed, **model_kw)
-    keys = ("num_layers", "hidden", "heads", "kv_heads", "vocab")
-    cfg = tiny_config(**{k: model_kw[k] for k in keys if k in model_kw})
-    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    (path / "config.json").write_text(json.dumps(config, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
     (path / "tokenizer.json").write_text(_tokenizer_json())
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "chat_template": chat_template,
-        "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length, "clean_up_tokenization_spaces": False,
     }
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=1))
     return path
+
+
+def make_tiny_model_dir(path: str | Path, seed: int = 0, *, chat_template: str = CHAT_TEMPLATE,
+                        **model_kw: Any) -> Path:
+    """Write a complete MLX model folder (config, weights, tokenizer) and return its path."""
+    keys = ("num_layers", "hidden", "heads", "kv_heads", "vocab")
+    cfg = tiny_config(**{k: model_kw[k] for k in keys if k in model_kw})
+    return write_model_dir(path, make_tiny_model(seed, **model_kw), cfg,
+                           chat_template=chat_template)
