@@ -66,7 +66,8 @@ def openapi_spec(models: list[str] | None = None) -> dict:
         "properties": {
             "messages": {"type": "array", "minItems": 1, "items": message,
                          "description": "the last message must not be an assistant's"},
-            "model": {"type": "string", "description": "a name or an index",
+            "model": {"type": "string", "description": "a served model's name, its index, or "
+                                                     "\"default\" (the first one, as when omitted)",
                       **({"examples": models} if models else {})},
             **{name: _number(name) for name in RANGES},
             "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
