@@ -65,7 +65,7 @@ def _dist_file(dist: str, match: Callable[[str], bool]) -> Path | None:
         files = importlib.metadata.distribution(dist).files or ()
     except importlib.metadata.PackageNotFoundError:
         return None
-    found = [Path(str(f.locate())) for f in files if match(f.name)]
+    found = [Path(os.path.normpath(f.locate())) for f in files if match(f.name)]
     found = [p for p in found if p.is_file()]
     return min(found, key=lambda p: (p.is_symlink(), len(str(p)))) if found else None
 

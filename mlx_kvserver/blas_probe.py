@@ -175,7 +175,7 @@ def save_verdict(path: Path, key: str, verdict: Verdict, library: Path) -> None:
         pass  # a verdict not kept only costs another check next time
 
 
-def _signal_name(number: int) -> str:
+def signal_name(number: int) -> str:
     try:
         return signal.Signals(number).name
     except ValueError:
@@ -195,7 +195,7 @@ def run_child(env: Mapping[str, str], libraries: Sequence[Path],
         return Verdict(False, f"the check could not start: {e}", keep=False)
     last = (r.stdout.strip().splitlines() or [""])[-1]
     if r.returncode < 0:
-        sig = _signal_name(-r.returncode)
+        sig = signal_name(-r.returncode)
         what = " (an instruction this CPU does not have)" if sig == "SIGILL" else ""
         return Verdict(False, f"the check process died with {sig}{what}")
     if r.returncode == 0 and last.startswith("OK"):
