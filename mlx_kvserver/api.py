@@ -168,7 +168,7 @@ class App:
             os.unlink(path)
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_spec(self.registry.names()))
+        return JSONResponse(openapi_spec(self.registry.names(), bool(self.config.api_key)))
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(await self.metrics.scrape(self.engine), media_type=CONTENT_TYPE_LATEST)
@@ -310,9 +310,11 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
                                      allow_headers=["*"]))
 
     async def not_found(request, exc):
-        return error_response(APIError(exc.status_code, f"{request.method} {request.url.path}: "
-                                       f"{exc.detail}", type="not_found_error"
-                                       if exc.status_code == 404 else "invalid_request_error"))
+        response = error_response(APIError(
+            exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+            type="not_found_error" if exc.status_code == 404 else "invalid_request_error"))
+        response.headers.update(exc.headers or {})  # a 405 says which methods are allowed
+        return response
 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found})

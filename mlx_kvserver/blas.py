@@ -1,204 +1,202 @@
-"""Fast BLAS for MLX's CPU backend on Linux.
+"""A fast BLAS for MLX's CPU backend on Linux, chosen per machine and proven before use.
 
-MLX's Linux CPU wheel links a slow reference BLAS (~6 GFLOP/s on a 1024^2 fp32 matmul). Preloading
-the OpenBLAS shipped by the PyPI package ``cmeel-openblas`` makes the same matmul ~30-60x faster.
-That library needs ``libgfortran.so.5``; when the system has none, numpy's wheel bundles one under a
-hashed name (``numpy.libs/libgfortran-<hash>.so.5*``, which needs ``libquadmath-<hash>.so*``), so we
-build a small directory of symlinks with the names the loader looks for and put it on
-``LD_LIBRARY_PATH``.
+MLX's Linux CPU wheel links a reference BLAS (about 6 GFLOP/s on a 1024x576 @ 576x1536 float32
+matmul). A launcher preloads a faster one with ``LD_PRELOAD``, which only works when set before
+the process starts: :func:`maybe_reexec` re-executes the launcher, and
+``python -m mlx_kvserver.blas --print-env`` prints the settings for shell scripts. On macOS
+nothing is done (MLX uses Metal and Accelerate); elsewhere any failure means MLX's own BLAS.
 
-``LD_PRELOAD`` only works when set before the process starts, hence :func:`maybe_reexec` (for the
-launchers) and ``python -m mlx_kvserver.blas --print-env`` (for shell scripts). On macOS nothing is
-done: MLX uses Metal and Accelerate. Any failure degrades to MLX's own BLAS with a warning.
+Candidates, tried in this order; the first one that passes its check is used:
+
+1. ``$MLX_KVSERVER_BLAS_LIBRARY``: a library the user names (it must export ``cblas_sgemm``).
+2. ``scipy-openblas32`` (a dependency on Linux x86-64): the OpenBLAS build that numpy and scipy
+   ship, kept by OpenBLAS's maintainers. It is ``DYNAMIC_ARCH``: it picks its kernels for the CPU
+   it runs on, whatever CPU built the wheel, and takes up to 64 threads. Its names carry a prefix
+   (``scipy_cblas_sgemm``), so it is reached through a forwarder: a shared object of a few KB that
+   exports each BLAS and LAPACK name ``libmlx.so`` imports as a jump to the prefixed one. The
+   forwarder is written in Python by :mod:`mlx_kvserver.elf` at first use and cached. Why not a
+   C shim compiled at first use: a C compiler is not on every user's machine, and the compiler
+   on PyPI (``ziglang``) is a 100 MB wheel whose first run builds libc stubs; the forwarder is
+   ten bytes of code per name, the same bytes on every machine, and it is proven like any other
+   candidate. Measured on AMD EPYC: 72 GFLOP/s on 1 thread (docs/BENCHMARKS.md has the table).
+3. ``cmeel-openblas``, when installed: fast, but built for the CPU of the machine that built the
+   wheel (0.3.31 needs AVX-512 and dies with SIGILL on AMD Zen 3; 0.3.29 is TARGET=ZEN with at
+   most 4 threads). It is no longer a dependency. It needs ``libgfortran.so.5``: when the system
+   has none, numpy's wheel has one under a hashed name, linked under its real name in a private
+   directory put on ``LD_LIBRARY_PATH``.
+4. Intel's ``mkl``, when installed: plain names and its own CPU dispatch, but about 280 MB with
+   ``intel-openmp``, and slower than OpenBLAS on AMD.
+5. MLX's own reference BLAS.
+
+Every candidate is proven in a child process before it is preloaded (:mod:`blas_probe`: real
+matmuls through MLX compared with numpy; a child killed by SIGILL or answering wrong rules the
+library out), and the verdict is cached per library file, CPU and MLX version. A rejected
+candidate is named in one warning line. ``python -m mlx_kvserver.blas`` tells which BLAS is used
+and why.
+
+Threads: one per physical core the process may run on, less one left for the rest of the
+process and the machine, at most 16 (``MLX_KVSERVER_BLAS_THREADS`` or the library's own variable,
+``OPENBLAS_NUM_THREADS`` / ``MKL_NUM_THREADS``, overrides it).
 """
 
 from __future__ import annotations
 
-import ctypes.util
-import glob
-import hashlib
-import importlib.metadata
-import importlib.util
 import logging
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from . import blas_probe
+from .blas_candidates import (FORWARDER, LIBRARY_VAR, Candidate, Finder, cmeel_openblas,
+                              intel_mkl, scipy_openblas, user_library)
 
 log = logging.getLogger(__name__)
 
 DISABLE_VAR = "MLX_KVSERVER_NO_BLAS"
-MARKER_VAR = "MLX_KVSERVER_BLAS_APPLIED"
-THREADS_VAR = "MLX_KVSERVER_BLAS_THREADS"  # OpenBLAS threads; default: half the usable cores
-_SHIM_NAME = "mlx-kvserver-blas"
+MARKER_VAR = "MLX_KVSERVER_BLAS_APPLIED"  # set to the name of the candidate preloaded
+THREADS_VAR = "MLX_KVSERVER_BLAS_THREADS"
+MAX_THREADS = 16
+KNOWN_LIBS = ("libopenblas", "libscipy_openblas", "libmkl_rt", FORWARDER)
 
 
 def _truthy(value: str | None) -> bool:
     return (value or "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _search_dirs() -> list[Path]:
-    import site
+# The candidates in the order they are tried (see the module docstring).
+FINDERS: list[tuple[str, Finder]] = [
+    (LIBRARY_VAR, user_library), ("scipy-openblas32", scipy_openblas),
+    ("cmeel-openblas", cmeel_openblas), ("mkl", intel_mkl)]
 
-    dirs = [Path(p) for p in sys.path if p]
+
+# -- threads -----------------------------------------------------------------------------------
+
+
+def usable_cpus() -> list[int]:
     try:
-        dirs += [Path(p) for p in site.getsitepackages()]
-    except AttributeError:  # some embedded interpreters lack it
-        pass
-    seen: list[Path] = []
-    for d in dirs:
-        if d not in seen and d.is_dir():
-            seen.append(d)
-    return seen
+        return sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return list(range(os.cpu_count() or 2))
 
 
-def find_openblas() -> Path | None:
-    """Path of ``libopenblas.so.0`` from the ``cmeel-openblas`` package, or None."""
-    try:
-        dist = importlib.metadata.distribution("cmeel-openblas")
-        for f in dist.files or ():
-            if f.name == "libopenblas.so.0":
-                p = Path(str(dist.locate_file(f)))
-                if p.is_file():
-                    return p
-    except importlib.metadata.PackageNotFoundError:
-        pass
-    for d in _search_dirs():
-        p = d / "cmeel.prefix" / "lib" / "libopenblas.so.0"
-        if p.is_file():
-            return p
-    return None
-
-
-def _numpy_libs() -> Path | None:
-    spec = importlib.util.find_spec("numpy")
-    if spec is not None and spec.origin:
-        p = Path(spec.origin).resolve().parent.parent / "numpy.libs"
-        if p.is_dir():
-            return p
-    for d in _search_dirs():
-        if (d / "numpy.libs").is_dir():
-            return d / "numpy.libs"
-    return None
-
-
-def _link(target: Path, link: Path) -> None:
-    """Point ``link`` at ``target``; atomic (a concurrent process sees the old or the new link)."""
-    if link.is_symlink() and os.readlink(link) == str(target):
-        return
-    tmp = link.with_name(f".{link.name}.{os.getpid()}.tmp")
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(target, tmp)
-    os.replace(tmp, link)
-
-
-def _shim_candidates(libs: Path) -> list[Path]:
-    tag = hashlib.sha256(str(libs).encode()).hexdigest()[:12]
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return [
-        Path(sys.prefix) / "lib" / _SHIM_NAME,
-        cache / "mlx-kvserver" / f"blas-{tag}",
-        Path(tempfile.gettempdir()) / f"{_SHIM_NAME}-{os.getuid()}-{tag}",
-    ]
-
-
-def _gfortran_shim() -> Path | None:
-    """A directory in which ``libgfortran.so.5`` (from numpy's wheel) and its libquadmath load."""
-    libs = _numpy_libs()
-    if libs is None:
-        return None
-    gfortran = sorted(glob.glob(str(libs / "libgfortran-*.so.5*")))
-    quadmath = sorted(glob.glob(str(libs / "libquadmath-*.so*")))
-    if not gfortran:
-        return None
-    for shim in _shim_candidates(libs):
+def physical_cores(cpus: Iterable[int], sys_cpu: Path = Path("/sys/devices/system/cpu")) -> int:
+    """How many physical cores the logical ``cpus`` belong to (SMT siblings count once)."""
+    cpus = list(cpus)
+    cores = set()
+    for c in cpus:
+        topo = sys_cpu / f"cpu{c}" / "topology"
         try:
-            shim.mkdir(parents=True, exist_ok=True)
-            _link(Path(gfortran[0]), shim / "libgfortran.so.5")
-            for q in quadmath:  # NEEDED under its own hashed name
-                _link(Path(q), shim / Path(q).name)
-            return shim
-        except OSError as e:
-            log.debug("cannot build BLAS shim in %s: %s", shim, e)
-    return None
+            cores.add(((topo / "physical_package_id").read_text().strip(),
+                       (topo / "core_id").read_text().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
 
 
-def _prepend(path: str, current: str | None) -> str:
-    return path if not current else f"{path}{os.pathsep}{current}"
-
-
-def _threads(environ: Mapping[str, str]) -> str | None:
-    """OPENBLAS_NUM_THREADS to set, or None to leave the user's setting alone.
+def default_threads(physical: int) -> int:
+    """BLAS threads for a process that may use ``physical`` cores.
 
     NOTE: measured on a 2-core machine with one core busy elsewhere: 2 OpenBLAS threads prefilled
-    ~60 tok/s, 1 thread ~200 tok/s (OpenBLAS threads spin and stall when a core is taken).
+    ~60 tok/s, 1 thread ~200 tok/s (OpenBLAS threads spin and stall when a core is taken). One
+    core is left to the rest of the process (tokenizer, HTTP, MLX's non-BLAS work) and machine;
+    past 16 threads the matmuls of a chat prefill gain little and synchronization costs more.
     """
-    if "OPENBLAS_NUM_THREADS" in environ:
+    return max(1, min(MAX_THREADS, physical - 1))
+
+
+def _threads(environ: Mapping[str, str], var: str) -> str | None:
+    """The thread count to set in ``var``, or None to leave the user's setting alone."""
+    if var in environ:
         return None
     if (want := environ.get(THREADS_VAR, "").strip()).isdecimal() and int(want) > 0:
         return want
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 2
-    return str(max(1, cores // 2))
+    return str(default_threads(physical_cores(usable_cpus())))
 
 
-def _loads(env: Mapping[str, str]) -> bool:
-    """Whether a trivial process starts with these loader settings (a bad preload is fatal)."""
-    try:
-        r = subprocess.run([sys.executable, "-S", "-c", "pass"], env=dict(env), timeout=30,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("BLAS check failed to run: %s", e)
-        return False
-    if r.returncode != 0:
-        log.warning("OpenBLAS preload does not load, skipping it: %s",
-                    r.stderr.decode(errors="replace").strip()[-300:])
-    return r.returncode == 0
+# -- choosing --------------------------------------------------------------------------------
+
+
+def _prepend(path: str, current: str | None) -> str:
+    if current and path in current.replace(" ", os.pathsep).split(os.pathsep):
+        return current
+    return path if not current else f"{path}{os.pathsep}{current}"
+
+
+def candidate_env(c: Candidate, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment additions that preload ``c``."""
+    add = {"LD_PRELOAD": _prepend(str(c.preload), environ.get("LD_PRELOAD")), MARKER_VAR: c.name}
+    if c.library_path is not None:
+        add["LD_LIBRARY_PATH"] = _prepend(str(c.library_path), environ.get("LD_LIBRARY_PATH"))
+    if (threads := _threads(environ, c.threads_var)) is not None:
+        add[c.threads_var] = threads
+    return add
+
+
+@dataclass
+class Choice:
+    """The candidate chosen (None: MLX's own BLAS), its environment additions, and a line on
+    each candidate looked at."""
+
+    candidate: Candidate | None
+    env: dict[str, str]
+    report: list[tuple[str, str]]
+
+
+def choose(environ: Mapping[str, str]) -> Choice:
+    """Try the candidates in order (see the module docstring); never raises."""
+    report: list[tuple[str, str]] = []
+    for name, find in FINDERS:
+        try:
+            found = find(environ)
+            if isinstance(found, str):
+                report.append((name, found))
+                continue
+            if any(ch in str(found.preload) for ch in " :"):
+                report.append((name, f"{found.preload}: LD_PRELOAD cannot carry a space or ':'"))
+                continue
+            add = candidate_env(found, environ)
+            verdict = blas_probe.check(name, found.files(), {**environ, **add}, environ)
+        except Exception as e:  # noqa: BLE001 - a broken candidate must not stop start-up
+            log.warning("BLAS: %s could not be set up, not using it: %s", name, e)
+            report.append((name, f"could not be set up: {e}"))
+            continue
+        cached = " (verdict cached)" if verdict.cached else ""
+        if verdict.ok:
+            report.append((name, f"in use: {verdict.why}{cached}"))
+            return Choice(found, add, report)
+        log.warning("BLAS: not using %s (%s): %s%s", name, found.library, verdict.why, cached)
+        report.append((name, f"rejected: {verdict.why}{cached}"))
+    log.warning("BLAS: no fast BLAS passed its check; MLX uses its own reference BLAS (slow). "
+                "`python -m mlx_kvserver.blas` tells why.")
+    return Choice(None, {}, report)
+
+
+def _applied(environ: Mapping[str, str]) -> bool:
+    preload = environ.get("LD_PRELOAD", "")
+    return _truthy(environ.get(MARKER_VAR)) or any(k in preload for k in KNOWN_LIBS)
 
 
 def blas_env(environ: Mapping[str, str] | None = None) -> dict[str, str] | None:
-    """Environment additions that preload OpenBLAS, or None when there is nothing to do.
+    """Environment additions that preload the chosen BLAS, or None when there is nothing to do.
 
-    The additions: ``LD_PRELOAD``, ``LD_LIBRARY_PATH`` (only for the libgfortran shim), the
-    re-exec marker, and ``OPENBLAS_NUM_THREADS`` unless already set (``MLX_KVSERVER_BLAS_THREADS``
-    or half the usable cores).
-
-    None when not on Linux, when ``MLX_KVSERVER_NO_BLAS`` is set, when already applied (marker or
-    an OpenBLAS already in ``LD_PRELOAD``), when ``cmeel-openblas`` or a ``libgfortran`` is missing,
-    or when the resulting settings fail to start a process. Never raises.
+    The additions: ``LD_PRELOAD``, ``LD_LIBRARY_PATH`` (only for cmeel-openblas's libgfortran),
+    the marker (the candidate's name) and the thread count unless already set. None when not on
+    Linux, when ``MLX_KVSERVER_NO_BLAS`` is set, when already applied (the marker, or a known
+    BLAS in ``LD_PRELOAD``), or when no candidate passes its check. Never raises.
     """
     environ = os.environ if environ is None else environ
     if not sys.platform.startswith("linux") or _truthy(environ.get(DISABLE_VAR)):
         return None
-    if _truthy(environ.get(MARKER_VAR)) or "libopenblas" in environ.get("LD_PRELOAD", ""):
+    if _applied(environ):
         return None
-    try:
-        lib = find_openblas()
-        if lib is None:
-            return None
-        add = {"LD_PRELOAD": _prepend(str(lib), environ.get("LD_PRELOAD")), MARKER_VAR: "1"}
-        if (threads := _threads(environ)) is not None:
-            add["OPENBLAS_NUM_THREADS"] = threads
-        if not ctypes.util.find_library("gfortran"):
-            shim = _gfortran_shim()
-            if shim is None:
-                log.warning("OpenBLAS found but no libgfortran.so.5; using MLX's own BLAS")
-                return None
-            add["LD_LIBRARY_PATH"] = _prepend(str(shim), environ.get("LD_LIBRARY_PATH"))
-        return add if _loads({**environ, **add}) else None
-    except Exception as e:  # noqa: BLE001 - never let BLAS set-up break start-up
-        log.warning("OpenBLAS set-up failed, using MLX's own BLAS: %s", e)
-        return None
+    return choose(environ).env or None
 
 
 def maybe_reexec(argv: Sequence[str] | None = None) -> None:
-    """Re-execute this interpreter with OpenBLAS preloaded, when :func:`blas_env` says so.
+    """Re-execute this interpreter with the chosen BLAS preloaded, when :func:`blas_env` says so.
 
     ``argv`` is what follows the interpreter on the new command line: ``sys.argv`` for a script or
     console entry point; the default, ``sys.orig_argv[1:]``, also keeps ``-m package.module``.
@@ -209,20 +207,21 @@ def maybe_reexec(argv: Sequence[str] | None = None) -> None:
         if not add:
             return
         args = list(sys.orig_argv[1:] if argv is None else argv)
-        log.info("re-executing with OpenBLAS preloaded")
+        log.info("re-executing with %s preloaded", add[MARKER_VAR])
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os.execve(sys.executable, [sys.executable, *args], {**os.environ, **add})
     except Exception as e:  # noqa: BLE001
-        log.warning("could not re-exec with OpenBLAS, continuing without: %s", e)
+        log.warning("could not re-exec with a fast BLAS, continuing without: %s", e)
 
 
-def _openblas_mapped() -> bool:
+def _mapped(names: Iterable[str]) -> bool:
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            return any("libopenblas" in line for line in f)
+            maps = f.read()
     except OSError:
         return False
+    return any(n in maps for n in names)
 
 
 def blas_status() -> str:
@@ -231,13 +230,16 @@ def blas_status() -> str:
         return "system (Accelerate on macOS)"
     if not sys.platform.startswith("linux"):
         return "system"
-    if _openblas_mapped():
-        return "openblas via LD_PRELOAD"
+    name = os.environ.get(MARKER_VAR, "")
+    user = os.environ.get(LIBRARY_VAR, "").strip()
+    if _truthy(name) and _mapped([*KNOWN_LIBS, *([str(Path(user).resolve())] if user else [])]):
+        var = "MKL_NUM_THREADS" if name == "mkl" else "OPENBLAS_NUM_THREADS"
+        return f"{name} via LD_PRELOAD, {os.environ.get(var, '?')} threads ({var})"
+    if _mapped(KNOWN_LIBS):
+        return "a BLAS preloaded by the user (LD_PRELOAD)"
     if _truthy(os.environ.get(DISABLE_VAR)):
         return f"disabled ({DISABLE_VAR}=1): MLX reference BLAS, slow"
-    if find_openblas() is None:
-        return "MLX reference BLAS, slow (install cmeel-openblas)"
-    return "MLX reference BLAS, slow (OpenBLAS not preloaded)"
+    return "MLX reference BLAS, slow (`python -m mlx_kvserver.blas` tells why)"
 
 
 def export_lines(environ: Mapping[str, str] | None = None) -> str:
@@ -246,17 +248,45 @@ def export_lines(environ: Mapping[str, str] | None = None) -> str:
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted((add or {}).items()))
 
 
+def report(environ: Mapping[str, str]) -> str:
+    """What ``python -m mlx_kvserver.blas`` prints: the choice, why, and every candidate."""
+    if not sys.platform.startswith("linux"):
+        return f"BLAS for MLX: {blas_status()}\n"
+    if _truthy(environ.get(DISABLE_VAR)):
+        return f"BLAS for MLX: MLX's own reference BLAS ({DISABLE_VAR} is set)\n"
+    choice = choose({k: v for k, v in environ.items() if k != MARKER_VAR})
+    c = choice.candidate
+    if c is None:
+        lines = ["BLAS for MLX: MLX's own reference BLAS, slow (no candidate passed its check)"]
+    else:
+        n = choice.env.get(c.threads_var) or environ.get(c.threads_var, "?")
+        lines = [f"BLAS for MLX: {c.name}, {n} thread{'' if n == '1' else 's'} "
+                 f"({c.threads_var})", f"  library: {c.library}"]
+        if c.preload != c.library:
+            lines.append(f"  through: {c.preload}")
+    width = max(len(n) for n, _ in FINDERS)
+    lines.append("candidates, in order:")
+    for name, _ in FINDERS:
+        what = dict(choice.report).get(name, "not tried (an earlier one is used)")
+        lines.append(f"  {name:<{width}}  {what}")
+    now = blas_status() if _truthy(environ.get(MARKER_VAR)) else \
+        "nothing preloaded (the launchers preload the chosen BLAS: mlx-kvserver, mlx-kvchat, " \
+        "scripts/serve.sh, scripts/test.sh)"
+    lines.append(f"this process: {now}")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m mlx_kvserver.blas",
-                                 description="Show or export the OpenBLAS set-up for MLX.")
+                                 description="Tell which BLAS MLX uses here and why, or print "
+                                             "the settings that preload it.")
     ap.add_argument("--print-env", action="store_true", help="print export lines for a shell")
     args = ap.parse_args(argv)
-    if args.print_env:
-        sys.stdout.write(export_lines())
-    else:
-        print(blas_status())
+    if not args.print_env:
+        log.setLevel(logging.ERROR)  # the report says the same, once
+    sys.stdout.write(export_lines() if args.print_env else report(os.environ))
     return 0
 
 

@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-quantized", action="store_true",
                    help="keep quantized weights on MLX's CPU backend (slower there)")
     p.add_argument("--no-fast-blas", action="store_true",
-                   help="do not load OpenBLAS for MLX's CPU backend on Linux")
+                   help="do not preload a fast BLAS for MLX's CPU backend on Linux")
     p.add_argument("--log-level", default="info")
     return p
 

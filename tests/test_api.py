@@ -87,6 +87,24 @@ def test_models_health_and_model_selection(server, client, tiny_lm, tiny_lm_b):
     assert e.value.body["code"] == "model_not_found"
 
 
+def test_model_default_or_omitted_is_the_first_served_model(server, client, tiny_lm, tiny_lm_b):
+    named = client.chat.completions.create(model="default", messages=HELLO, max_tokens=2)
+    assert named.model == tiny_lm.name
+    omitted = httpx.post(f"{server}/chat/completions", json={"messages": HELLO, "max_tokens": 2},
+                         timeout=60)
+    assert omitted.status_code == 200 and omitted.json()["model"] == tiny_lm.name
+    header = httpx.post(f"{server}/chat/completions", headers={"X-Model-Id": "default"},
+                        json={"messages": HELLO, "max_tokens": 2}, timeout=60)
+    assert header.status_code == 200 and header.json()["model"] == tiny_lm.name
+    r = httpx.post(f"{server}/chat/completions", timeout=60,
+                   json={"messages": HELLO, "max_tokens": 2, "model": "gpt-4o"})
+    assert r.status_code == 404
+    err = r.json()["error"]
+    assert err["code"] == "model_not_found" and err["param"] == "model"
+    assert err["message"] == (f"model 'gpt-4o' not found; available: {tiny_lm.name}, "
+                              f"{tiny_lm_b.name}")
+
+
 def test_api_key_required_except_health(tiny_lm):
     with running_server([tiny_lm], ServerConfig(api_key="s3cret", max_tokens=2)) as url:
         root = url.removesuffix("/v1")

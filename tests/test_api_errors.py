@@ -45,6 +45,7 @@ CASES = [
     ("stop wrong type", {"messages": OK, "stop": 5}, 400, "stop"),
     ("stop empty string", {"messages": OK, "stop": [""]}, 400, "stop"),
     ("seed negative", {"messages": OK, "seed": -1}, 400, "seed"),
+    ("seed not whole", {"messages": OK, "seed": 1.5}, 400, "seed"),
     ("stream_options wrong", {"messages": OK, "stream_options": 3}, 400, "stream_options"),
     ("unknown model", {"messages": OK, "model": "nope"}, 404, "model"),
 ]
@@ -92,6 +93,19 @@ def test_unknown_route_and_method(server):
     assert httpx.get(f"{server}/nope").status_code == 404
     r = httpx.get(f"{server}/chat/completions")
     assert r.status_code == 405 and "error" in r.json()
+    assert r.headers["allow"] == "POST"
+
+
+def test_null_optional_fields_and_whole_float_integers_are_accepted(server):
+    # As the OpenAPI description says: null is an absent field; 7.0 is an integer.
+    nulls = {k: None for k in ("model", "max_tokens", "temperature", "top_p", "n", "seed", "stop",
+                               "stream", "stream_options", "use_kv_cache")}
+    body = {"messages": [{"role": "user", "content": "hi", "message_id": None}], **nulls}
+    r = httpx.post(f"{server}/chat/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{server}/chat/completions", timeout=60,
+                   json={"messages": OK, "seed": 7.0, "n": 2.0, "max_tokens": 2.0})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
 
 
 def test_server_still_answers_after_bad_requests(server):

@@ -73,6 +73,21 @@ def test_only_health_and_the_chat_page_are_public():
     assert PUBLIC == {("/health", "GET"), ("/", "GET"), ("/static/{path}", "GET")}
 
 
+def test_the_description_declares_401_where_the_key_is_required(keyed):
+    base, _ = keyed
+    spec = httpx.get(f"{base}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert spec["security"] == [{"bearer": []}]
+    for path, method in OPERATIONS:
+        op = spec["paths"][path][method.lower()]
+        assert ("401" in op["responses"]) == ((path, method) not in PUBLIC), (path, method)
+    assert spec["paths"]["/health"]["get"]["security"] == []
+    # Without a key nothing answers 401, and the description says so.
+    open_spec = openapi_spec()
+    assert "security" not in open_spec
+    assert not any("401" in op["responses"] for ops in open_spec["paths"].values()
+                   for op in ops.values())
+
+
 @pytest.mark.parametrize("path,method", OPERATIONS, ids=[f"{m} {p}" for p, m in OPERATIONS])
 def test_every_route_but_health_requires_the_api_key(keyed, path, method):
     base, export = keyed

@@ -3,10 +3,13 @@
 Requests come from hypothesis strategies shaped by the OpenAPI description the server serves
 (``mlx_kvserver/openapi.py``): chat bodies valid or broken in one field or everywhere, raw bytes,
 every described operation with hostile ``message_id``s and random methods, queries and headers,
-and KV-cache imports (a real export, truncated, flipped or with a hostile header). Every answer
-must be a 2xx, or a 4xx with an OpenAI-shaped JSON error; a 200 stream must be well-formed SSE
-with no error in it; a greedy 200 must equal the same request without the cache. Afterwards the
-server must answer the probe conversation exactly as before, with no page held by a sequence, both
+and KV-cache imports (a real export, truncated, flipped or with a hostile header), plus one
+well-formed request per described operation, so every route is reached by construction. The draws
+are the same on every run (derandomized). Every answer must be a 2xx, or a 4xx with an
+OpenAI-shaped JSON error, and a status the OpenAPI description declares for the operation the
+request reached (404 or 405 when it reached none); a 200 stream must be well-formed SSE with no
+error in it; a greedy 200 must equal the same request without the cache. Afterwards the server
+must answer the probe conversation exactly as before, with no page held by a sequence, both
 budgets kept and nothing written outside its cache directory.
 """
 
@@ -22,8 +25,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from starlette.routing import Match
 
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.openapi import openapi_spec
@@ -294,6 +298,8 @@ def body_of(req: dict, export: bytes) -> bytes | None:
 def check(req: dict, r: httpx.Response, body: bytes | None) -> None:
     where = f"{req['method']} {req['path'][:120]} -> {r.status_code}: {r.text[:300]!r}"
     assert 200 <= r.status_code < 300 or 400 <= r.status_code < 500, where
+    if r.status_code == 405:
+        assert r.headers.get("allow"), where
     if r.status_code >= 400:
         if req["method"] != "HEAD":
             err = r.json()["error"]
@@ -323,6 +329,46 @@ def greedy_twin(http: httpx.Client, base: str, req: dict, r: httpx.Response) -> 
     want = [c["message"]["content"] for c in twin.json()["choices"]]
     assert got == want, (body, got, want)
     return 1
+
+
+def reached(routes, r: httpx.Response) -> tuple[str, str] | int:
+    """The described operation a request reached, as the app's router matched it (HEAD is GET's);
+    404 or 405 when no route took it."""
+    path = urllib.parse.unquote(r.request.url.raw_path.decode("ascii").partition("?")[0])
+    scope = {"type": "http", "method": r.request.method, "path": path, "root_path": ""}
+    partial = False
+    for route in routes:
+        match, _ = route.matches(scope)
+        if match is Match.FULL:
+            template = re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", route.path)
+            return template, "GET" if r.request.method == "HEAD" else r.request.method
+        partial |= match is Match.PARTIAL
+    return 405 if partial else 404
+
+
+def declared(spec: dict) -> dict[tuple[str, str], set[int]]:
+    return {(path, method.upper()): {int(code) for code in op["responses"]}
+            for path, ops in spec["paths"].items() for method, op in ops.items()}
+
+
+def one_per_operation(export_id: str, victim_id: str) -> list[dict]:
+    """A well-formed request for every described operation: each route is reached whatever the
+    random draws are."""
+    out = []
+    for template, method in OPERATIONS:
+        op = (template, method)
+        if op == ("/v1/chat/completions", "POST"):
+            out.append({"kind": "chat", "op": op, "method": method, "path": template, "headers": {},
+                        "json": {"messages": [{"role": "user", "content": "hi",
+                                               "message_id": "fz-0"}], "max_tokens": 2}})
+        elif op == ("/v1/kv_cache/import", "POST"):
+            out.append({"kind": "import", "op": op, "method": method, "headers": {},
+                        "path": f"{template}?message_id=fz-imported", "recipe": ("exact", None)})
+        else:
+            key = victim_id if method == "DELETE" else export_id
+            out.append({"kind": "route", "op": op, "method": method, "headers": {}, "body": None,
+                        "path": template.replace("{message_id}", key)})
+    return out
 
 
 # -- the test --------------------------------------------------------------------------------------
@@ -367,32 +413,45 @@ def test_over_a_thousand_generated_requests_get_no_5xx(fuzz_server, tiny_lm):
     r = http.post(f"{url}/chat/completions", json={
         "messages": [{"role": "user", "content": "export me", "message_id": "fz-export"}],
         "max_tokens": 4})
-    export = http.get(f"{url}/kv_cache/export/{r.json()['message_id']}").content
+    export_id = r.json()["message_id"]
+    export = http.get(f"{url}/kv_cache/export/{export_id}").content
     assert export[:8] and len(export) > 1000
+    victim = http.post(f"{url}/chat/completions", json={
+        "messages": [{"role": "user", "content": "delete me"}], "max_tokens": 2})
     canary_before = tree(tmp_path / "canary")
+    spec = http.get(f"{base}/openapi.json").json()
+    routes = engine_app(engine).routes
     statuses: Counter = Counter()
+    seen: dict = {}
     covered: set = set()
     sent = Counter()
 
-    @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=False,
-              suppress_health_check=list(HealthCheck))
-    @given(req=requests)
     def one(req):
         body = body_of(req, export)
         r = http.request(req["method"], base + req["path"], content=body,
                          headers=req["headers"])
         sent["generated"] += 1
         statuses[r.status_code] += 1
+        seen.setdefault(reached(routes, r), set()).add(r.status_code)
         covered.add(req["op"])
         check(req, r, body)
         sent["no-cache twins"] += greedy_twin(http, base, req, r)
 
-    one()
+    run = given(req=requests)(one)
+    for req in one_per_operation(export_id, victim.json()["message_id"]):
+        run = example(req=req)(run)
+    settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
+             suppress_health_check=list(HealthCheck))(run)()
     print(f"\nfuzz: {dict(sent)} requests; generated ones answered "
           f"{dict(sorted(statuses.items()))}")
     assert sent["generated"] >= 1000 and sent["no-cache twins"] >= 50
     assert set(OPERATIONS) <= covered, set(OPERATIONS) - covered
+    assert set(OPERATIONS) <= seen.keys(), set(OPERATIONS) - seen.keys()
     assert statuses[200] >= 200 and sum(n for s, n in statuses.items() if s >= 400) >= 200
+    # Every status is one the description declares for the operation reached.
+    allowed = {**declared(spec), 404: {404}, 405: {405}}
+    undeclared = {op: got - allowed[op] for op, got in seen.items() if got - allowed[op]}
+    assert not undeclared, undeclared
     # The server is alive and answers as before; nothing leaked; nothing written elsewhere.
     assert http.get(f"{base}/health").json()["status"] == "ok"
     assert probe(http, url) == before
@@ -448,17 +507,15 @@ def test_the_openapi_description_covers_every_route(fuzz_server):
     url = fuzz_server[0]
     served = httpx.get(url.removesuffix("/v1") + "/openapi.json").json()
     assert served["paths"].keys() == SPEC["paths"].keys()
-    from mlx_kvserver.api import build_app
-
-    engine = fuzz_server[1]
-    app = build_app(ServerConfig(), engine_registry(engine), engine)
     routes = {re.sub(r"\{(\w+)(:\w+)?\}", r"{\1}", r.path): set(r.methods) - {"HEAD"}
-              for r in app.routes}
+              for r in engine_app(fuzz_server[1]).routes}
     described = {p: {m.upper() for m in ops} for p, ops in SPEC["paths"].items()}
     assert routes == described
 
 
-def engine_registry(engine):
+def engine_app(engine):
+    """An app like the fuzzed server's (for its routes; never started)."""
+    from mlx_kvserver.api import build_app
     from mlx_kvserver.models import ModelRegistry
 
-    return ModelRegistry(list(engine.models.values()))
+    return build_app(ServerConfig(), ModelRegistry(list(engine.models.values())), engine)

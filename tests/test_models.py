@@ -85,7 +85,10 @@ def test_registry(tiny: LoadedModel) -> None:
     assert reg.get() is tiny and reg.get(None) is tiny
     assert reg.get(1) is other and reg.get("1") is other and reg.get("0") is tiny
     assert reg.get("second") is other and reg.get("tiny-chat") is tiny
-    for bad in ("nope", 2, "7", -1):
+    assert reg.get("default") is tiny  # what clients with no name to give send
+    named_default = LoadedModel(**{**vars(tiny), "name": "default"})
+    assert ModelRegistry([tiny, named_default]).get("default") is named_default
+    for bad in ("nope", 2, "7", -1, "Default", "default "):
         with pytest.raises(UnknownModelError):
             reg.get(bad)
     assert issubclass(UnknownModelError, KeyError)
