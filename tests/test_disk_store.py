@@ -290,7 +290,7 @@ def test_restart_indexes_from_headers_only(tmp_path, stores, monkeypatch):
         assert e.tokens == tuple(t) and e.page_hashes == hashes(t)
     for k in ("bytes_on_disk", "entries", "pages"):
         assert s.stats()[k] == before[k]
-    assert sum(read) <= 2 * header_bytes  # headers read at start-up and by get(), nothing else
+    assert sum(read) <= header_bytes  # headers read at start-up; get() reads no file
     monkeypatch.undo()
     t = convs["k3"]
     assert np.array_equal(bits(s.load_page(hashes(t)[1])), bits(records(t)[1].data))
@@ -365,7 +365,7 @@ def assert_page_miss(s: DiskStore, root: Path, h: bytes) -> None:
 
 
 def assert_entry_miss(s: DiskStore, root: Path) -> None:
-    assert s.get("k") is None or s.load_tail("k") is None
+    assert s.load_entry("k") is None  # a live file is found when the entry is loaded
     assert s.get("k") is None and s.keys() == [] and not entry_path(root, "k").exists()
 
 
@@ -456,7 +456,8 @@ def test_files_of_another_model_or_geometry_are_never_used(tmp_path, stores, oth
     if h_b == h:
         os.replace(page_path(src, h_b), page_path(ours, h))
         assert a.load_page(h) is None and not page_path(ours, h).exists()
-    assert a.get("k") is None and not entry_path(ours, "k").exists()
+    assert a.load_entry("k") is None and a.get("k") is None
+    assert not entry_path(ours, "k").exists()
     assert a.stats()["foreign_files_removed"] == 1 + (h_b == h)
     check_accounting(a, ours)
     a.close()
@@ -579,7 +580,8 @@ def test_hostile_manifest_headers_are_misses(tmp_path, stores):
             s = stores(root, **SMALL)
             if live:
                 entry_path(root, "k").write_bytes(raw)
-            assert s.get("k") is None and s.load_tail("k") is None, name
+            assert s.load_entry("k") is None and s.load_tail("k") is None, name
+            assert s.get("k") is None, name
             assert not entry_path(root, "k").exists() and s.keys() == [], name
             s.close()
 
@@ -594,7 +596,7 @@ def test_files_removed_behind_the_stores_back(tmp_path, stores):
     a, b = list(range(9)), list(range(4)) + [60, 61, 62, 63, 64]
     assert s.put("a", a, records(a)) and s.put("b", b, records(b))
     entry_path(tmp_path, "a").unlink()
-    assert s.get("a") is None and s.keys() == ["b"]
+    assert s.load_entry("a") is None and s.get("a") is None and s.keys() == ["b"]
     assert not s.has_page(hashes(a)[1]) and s.has_page(hashes(a)[0])  # "b" holds page 0
     page_path(tmp_path, hashes(b)[1]).unlink()
     assert s.has_page(hashes(b)[1])  # the index does not know yet
@@ -611,6 +613,7 @@ def test_a_manifest_under_another_keys_name_is_a_miss(tmp_path, stores):
     assert s.put("a", [1, 2], records([1, 2]))
     assert s.put("b", [3, 4], records([3, 4]))
     os.replace(entry_path(tmp_path, "a"), entry_path(tmp_path, "b"))
+    assert s.load_entry("b") is None and s.load_entry("a") is None
     assert s.get("b") is None and s.get("a") is None and s.keys() == []
     assert data_files(tmp_path) == {}
 
@@ -659,7 +662,7 @@ def test_planted_symlinks_are_not_followed(tmp_path, stores):
         path.unlink()
         path.symlink_to(targets[name])
     snap = {p: p.read_bytes() for p in targets.values()}
-    assert s.load_page(h0) is None and s.get("k") is None
+    assert s.load_page(h0) is None and s.load_entry("k") is None and s.get("k") is None
     assert not os.path.lexists(entry_path(root, "k"))
     assert not os.path.lexists(page_path(root, h0))
     assert {p: p.read_bytes() for p in targets.values()} == snap  # targets untouched
@@ -884,7 +887,8 @@ def test_a_transient_read_error_is_a_miss_that_keeps_the_file(tmp_path, stores, 
     assert s.put("k", toks, records(toks))
     h = hashes(toks)[0]
     monkeypatch.setattr(os, "pread", failing(0, OSError(errno.EIO, "I/O error"), os.pread))
-    assert s.load_page(h) is None and s.load_tail("k") is None and s.get("k") is None
+    assert s.load_page(h) is None and s.load_tail("k") is None and s.load_entry("k") is None
+    assert s.get("k").tokens == tuple(toks)  # a transient error keeps the entry indexed
     monkeypatch.undo()
     assert s.stats()["errors"] == 3 and s.stats()["corrupt_files_removed"] == 0
     assert s.has_page(h) and s.get("k").tokens == tuple(toks)
