@@ -31,6 +31,7 @@ from .sequence import PagedSequence, Snapshot
 from .spec import SLIDING
 
 log = logging.getLogger("kv_cache.manager")
+PREFETCH_PAGES = 64  # pages read ahead (in parallel) while restoring an entry
 
 
 @dataclass(slots=True)
@@ -328,11 +329,15 @@ class CacheManager:
             return 0, [], None
         hashes = stored.group_hashes()
         tails = loaded.tails
+        fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
+                                  for h in hashes[g][spec.first_needed(n) // P : -(-n // P)]
+                                  if h is not None and pool.lookup(h) is None])
         try:
             for g, spec in enumerate(pool.groups):
                 skip = spec.first_needed(n) // P
                 table: list[int | None] = [None] * skip
                 tables.append(table)
+                chain: list[bytes] | None = None
                 for i in range(skip, -(-n // P)):
                     tokens = stored.tokens[i * P : (i + 1) * P]
                     if i < len(hashes[g]):
@@ -341,11 +346,16 @@ class CacheManager:
                         if block is not None:
                             pool.hold(block)
                         else:
-                            data = None if h is None else self.store.load_page(h)
+                            data = None if h is None else fetch(h)
                             if data is None:
                                 break
-                            parent = pool.roots[g] if i == 0 else pool.chain(
-                                stored.tokens[: i * P], g)[-1]
+                            if i and hashes[g][i - 1] is not None:
+                                parent = hashes[g][i - 1]
+                            elif i:
+                                chain = chain or pool.chain(stored.tokens[: i * P], g)
+                                parent = chain[i - 1]
+                            else:
+                                parent = pool.roots[g]
                             block = pool.add_sealed(parent, tokens, data, g)
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
@@ -364,6 +374,22 @@ class CacheManager:
             covered = 0
         tables = self._cut_loaded(tables, covered)
         return covered, tables, state
+
+    def _prefetcher(self, wanted: list[bytes]) -> Callable[[bytes], mx.array | None]:
+        """``fetch(h)``: page ``h`` of ``wanted`` from disk, read ahead in batches of pages that
+        the store reads in parallel (a batch bounds the memory held in flight)."""
+        at = {h: i for i, h in enumerate(wanted)}
+        batch: dict[bytes, mx.array | None] = {}
+
+        def fetch(h: bytes) -> mx.array | None:
+            if h not in batch:
+                i = at.get(h)
+                if i is None:
+                    return self.store.load_page(h)
+                batch.clear()
+                batch.update(self.store.load_pages(wanted[i : i + PREFETCH_PAGES]))
+            return batch.pop(h)
+        return fetch
 
     def _cut_loaded(self, tables, n: int) -> list[list[int | None]]:
         """Release what loaded beyond the first ``n`` positions' needs."""

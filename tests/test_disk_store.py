@@ -161,7 +161,7 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
         assert list(f.keys()) == ["kv"] and f.get_tensor("kv").dtype == np.float16
     assert {k: meta[k] for k in ("format", "format_version", "fingerprint", "page_size",
                                  "group")} == {
-        "format": "mlx-kvcache-page", "format_version": "2", "fingerprint": FP,
+        "format": "mlx-kvcache-page", "format_version": "3", "fingerprint": FP,
         "page_size": "4", "group": "0"}
     assert json.loads(meta["cache_spec"]) == {
         "num_slots": 2, "states": [],
@@ -169,7 +169,7 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
                     "dtype": "float16", "window": 0}]}
     assert json.loads(meta["tokens"]) == [0, 1, 2, 3]
     assert meta["hash"] == recs[0].hash.hex() and meta["parent"] == root_hash(FP).hex()
-    assert meta["data_checksum"].startswith("blake2b-256:")
+    assert meta["data_checksum"].startswith("xxh3-128:")
     assert meta["meta_checksum"] == fmt.meta_checksum(meta)
     with safe_open(str(entry_path(tmp_path, "msg-1")), framework="numpy") as f:
         meta = f.metadata()
@@ -471,15 +471,24 @@ def test_files_of_another_model_or_geometry_are_never_used(tmp_path, stores, oth
     assert c.stats()["foreign_files_removed"] == len(toks) // geo_b["page_size"] + 1
 
 
-def test_another_format_version_is_foreign(tmp_path, stores):
+@pytest.mark.parametrize("version", ["1", "2"])  # before cache specs; before xxh3 checksums
+def test_another_format_version_is_foreign(tmp_path, stores, version):
     h, page, man = small_files(tmp_path, stores)
     install(tmp_path / "r", h, page, man)
     for path in (page_path(tmp_path / "r", h), entry_path(tmp_path / "r", "k")):
         header, data = header_of(path)
-        header["__metadata__"]["format_version"] = "1"  # the format before cache specs
-        write_with_header(path, header, data)
+        meta = header["__metadata__"]
+        meta["format_version"] = version
+        if version == "2":  # as version 2 wrote it: blake2b-256 checksums
+            meta["data_checksum"] = "blake2b-256:" + hashlib.blake2b(
+                data, digest_size=32).hexdigest()
+            body = {k: v for k, v in meta.items() if k != "meta_checksum"}
+            meta["meta_checksum"] = "blake2b-256:" + hashlib.blake2b(json.dumps(
+                body, sort_keys=True, separators=(",", ":")).encode(), digest_size=32).hexdigest()
+        write_with_header(path, header, data, reseal=version != "2")
     s = stores(tmp_path / "r", **SMALL)
     assert s.keys() == [] and s.stats()["foreign_files_removed"] == 2
+    assert data_files(tmp_path / "r") == {}
 
 
 def hostile_headers(header: dict, data: bytes):
