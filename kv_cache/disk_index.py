@@ -133,17 +133,22 @@ class StoreIndex:
             if self._refs[h] <= 0:
                 self._refs.pop(h, None)
                 if h in self._pages and h not in keep:
-                    name = h.hex() + ".safetensors"
-                    try:
-                        sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
-                    except OSError:
-                        self._lost_page(h)
-                        continue
-                    try:
-                        if afs.unlink(sub_fd, name):
-                            self._lost_page(h)
-                    finally:
-                        os.close(sub_fd)
+                    self._on_page_file(h, afs.unlink)
+
+    def _on_page_file(self, h: bytes, op) -> None:
+        """Run ``op(dir_fd, name)`` on page ``h``'s file; the index forgets the page when its
+        directory is gone or ``op`` returns True (the file is gone)."""
+        name = h.hex() + ".safetensors"
+        try:
+            sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
+        except OSError:
+            self._lost_page(h)
+            return
+        try:
+            if op(sub_fd, name):
+                self._lost_page(h)
+        finally:
+            os.close(sub_fd)
 
     def _lost_page(self, h: bytes) -> None:
         self._bytes -= self._pages.pop(h, 0)

@@ -286,18 +286,9 @@ class DiskStore(StoreIndex):
                     continue
             if kind == "nodir":
                 self._lost_page(h)
-                continue
-            name = h.hex() + ".safetensors"
-            try:
-                sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
-            except OSError:
-                self._lost_page(h)
-                continue
-            try:
-                if self._bad_file(got, sub_fd, name, "page"):
-                    self._lost_page(h)
-            finally:
-                os.close(sub_fd)
+            else:
+                self._on_page_file(h, lambda fd, name, err=got: self._bad_file(err, fd, name,
+                                                                                "page"))
         return out
 
     def _map(self, fn, items: list) -> list:

@@ -6,9 +6,13 @@
               by a whole restore into a page pool (``CacheManager.start``), against the machine's
               own limit: the same files read with plain buffered reads into preallocated memory.
               Page cache warm for all (each is read once first); medians of ``--repeat``.
+  in_process  turn 4's cache step and forward pass with the library alone: warm (resident
+              sequence) against restored (new pool and store on the same directory);
   ttft        with the real server (``bench_ttft`` helpers): the 4-turn ~2,400-token chat; turn 4
               sent warm (the history in memory) and after a restart (the history from disk),
               ``--reps`` times each with a slightly different question; restored / warm TTFT.
+              After a restart a one-token request without the cache runs first (unless
+              ``--no-warmup``): the new process's first forward pass is not the restore's cost.
 
 Usage: python scripts/bench_restore.py [--tokens 2400] [--repeat 5] [--reps 3] [--no-ttft]
        [--json out.json]
@@ -106,7 +110,55 @@ def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
             "restore_over_plain": round(med["plain"] / med["restore"], 2)}
 
 
-def ttft(reps: int, max_tokens: int, work: Path) -> dict:
+def in_process(lm, reps: int, work: Path) -> dict:
+    """Turn 4's cache step and forward pass in one process, the server left out: warm (the
+    resident sequence) against restored (a new pool and store on the same directory)."""
+    toks = (lm.tokenizer.encode(document()) * 2)[:2291]
+    hist, new = toks[:2266], toks[2266:]
+    root = work / "inproc"
+
+    def manager() -> CacheManager:
+        pool = PagePool(spec=lm.cache_spec, page_size=PAGE, max_bytes=1 << 30,
+                        fingerprint=lm.fingerprint)
+        return CacheManager(pool, DiskStore(root, fingerprint=lm.fingerprint,
+                                            spec=lm.cache_spec, page_size=PAGE,
+                                            max_bytes=1 << 34))
+
+    def turn(m: CacheManager) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        seq, match = m.start(hist + new, ["h"])
+        t1 = time.perf_counter()
+        mx.eval(lm.model(mx.array(new)[None], cache=seq.layers))
+        t2 = time.perf_counter()
+        seq.append_tokens(new)
+        m.keep(seq)
+        return t1 - t0, t2 - t1, match.tokens
+
+    m = manager()
+    seq, _ = m.start(hist, [])
+    for i in range(0, len(hist), 512):
+        mx.eval(lm.model(mx.array(hist[i : i + 512])[None], cache=seq.layers))
+        seq.append_tokens(hist[i : i + 512])
+    m.save("h", seq)
+    m.keep(seq)
+    m.sync()
+    warm = [turn(m) for _ in range(reps)]
+    m.close()
+    restored = []
+    for _ in range(reps):
+        m = manager()
+        restored.append(turn(m))
+        m.close()
+    w = statistics.median(a + b for a, b, _ in warm)
+    r = statistics.median(a + b for a, b, _ in restored)
+    return {"history_tokens": len(hist), "new_tokens": len(new),
+            "warm_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in warm],
+            "restored_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in restored],
+            "restored_tokens": [n for _, _, n in restored],
+            "restored_over_warm": round(r / w, 2)}
+
+
+def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
     doc, cache_dir, port = document(), work / "kv", free_port()
     qs = [f"{QUESTIONS[3]} (Version {k + 1}.)" for k in range(reps)]
     server = Server(cache_dir, port, [])
@@ -123,13 +175,15 @@ def ttft(reps: int, max_tokens: int, work: Path) -> dict:
     for k, q in enumerate(qs):
         server = Server(cache_dir, port, [])
         try:
+            if warmup:  # the new process's first forward pass, apart from the restore
+                ask(server.url, [{"role": "user", "content": "Hi."}], False, 1)
             msgs = hist + [{"role": "user", "content": q, "message_id": f"r-u3-{k}"}]
             restored.append(ask(server.url, msgs, True, max_tokens))
         finally:
             server.stop()
     w = statistics.median(r["ttft"] for r in warm)
     r = statistics.median(r["ttft"] for r in restored)
-    return {"prompt_tokens": restored[0]["prompt_tokens"],
+    return {"process_warmup": warmup, "prompt_tokens": restored[0]["prompt_tokens"],
             "cached_tokens_restored": [x["cached_tokens"] for x in restored],
             "warm_ttft_s": [round(x["ttft"], 3) for x in warm],
             "restored_ttft_s": [round(x["ttft"], 3) for x in restored],
@@ -144,15 +198,18 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="send turn 4 as the restarted server's very first request")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-restore-"))
     lm = resolve_and_load(None)
-    out = {"model": lm.name, "throughput": throughput(lm, args.tokens, args.repeat, work)}
+    out = {"model": lm.name, "throughput": throughput(lm, args.tokens, args.repeat, work),
+           "in_process": in_process(lm, args.reps, work)}
     del lm
     print(json.dumps(out, indent=1), flush=True)
     if not args.no_ttft:
-        out["ttft"] = ttft(args.reps, args.max_tokens, work)
+        out["ttft"] = ttft(args.reps, args.max_tokens, work, not args.no_warmup)
     print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1))
