@@ -22,7 +22,6 @@ import functools
 import logging
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from .disk_format import FormatError, Geometry
 from .disk_index import IndexedEntry, StoreIndex, entry_name
 from .spec import CacheSpec
 from .eviction import make_policy
+from .page_reader import PageReader
 
 try:
     import fcntl
@@ -43,7 +43,6 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-READ_THREADS = 4  # NOTE: pages are read and verified in parallel; more adds little on one SSD
 
 
 @dataclass
@@ -144,7 +143,7 @@ class DiskStore(StoreIndex):
         self._next_id = 0
         self._clock = 0
         self._stats = Counter()
-        self._readers: ThreadPoolExecutor | None = None
+        self._reader = PageReader(self.geo, self._pages_fd)
         self._build_index()
 
     # -- public API -----------------------------------------------------------------------------
@@ -266,70 +265,19 @@ class DiskStore(StoreIndex):
 
     @_locked
     def load_pages(self, hashes: Sequence[bytes]) -> dict[bytes, mx.array | None]:
-        """Several pages at once, each as ``load_page`` gives it. Headers are read and checked,
-        then each page's bytes read straight into its MLX array and verified, on a few threads
-        (reads and xxh3 release the GIL); MLX runs on this thread only."""
+        """Several pages at once, each as ``load_page`` gives it, read and verified in parallel
+        straight into their MLX arrays (``page_reader``)."""
         todo = [h for h in dict.fromkeys(hashes) if h in self._pages]
         out: dict[bytes, mx.array | None] = {h: None for h in hashes}
-        opened = self._map(self._open_page, todo)
-        dests = {h: fmt.page_dest(self.geo, got[2].group)
-                 for h, (kind, got) in zip(todo, opened) if kind == "ok"}
-        filled = self._map(lambda x: self._fill_page(*x),
-                           [(got, dests[h][1]) for h, (kind, got) in zip(todo, opened)
-                            if kind == "ok"])
-        results = iter(filled)
-        for h, (kind, got) in zip(todo, opened):
+        for h, (kind, got) in zip(todo, self._reader.read(todo)):
             if kind == "ok":
-                kind, got = next(results)
-                if kind == "ok":
-                    out[h] = fmt.as_page(dests[h][0], self.geo, got.group)
-                    continue
-            if kind == "nodir":
+                out[h] = got
+            elif kind == "nodir":
                 self._lost_page(h)
             else:
                 self._on_page_file(h, lambda fd, name, err=got: self._bad_file(err, fd, name,
                                                                                 "page"))
         return out
-
-    def _map(self, fn, items: list) -> list:
-        if len(items) < 2:
-            return [fn(x) for x in items]
-        if self._readers is None:
-            self._readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-read")
-        return list(self._readers.map(fn, items))
-
-    def _open_page(self, h: bytes):
-        """("ok", (fd, header, page info)), ("nodir", None) or ("bad", error); no MLX, no
-        index change (runs on a reader thread)."""
-        name = h.hex() + ".safetensors"
-        try:
-            sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
-        except OSError:
-            return "nodir", None
-        fd = None
-        try:
-            fd, size = afs.open_regular(name, sub_fd)
-            hdr = fmt.read_header(fd, size)
-            return "ok", (fd, hdr, fmt.parse_page(self.geo, hdr, h))
-        except (FormatError, OSError) as e:
-            if fd is not None:
-                os.close(fd)
-            return "bad", e
-        finally:
-            os.close(sub_fd)
-
-    @staticmethod
-    def _fill_page(opened, dest: memoryview):
-        """("ok", page info) once the page's bytes are in ``dest`` and verified, else ("bad",
-        error); closes the file (runs on a reader thread)."""
-        fd, hdr, info = opened
-        try:
-            fmt.fill_page(fd, hdr, dest)
-            return "ok", info
-        except (FormatError, OSError) as e:
-            return "bad", e
-        finally:
-            os.close(fd)
 
     def load_tail(self, key: str) -> mx.array | None:
         """Group 0's open tail page data ``[layers, 2, kv_heads, tail_tokens, head_dim]``;
@@ -393,9 +341,7 @@ class DiskStore(StoreIndex):
         with self._lock:
             if not self._closed:
                 self._closed = True
-                if self._readers is not None:
-                    self._readers.shutdown()
-                    self._readers = None
+                self._reader.close()
                 self._close_fds()
 
     def __enter__(self) -> "DiskStore":
