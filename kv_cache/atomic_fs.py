@@ -71,6 +71,16 @@ def read_at(fd: int, n: int, offset: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def read_into(fd: int, buf: memoryview, offset: int) -> None:
+    """Fill ``buf`` (writable bytes) from ``offset``; a short file is truncated."""
+    got, n = 0, buf.nbytes
+    while got < n:
+        k = os.preadv(fd, [buf[got:]], offset + got)
+        if not k:
+            raise FormatError("truncated while reading")
+        got += k
+
+
 def read_all(fd: int, size: int) -> bytes:
     """The whole file (size from fstat); checked again by the caller."""
     return read_at(fd, size, 0)

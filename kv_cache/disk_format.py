@@ -6,7 +6,7 @@ bytes), readable by ``mx.load`` and the ``safetensors`` package; bfloat16 is sto
 The header's ``__metadata__`` (strings only) says what the file is and for which model:
 
     format          "mlx-kvcache-page" or "mlx-kvcache-entry"
-    format_version  FORMAT_VERSION ("2")
+    format_version  FORMAT_VERSION ("3")
     fingerprint, page_size
     cache_spec      the model's cache spec as canonical JSON (``kv_cache.spec``): its paged groups
                     (kind, layers, heads, head size, dtype, window) and recurrent-state slots
@@ -19,10 +19,16 @@ The header's ``__metadata__`` (strings only) says what the file is and for which
             them, then ``count`` pages), tail_tokens, state ("1" when the entry carries the
             recurrent state after its tokens); tensors "tail.<group>" [.., tail_tokens, ..]
             when tail_tokens > 0 and "state.<slot>.<i>" per recurrent-state array
-    data_checksum   blake2b-256 of the tensor bytes (checked when data is loaded)
-    meta_checksum   blake2b-256 of the canonical JSON of every other metadata field
+    data_checksum   xxh3-128 of the tensor bytes (checked when data is loaded)
+    meta_checksum   xxh3-128 of the canonical JSON of every other metadata field
 
-Version 2 (this one) replaced version 1's one page shape (dtype, num_layers, num_kv_heads,
+The checksums detect corruption (torn writes, flipped bits, truncation); they are not
+authentication. Page identity is the page hash (sha256 chain, ``kv_cache.hashing``), checked
+against the tokens in the header.
+
+Version 3 (this one) checks with xxh3-128 instead of version 2's blake2b-256: xxh3 runs at
+memory speed (~19 GB/s here against ~0.9 GB/s), so verifying is no longer what limits a
+restore. Version 2 replaced version 1's one page shape (dtype, num_layers, num_kv_heads,
 head_dim) by the cache spec, and added page groups, entry layouts and state snapshots. Files of
 another version are foreign: a miss, logged and removed.
 
@@ -37,7 +43,6 @@ ours; ``ForeignError`` a valid one for another model, geometry or format version
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import struct
@@ -46,8 +51,9 @@ from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
+import xxhash
 
-from .atomic_fs import read_at
+from .atomic_fs import read_at, read_into
 from .errors import ForeignError, FormatError  # noqa: F401 - the format's errors
 from .hashing import chain_hashes, page_hash, root_hash
 from .spec import CacheSpec
@@ -57,7 +63,7 @@ try:
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
-FORMAT_VERSION = "2"
+FORMAT_VERSION = "3"
 PAGE_FORMAT = "mlx-kvcache-page"
 ENTRY_FORMAT = "mlx-kvcache-entry"
 MAX_HEADER_BYTES = 16 << 20  # hostile-header cap
@@ -84,10 +90,10 @@ def dtype_name(dtype: mx.Dtype) -> str:
 
 
 def checksum(*chunks) -> str:
-    h = hashlib.blake2b(digest_size=32)
+    h = xxhash.xxh3_128()
     for c in chunks:
         h.update(c)
-    return "blake2b-256:" + h.hexdigest()
+    return "xxh3-128:" + h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -434,13 +440,51 @@ def _verified(h: Header, buf: bytes) -> None:
         raise FormatError("data checksum mismatch")
 
 
-def decode_page(geo: Geometry, buf: bytes, expect: bytes) -> mx.array:
-    """A whole page file, every check passed, to its data."""
+def check_page(geo: Geometry, buf, expect: bytes) -> tuple[np.ndarray, str]:
+    """A whole page file, every check passed: its data as a zero-copy numpy view of ``buf``
+    (storage form) and its dtype name. Runs no MLX (safe in a reader thread)."""
     h = parse_header(buf, len(buf))
     parse_page(geo, h, expect)
     _verified(h, buf)
     t = h.tensors["kv"]
-    return from_storage(buf, t.start, t.shape, geo.group_dtype(int(h.metadata["group"])))
+    dt = geo.group_dtype(int(h.metadata["group"]))
+    view = np.frombuffer(buf, dtype=DTYPES[dt][2], count=int(np.prod(t.shape)), offset=t.start)
+    return view.reshape(t.shape), dt
+
+
+def page_dest(geo: Geometry, group: int) -> tuple[mx.array, memoryview]:
+    """An MLX array for one page of ``group`` and a writable byte view of its memory, for reading
+    a page file straight into it (``fill_page``); call ``as_page`` on it once filled."""
+    dt = geo.group_dtype(group)
+    mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
+    arr = mx.zeros(geo.shape(geo.page_size, group), dtype=mdt)
+    mx.eval(arr)
+    return arr, memoryview(np.array(arr, copy=False)).cast("B")
+
+
+def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
+    return arr.view(mx.bfloat16) if geo.group_dtype(group) == "bfloat16" else arr
+
+
+def fill_page(fd: int, h: Header, dest: memoryview) -> None:
+    """Read a checked page header's tensor bytes into ``dest`` and verify their checksum."""
+    t = h.tensors["kv"]
+    if t.end - t.start != dest.nbytes:
+        raise FormatError("page data of another size")
+    read_into(fd, dest, t.start)
+    if checksum(dest) != h.metadata.get("data_checksum"):
+        raise FormatError("data checksum mismatch")
+
+
+def to_array(view: np.ndarray, dtype: str) -> mx.array:
+    """Storage-form data (``check_page``) as an MLX array (one copy)."""
+    arr = mx.array(view)
+    return arr.view(mx.bfloat16) if DTYPES[dtype][0] == mx.bfloat16 else arr
+
+
+def decode_page(geo: Geometry, buf: bytes, expect: bytes) -> mx.array:
+    """A whole page file, every check passed, to its data."""
+    return to_array(*check_page(geo, buf, expect))
 
 
 def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, dict[str, mx.array]]:

@@ -3,7 +3,10 @@ many entries reference each page, the bytes they take against the budget, evicti
 order, and the start-up scan that builds all of it from file headers alone.
 
 ``StoreIndex`` is a part of ``DiskStore`` (it keeps the store's state and is used under the
-store's lock); it touches files only to remove what the index no longer references.
+store's lock); it touches files only to remove what the index no longer references. Every
+entry's token ids, layout and page hashes live in the index (built from headers at start-up,
+updated on every save and eviction), so asking whether the store holds a key, and what its
+tokens are, reads no file; a manifest is read again only when its entry is loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Collection
+from typing import Collection, Sequence
+
+import numpy as np
 
 from . import atomic_fs as afs
 from . import disk_format as fmt
@@ -31,13 +36,25 @@ _UNREADABLE = (errno.EACCES, errno.EPERM)
 
 
 @dataclass(slots=True)
-class IndexedEntry:  # the in-memory index of one manifest (no tokens: get() reads them)
+class IndexedEntry:  # the in-memory index of one manifest
     key: str
     name: str
     page_hashes: tuple[bytes, ...]
     tail_tokens: int
     size: int
     id: int
+    tokens: np.ndarray  # int32 where every id fits (4 bytes a token), else int64
+    layout: tuple[tuple[int, int], ...]
+    has_state: bool
+
+
+def token_array(tokens: Sequence[int]) -> np.ndarray:
+    """Token ids compactly: int32 when they fit, else int64."""
+    a = np.asarray(tokens, dtype=np.int64)
+    if a.size == 0 or (a.min() >= -(1 << 31) and a.max() < (1 << 31)):
+        a = a.astype(np.int32)
+    a.flags.writeable = False
+    return a
 
 
 def entry_name(key: str) -> str:
@@ -81,8 +98,10 @@ class StoreIndex:
         self._clock = max(time.time_ns(), self._clock + 1)
         return self._clock
 
-    def _add_entry(self, key, name, hashes, tail, size, at_end=True) -> None:
-        e = IndexedEntry(key, name, tuple(hashes), tail, size, self._next_id)
+    def _add_entry(self, key, name, info: "fmt.EntryMetaInfo", size, at_end=True) -> None:
+        e = IndexedEntry(key, name, tuple(info.page_hashes), info.tail_tokens, size,
+                         self._next_id, token_array(info.tokens), tuple(info.layout),
+                         info.has_state)
         self._next_id += 1
         self._entries[key] = e
         self._entries.move_to_end(key, last=at_end)
@@ -114,17 +133,22 @@ class StoreIndex:
             if self._refs[h] <= 0:
                 self._refs.pop(h, None)
                 if h in self._pages and h not in keep:
-                    name = h.hex() + ".safetensors"
-                    try:
-                        sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
-                    except OSError:
-                        self._lost_page(h)
-                        continue
-                    try:
-                        if afs.unlink(sub_fd, name):
-                            self._lost_page(h)
-                    finally:
-                        os.close(sub_fd)
+                    self._on_page_file(h, afs.unlink)
+
+    def _on_page_file(self, h: bytes, op) -> None:
+        """Run ``op(dir_fd, name)`` on page ``h``'s file; the index forgets the page when its
+        directory is gone or ``op`` returns True (the file is gone)."""
+        name = h.hex() + ".safetensors"
+        try:
+            sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
+        except OSError:
+            self._lost_page(h)
+            return
+        try:
+            if op(sub_fd, name):
+                self._lost_page(h)
+        finally:
+            os.close(sub_fd)
 
     def _lost_page(self, h: bytes) -> None:
         self._bytes -= self._pages.pop(h, 0)
@@ -189,7 +213,7 @@ class StoreIndex:
                     continue
                 found.append((mtime, f.name, info, size))
         for mtime, name, info, size in sorted(found, key=lambda x: (x[0], x[1])):
-            self._add_entry(info.key, name, info.page_hashes, info.tail_tokens, size)
+            self._add_entry(info.key, name, info, size)
             self._clock = max(self._clock, mtime)
         self._gc(list(self._pages))  # orphans: pages no manifest references
         while self._bytes > self.max_bytes and self._evict_one(()):

@@ -35,6 +35,7 @@ from .disk_format import FormatError, Geometry
 from .disk_index import IndexedEntry, StoreIndex, entry_name
 from .spec import CacheSpec
 from .eviction import make_policy
+from .page_reader import PageReader
 
 try:
     import fcntl
@@ -42,7 +43,6 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger(__name__)
-
 
 
 @dataclass
@@ -71,6 +71,15 @@ class StoredEntry:
             out.append([None] * skip + list(self.page_hashes[at : at + count]))
             at += count
         return out
+
+
+@dataclass
+class LoadedEntry:
+    """An entry as read back from its manifest: metadata, open tail pages, recurrent state."""
+
+    entry: StoredEntry
+    tails: dict[int, mx.array]  # per group (empty when the entry ends on a page boundary)
+    state: list[list[mx.array]] | None  # per state slot, its arrays
 
 
 class DiskStoreLockedError(RuntimeError):
@@ -134,6 +143,7 @@ class DiskStore(StoreIndex):
         self._next_id = 0
         self._clock = 0
         self._stats = Counter()
+        self._reader = PageReader(self.geo, self._pages_fd)
         self._build_index()
 
     # -- public API -----------------------------------------------------------------------------
@@ -174,7 +184,8 @@ class DiskStore(StoreIndex):
         the disk refuses the write. Inconsistent records (hashes that do not chain over
         ``tokens``, wrong shapes, no data for a page the store lacks) are a ``ValueError``.
         """
-        tokens, new_pages, manifest = self._prepare(key, tokens, pages, tails, layout, state)
+        tokens, new_pages, manifest, layout = self._prepare(key, tokens, pages, tails, layout,
+                                                            state)
         if manifest is None:
             return False
         name = entry_name(key)
@@ -202,7 +213,9 @@ class DiskStore(StoreIndex):
             return False
         if old is not None:
             self._forget_entry(old)
-        self._add_entry(key, name, hashes, len(tokens) % self.page_size, msize)
+        self._add_entry(key, name, fmt.EntryMetaInfo(
+            key, tokens, hashes, len(tokens) % self.page_size,
+            tuple(tuple(x) for x in layout), state is not None), msize)
         if old is not None:
             self._gc(old.page_hashes)
         self._stats["puts"] += 1
@@ -211,39 +224,60 @@ class DiskStore(StoreIndex):
         return True
 
     @_locked
+    def __contains__(self, key: str) -> bool:
+        """Whether the store holds ``key`` (from the index: no file is read)."""
+        return key in self._entries
+
+    @_locked
     def get(self, key: str) -> StoredEntry | None:
-        """The entry's metadata (header only), or None when missing, corrupt or foreign."""
+        """The entry's metadata from the in-memory index (no file is read), or None. A file
+        damaged since start-up is found when the entry is loaded (``load_entry``)."""
         e = self._entries.get(key)
         if e is None:
             return None
-        got = self._read_entry(e, data=False)
-        if got is None:
-            return None
-        info, _ = got
-        return StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens,
-                           info.layout, info.has_state)
+        return StoredEntry(key, tuple(e.tokens.tolist()), list(e.page_hashes), e.tail_tokens,
+                           e.layout, e.has_state)
 
     @_locked
+    def load_entry(self, key: str) -> LoadedEntry | None:
+        """The entry's manifest read and verified, with its open tail pages and recurrent state;
+        None when missing, corrupt or foreign (logged, the file removed)."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        got = self._read_entry(e)
+        if got is None:
+            return None
+        info, tensors = got
+        stored = StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens,
+                             info.layout, info.has_state)
+        tails = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("tail.")}
+        state = None
+        if info.has_state:
+            state = [[tensors[f"state.{si}.{i}"] for i in range(len(s.shapes))]
+                     for si, s in enumerate(self.geo.spec.states)]
+        return LoadedEntry(stored, tails, state)
+
     def load_page(self, h: bytes) -> mx.array | None:
         """A page's data ``[layers, 2, kv_heads, page_size, head_dim]``, checksum verified; None
         when absent, truncated, corrupt or foreign (logged, the file removed)."""
-        if h not in self._pages:
-            return None
-        name = h.hex() + ".safetensors"
-        try:
-            sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
-        except OSError:
-            self._lost_page(h)
-            return None
-        try:
-            try:
-                return fmt.decode_page(self.geo, self._read(sub_fd, name, whole=True), h)
-            except (FormatError, OSError) as e:
-                if self._bad_file(e, sub_fd, name, "page"):
-                    self._lost_page(h)
-                return None
-        finally:
-            os.close(sub_fd)
+        return self.load_pages([h])[h]
+
+    @_locked
+    def load_pages(self, hashes: Sequence[bytes]) -> dict[bytes, mx.array | None]:
+        """Several pages at once, each as ``load_page`` gives it, read and verified in parallel
+        straight into their MLX arrays (``page_reader``)."""
+        todo = [h for h in dict.fromkeys(hashes) if h in self._pages]
+        out: dict[bytes, mx.array | None] = {h: None for h in hashes}
+        for h, (kind, got) in zip(todo, self._reader.read(todo)):
+            if kind == "ok":
+                out[h] = got
+            elif kind == "nodir":
+                self._lost_page(h)
+            else:
+                self._on_page_file(h, lambda fd, name, err=got: self._bad_file(err, fd, name,
+                                                                                "page"))
+        return out
 
     def load_tail(self, key: str) -> mx.array | None:
         """Group 0's open tail page data ``[layers, 2, kv_heads, tail_tokens, head_dim]``;
@@ -251,30 +285,16 @@ class DiskStore(StoreIndex):
         tails = self.load_tails(key)
         return None if tails is None else tails.get(0)
 
-    @_locked
     def load_tails(self, key: str) -> dict[int, mx.array] | None:
         """Per group, the entry's open tail page data; None when the entry has no tail or is
         missing, corrupt or foreign."""
-        e = self._entries.get(key)
-        if e is None or e.tail_tokens == 0:
-            return None
-        got = self._read_entry(e, data=True)
-        if got is None:
-            return None
-        return {int(k.split(".")[1]): v for k, v in got[1].items() if k.startswith("tail.")}
+        got = self.load_entry(key)
+        return None if got is None or not got.tails else got.tails
 
-    @_locked
     def load_state(self, key: str) -> list[list[mx.array]] | None:
         """The recurrent state stored with the entry (per state slot, its arrays), or None."""
-        e = self._entries.get(key)
-        if e is None:
-            return None
-        got = self._read_entry(e, data=True)
-        if got is None or not got[0].has_state:
-            return None
-        tensors = got[1]
-        return [[tensors[f"state.{si}.{i}"] for i in range(len(s.shapes))]
-                for si, s in enumerate(self.geo.spec.states)]
+        got = self.load_entry(key)
+        return None if got is None else got.state
 
     @_locked
     def delete(self, key: str) -> bool:
@@ -321,6 +341,7 @@ class DiskStore(StoreIndex):
         with self._lock:
             if not self._closed:
                 self._closed = True
+                self._reader.close()
                 self._close_fds()
 
     def __enter__(self) -> "DiskStore":
@@ -397,8 +418,8 @@ class DiskStore(StoreIndex):
         except FormatError as e:
             log.warning("disk store: entry refused: %s", e)
             self._stats["refused"] += 1
-            return tokens, new_pages, None
-        return tokens, new_pages, (chunks, hashes, fmt.nbytes(chunks))
+            return tokens, new_pages, None, layout
+        return tokens, new_pages, (chunks, hashes, fmt.nbytes(chunks)), layout
 
     def _check_shape(self, data: mx.array, n: int, group: int = 0) -> None:
         if list(data.shape) != self.geo.shape(n, group):
@@ -423,14 +444,11 @@ class DiskStore(StoreIndex):
             for fd in fds.values():
                 os.close(fd)
 
-    def _read_entry(self, e: IndexedEntry, data: bool):
+    def _read_entry(self, e: IndexedEntry):
         """(metadata, tensors) of a manifest, or None (a bad file is removed)."""
         try:
-            got = self._read(self._entries_fd, e.name, whole=data)
-            if data:
-                info, tail = fmt.decode_entry(self.geo, got)
-            else:
-                info, tail = fmt.parse_entry(self.geo, got), {}
+            got = self._read(self._entries_fd, e.name, whole=True)
+            info, tensors = fmt.decode_entry(self.geo, got)
             if info.key != e.key:
                 raise FormatError("the manifest is another key's")
         except (FormatError, OSError) as err:
@@ -439,12 +457,12 @@ class DiskStore(StoreIndex):
             self._forget_entry(e)
             self._gc(e.page_hashes)
             return None
-        size = len(got) if data else got.size
-        if tuple(info.page_hashes) != e.page_hashes or size != e.size:  # replaced behind our back
+        if tuple(info.page_hashes) != e.page_hashes or len(got) != e.size \
+                or info.tokens != tuple(e.tokens.tolist()):  # replaced behind our back
             self._forget_entry(e)
             self._gc(e.page_hashes, keep=info.page_hashes)
-            self._add_entry(e.key, e.name, info.page_hashes, info.tail_tokens, size)
-        return info, tail
+            self._add_entry(e.key, e.name, info, len(got))
+        return info, tensors
 
     @staticmethod
     def _read(dir_fd: int, name: str, whole: bool):

@@ -31,6 +31,7 @@ from .sequence import PagedSequence, Snapshot
 from .spec import SLIDING
 
 log = logging.getLogger("kv_cache.manager")
+PREFETCH_PAGES = 64  # pages read ahead (in parallel) while restoring an entry
 
 
 @dataclass(slots=True)
@@ -144,6 +145,8 @@ class CacheManager:
     def find(self, prompt: Sequence[int], keys: Iterable[str]) -> Match:
         """The longest verified reuse for ``prompt``; always leaves one token to run.
 
+        ``keys`` come newest first; the scan stops at the first whose stored tokens are all a
+        prefix of the prompt. Keys the store does not hold cost a lookup in its in-memory index.
         A candidate's stored tokens decide how much of it is valid (the common prefix); a
         sliding window must still have the pages it reads at that point, and a recurrent state
         exists only where an entry ends, so for such models a candidate counts only in full."""
@@ -152,14 +155,23 @@ class CacheManager:
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
-                n = self._usable(prompt, limit, entry.tokens, entry.tables, entry.state is not None)
+                tokens = entry.tokens
+                n = self._usable(prompt, limit, tokens, entry.tables, entry.state is not None)
                 if n > best.tokens:
                     best = Match(n, entry.tables, f"entry:{key}", state=entry.state)
-            elif self.store is not None and (stored := self.store.get(key)) is not None:
-                n = self._usable(prompt, limit, stored.tokens, self._stored_tables(stored),
+            elif self.store is not None and key in self.store:  # NOTE: the index, no file read
+                stored = self.store.get(key)
+                if stored is None:
+                    continue
+                tokens = stored.tokens
+                n = self._usable(prompt, limit, tokens, self._stored_tables(stored),
                                  stored.has_state)
                 if n > best.tokens:
                     best = Match(n, [], f"disk:{key}", stored)
+            else:
+                continue
+            if n and n == min(len(tokens), limit):
+                break  # the newest key that verifies in full: older ones cannot do better
         if not self.pool.spec.has_state:
             n, tables = self._by_prefix(prompt, limit)
             if n > best.tokens:
@@ -309,18 +321,23 @@ class CacheManager:
         pool, P = self.pool, self.pool.page_size
         tables: list[list[int | None]] = []
         covered = n
-        state = None
-        if pool.spec.has_state:
-            state = self.store.load_state(stored.key) if n == len(stored.tokens) else None
-            if state is None:
-                return 0, [], None
+        loaded = self.store.load_entry(stored.key)  # NOTE: the manifest read and verified
+        if loaded is None or loaded.entry.tokens != stored.tokens:
+            return 0, [], None
+        state = loaded.state if n == len(stored.tokens) else None
+        if pool.spec.has_state and state is None:
+            return 0, [], None
         hashes = stored.group_hashes()
-        tails = None
+        tails = loaded.tails
+        fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
+                                  for h in hashes[g][spec.first_needed(n) // P : -(-n // P)]
+                                  if h is not None and pool.lookup(h) is None])
         try:
             for g, spec in enumerate(pool.groups):
                 skip = spec.first_needed(n) // P
                 table: list[int | None] = [None] * skip
                 tables.append(table)
+                chain: list[bytes] | None = None
                 for i in range(skip, -(-n // P)):
                     tokens = stored.tokens[i * P : (i + 1) * P]
                     if i < len(hashes[g]):
@@ -329,16 +346,20 @@ class CacheManager:
                         if block is not None:
                             pool.hold(block)
                         else:
-                            data = None if h is None else self.store.load_page(h)
+                            data = None if h is None else fetch(h)
                             if data is None:
                                 break
-                            parent = pool.roots[g] if i == 0 else pool.chain(
-                                stored.tokens[: i * P], g)[-1]
+                            if i and hashes[g][i - 1] is not None:
+                                parent = hashes[g][i - 1]
+                            elif i:
+                                chain = chain or pool.chain(stored.tokens[: i * P], g)
+                                parent = chain[i - 1]
+                            else:
+                                parent = pool.roots[g]
                             block = pool.add_sealed(parent, tokens, data, g)
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
-                        tails = self.store.load_tails(stored.key) if tails is None else tails
-                        if not tails or tails.get(g) is None:
+                        if tails.get(g) is None:
                             break
                         k = n - i * P
                         (block,) = pool.allocate(1, g)
@@ -353,6 +374,22 @@ class CacheManager:
             covered = 0
         tables = self._cut_loaded(tables, covered)
         return covered, tables, state
+
+    def _prefetcher(self, wanted: list[bytes]) -> Callable[[bytes], mx.array | None]:
+        """``fetch(h)``: page ``h`` of ``wanted`` from disk, read ahead in batches of pages that
+        the store reads in parallel (a batch bounds the memory held in flight)."""
+        at = {h: i for i, h in enumerate(wanted)}
+        batch: dict[bytes, mx.array | None] = {}
+
+        def fetch(h: bytes) -> mx.array | None:
+            if h not in batch:
+                i = at.get(h)
+                if i is None:
+                    return self.store.load_page(h)
+                batch.clear()
+                batch.update(self.store.load_pages(wanted[i : i + PREFETCH_PAGES]))
+            return batch.pop(h)
+        return fetch
 
     def _cut_loaded(self, tables, n: int) -> list[list[int | None]]:
         """Release what loaded beyond the first ``n`` positions' needs."""

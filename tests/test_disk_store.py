@@ -161,7 +161,7 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
         assert list(f.keys()) == ["kv"] and f.get_tensor("kv").dtype == np.float16
     assert {k: meta[k] for k in ("format", "format_version", "fingerprint", "page_size",
                                  "group")} == {
-        "format": "mlx-kvcache-page", "format_version": "2", "fingerprint": FP,
+        "format": "mlx-kvcache-page", "format_version": "3", "fingerprint": FP,
         "page_size": "4", "group": "0"}
     assert json.loads(meta["cache_spec"]) == {
         "num_slots": 2, "states": [],
@@ -169,7 +169,7 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
                     "dtype": "float16", "window": 0}]}
     assert json.loads(meta["tokens"]) == [0, 1, 2, 3]
     assert meta["hash"] == recs[0].hash.hex() and meta["parent"] == root_hash(FP).hex()
-    assert meta["data_checksum"].startswith("blake2b-256:")
+    assert meta["data_checksum"].startswith("xxh3-128:")
     assert meta["meta_checksum"] == fmt.meta_checksum(meta)
     with safe_open(str(entry_path(tmp_path, "msg-1")), framework="numpy") as f:
         meta = f.metadata()
@@ -290,7 +290,7 @@ def test_restart_indexes_from_headers_only(tmp_path, stores, monkeypatch):
         assert e.tokens == tuple(t) and e.page_hashes == hashes(t)
     for k in ("bytes_on_disk", "entries", "pages"):
         assert s.stats()[k] == before[k]
-    assert sum(read) <= 2 * header_bytes  # headers read at start-up and by get(), nothing else
+    assert sum(read) <= header_bytes  # headers read at start-up; get() reads no file
     monkeypatch.undo()
     t = convs["k3"]
     assert np.array_equal(bits(s.load_page(hashes(t)[1])), bits(records(t)[1].data))
@@ -365,7 +365,7 @@ def assert_page_miss(s: DiskStore, root: Path, h: bytes) -> None:
 
 
 def assert_entry_miss(s: DiskStore, root: Path) -> None:
-    assert s.get("k") is None or s.load_tail("k") is None
+    assert s.load_entry("k") is None  # a live file is found when the entry is loaded
     assert s.get("k") is None and s.keys() == [] and not entry_path(root, "k").exists()
 
 
@@ -456,7 +456,8 @@ def test_files_of_another_model_or_geometry_are_never_used(tmp_path, stores, oth
     if h_b == h:
         os.replace(page_path(src, h_b), page_path(ours, h))
         assert a.load_page(h) is None and not page_path(ours, h).exists()
-    assert a.get("k") is None and not entry_path(ours, "k").exists()
+    assert a.load_entry("k") is None and a.get("k") is None
+    assert not entry_path(ours, "k").exists()
     assert a.stats()["foreign_files_removed"] == 1 + (h_b == h)
     check_accounting(a, ours)
     a.close()
@@ -470,15 +471,24 @@ def test_files_of_another_model_or_geometry_are_never_used(tmp_path, stores, oth
     assert c.stats()["foreign_files_removed"] == len(toks) // geo_b["page_size"] + 1
 
 
-def test_another_format_version_is_foreign(tmp_path, stores):
+@pytest.mark.parametrize("version", ["1", "2"])  # before cache specs; before xxh3 checksums
+def test_another_format_version_is_foreign(tmp_path, stores, version):
     h, page, man = small_files(tmp_path, stores)
     install(tmp_path / "r", h, page, man)
     for path in (page_path(tmp_path / "r", h), entry_path(tmp_path / "r", "k")):
         header, data = header_of(path)
-        header["__metadata__"]["format_version"] = "1"  # the format before cache specs
-        write_with_header(path, header, data)
+        meta = header["__metadata__"]
+        meta["format_version"] = version
+        if version == "2":  # as version 2 wrote it: blake2b-256 checksums
+            meta["data_checksum"] = "blake2b-256:" + hashlib.blake2b(
+                data, digest_size=32).hexdigest()
+            body = {k: v for k, v in meta.items() if k != "meta_checksum"}
+            meta["meta_checksum"] = "blake2b-256:" + hashlib.blake2b(json.dumps(
+                body, sort_keys=True, separators=(",", ":")).encode(), digest_size=32).hexdigest()
+        write_with_header(path, header, data, reseal=version != "2")
     s = stores(tmp_path / "r", **SMALL)
     assert s.keys() == [] and s.stats()["foreign_files_removed"] == 2
+    assert data_files(tmp_path / "r") == {}
 
 
 def hostile_headers(header: dict, data: bytes):
@@ -579,7 +589,8 @@ def test_hostile_manifest_headers_are_misses(tmp_path, stores):
             s = stores(root, **SMALL)
             if live:
                 entry_path(root, "k").write_bytes(raw)
-            assert s.get("k") is None and s.load_tail("k") is None, name
+            assert s.load_entry("k") is None and s.load_tail("k") is None, name
+            assert s.get("k") is None, name
             assert not entry_path(root, "k").exists() and s.keys() == [], name
             s.close()
 
@@ -594,7 +605,7 @@ def test_files_removed_behind_the_stores_back(tmp_path, stores):
     a, b = list(range(9)), list(range(4)) + [60, 61, 62, 63, 64]
     assert s.put("a", a, records(a)) and s.put("b", b, records(b))
     entry_path(tmp_path, "a").unlink()
-    assert s.get("a") is None and s.keys() == ["b"]
+    assert s.load_entry("a") is None and s.get("a") is None and s.keys() == ["b"]
     assert not s.has_page(hashes(a)[1]) and s.has_page(hashes(a)[0])  # "b" holds page 0
     page_path(tmp_path, hashes(b)[1]).unlink()
     assert s.has_page(hashes(b)[1])  # the index does not know yet
@@ -611,6 +622,7 @@ def test_a_manifest_under_another_keys_name_is_a_miss(tmp_path, stores):
     assert s.put("a", [1, 2], records([1, 2]))
     assert s.put("b", [3, 4], records([3, 4]))
     os.replace(entry_path(tmp_path, "a"), entry_path(tmp_path, "b"))
+    assert s.load_entry("b") is None and s.load_entry("a") is None
     assert s.get("b") is None and s.get("a") is None and s.keys() == []
     assert data_files(tmp_path) == {}
 
@@ -659,7 +671,7 @@ def test_planted_symlinks_are_not_followed(tmp_path, stores):
         path.unlink()
         path.symlink_to(targets[name])
     snap = {p: p.read_bytes() for p in targets.values()}
-    assert s.load_page(h0) is None and s.get("k") is None
+    assert s.load_page(h0) is None and s.load_entry("k") is None and s.get("k") is None
     assert not os.path.lexists(entry_path(root, "k"))
     assert not os.path.lexists(page_path(root, h0))
     assert {p: p.read_bytes() for p in targets.values()} == snap  # targets untouched
@@ -884,7 +896,8 @@ def test_a_transient_read_error_is_a_miss_that_keeps_the_file(tmp_path, stores, 
     assert s.put("k", toks, records(toks))
     h = hashes(toks)[0]
     monkeypatch.setattr(os, "pread", failing(0, OSError(errno.EIO, "I/O error"), os.pread))
-    assert s.load_page(h) is None and s.load_tail("k") is None and s.get("k") is None
+    assert s.load_page(h) is None and s.load_tail("k") is None and s.load_entry("k") is None
+    assert s.get("k").tokens == tuple(toks)  # a transient error keeps the entry indexed
     monkeypatch.undo()
     assert s.stats()["errors"] == 3 and s.stats()["corrupt_files_removed"] == 0
     assert s.has_page(h) and s.get("k").tokens == tuple(toks)

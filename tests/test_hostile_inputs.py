@@ -197,9 +197,12 @@ def test_a_link_planted_while_running_is_a_miss_and_not_followed(tiny_lm, tmp_pa
     cache, outside = tmp_path / "kv", tmp_path / "outside"
     outside.mkdir()
     page_bytes = tiny_lm.num_layers * 2 * tiny_lm.num_kv_heads * 8 * tiny_lm.head_dim * 4
-    # A RAM budget of a few pages: entries leave memory at once, so reuse reads the disk.
-    with running_server([tiny_lm], config(cache, max_kv_ram_gb=12 * page_bytes / 2**30)) as url:
+    # A RAM budget of a few pages and no resident sequence: entries leave memory at once, so
+    # reuse loads the entry from disk (the lookup itself reads no file).
+    with running_server([tiny_lm], config(cache, max_kv_ram_gb=12 * page_bytes / 2**30,
+                                          max_resident_sequences=0)) as url:
         history = conversation(url, "live")
+        conversation(url, "other")  # takes the RAM: "live" is left on disk only
         root = store_root(cache)
         for f in (root / "entries").iterdir():
             (outside / f.name).write_bytes(f.read_bytes())
@@ -209,7 +212,10 @@ def test_a_link_planted_while_running_is_a_miss_and_not_followed(tiny_lm, tmp_pa
         next_turn_is_exact(url, history, "live")
         stats = httpx.get(f"{url}/kv_cache/stats").json()["models"][tiny_lm.name]
     assert snapshot(outside) == before
-    assert stats["disk"]["corrupt_files_removed"] >= 1
+    assert stats["disk"]["corrupt_files_removed"] >= 1  # the entry loaded: its link removed
+    with running_server([tiny_lm], config(cache)):  # links no request loaded: at start-up
+        pass
+    assert snapshot(outside) == before
     assert not any(p.is_symlink() for p in root.rglob("*"))
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
+from kv_cache.disk_store import DiskStore
 from kv_cache.manager import CacheManager
 from kv_cache.page_pool import PagePool
 from tests.tiny_model import make_tiny_model
@@ -162,3 +164,35 @@ def test_no_resident_sequences_when_disabled(model):
     run(model, seq, tokens)
     m.keep(seq)
     assert seq.closed and m.resident_tokens() == 0
+
+
+def store_for(pool, root):
+    return DiskStore(root, fingerprint=pool.fingerprint, spec=pool.spec,
+                     page_size=pool.page_size, max_bytes=1 << 26)
+
+
+def test_lookup_reads_no_file_for_keys_the_store_does_not_hold(model, tmp_path, monkeypatch):
+    tokens = list(range(5, 28))
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
+    seq, _ = m.start(tokens[:-3], [])
+    run(model, seq, tokens[:-3])
+    m.save("stored", seq)
+    seq.close()
+    m.close()
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))  # a restart
+    keys = [f"new-{i}" for i in range(250)] + ["stored"] + [f"old-{i}" for i in range(249)]
+    reads = []
+    for name in ("open", "pread", "preadv", "read", "stat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _f=real, _n=name, **k: reads.append((_n, a[0]))
+                            or _f(*a, **k))
+    match = m.find(tokens, keys)
+    assert (match.tokens, match.source) == (20, "disk:stored") and reads == []
+    seq, match = m.start(tokens, keys)  # the restore reads the one entry: manifest and pages
+    files = [f for op, f in reads if op == "open" and f.endswith(".safetensors")]
+    assert match.tokens == 20 and len(files) == 1 + 20 // 4  # 1 manifest, 5 pages
+    monkeypatch.undo()
+    logits = run(model, seq, tokens[20:])
+    assert mx.allclose(logits, reference(model, tokens), atol=1e-4).item()
+    seq.close()
+    m.close()

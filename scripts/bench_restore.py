@@ -1,0 +1,219 @@
+"""Restoring a cache entry from disk, in one run:
+
+  throughput  an entry of ``--tokens`` tokens of the default model's KV geometry (random data)
+              is saved, the store reopened (a restart), and the entry's files read back: by the
+              store (``load_entry`` + ``load_pages``: parallel reads, checksums, MLX arrays) and
+              by a whole restore into a page pool (``CacheManager.start``), against the machine's
+              own limit: the same files read with plain buffered reads into preallocated memory.
+              Page cache warm for all (each is read once first); medians of ``--repeat``.
+  in_process  turn 4's cache step and forward pass with the library alone: warm (resident
+              sequence) against restored (new pool and store on the same directory);
+  ttft        with the real server (``bench_ttft`` helpers): the 4-turn ~2,400-token chat; turn 4
+              sent warm (the history in memory) and after a restart (the history from disk),
+              ``--reps`` times each with a slightly different question; restored / warm TTFT.
+              After a restart a one-token request without the cache runs first (unless
+              ``--no-warmup``): the new process's first forward pass is not the restore's cost.
+
+Usage: python scripts/bench_restore.py [--tokens 2400] [--repeat 5] [--reps 3] [--no-ttft]
+       [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_ttft import QUESTIONS, Server, ask, conversation, document, free_port  # noqa: E402
+
+from kv_cache.disk_store import DiskStore, PageRecord  # noqa: E402
+from kv_cache.hashing import chain_hashes  # noqa: E402
+from kv_cache.manager import CacheManager  # noqa: E402
+from kv_cache.page_pool import PagePool  # noqa: E402
+from mlx_kvserver.models import resolve_and_load  # noqa: E402
+
+PAGE = 32  # the server's default page size
+
+
+def files_of(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.safetensors") if p.is_file())
+
+
+def plain_read(files: list[Path], buf: np.ndarray) -> float:
+    """Seconds to read every file into ``buf`` (preallocated) with plain buffered reads."""
+    t0, off = time.perf_counter(), 0
+    for f in files:
+        with open(f, "rb") as fh:
+            n = fh.readinto(memoryview(buf)[off:])
+        off += n
+    return time.perf_counter() - t0
+
+
+def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
+    spec, fp = lm.cache_spec, lm.fingerprint
+    toks = [int(t) for t in np.random.default_rng(0).integers(10, 30000, tokens)]
+    root = work / "store"
+    g = spec.groups[0]
+    with DiskStore(root, fingerprint=fp, spec=spec, page_size=PAGE, max_bytes=1 << 36) as s:
+        hs = chain_hashes(s.geo.root(0), toks, PAGE)
+        recs = [PageRecord(h, tuple(toks[i * PAGE : (i + 1) * PAGE]),
+                           mx.random.normal(g.shape(PAGE)).astype(g.mx_dtype))
+                for i, h in enumerate(hs)]
+        tail = tokens % PAGE
+        if tail:
+            recs.append(PageRecord(None, tuple(toks[-tail:]),
+                                   mx.random.normal(g.shape(tail)).astype(g.mx_dtype)))
+        assert s.put("e", toks, recs)
+    files = files_of(root)
+    total = sum(f.stat().st_size for f in files)
+    buf = np.empty(total, dtype=np.uint8)
+    plain_read(files, buf)  # warm the page cache
+    plain, store_t, restore_t = [], [], []
+    for _ in range(repeat):
+        plain.append(plain_read(files, buf))
+        with DiskStore(root, fingerprint=fp, spec=spec, page_size=PAGE, max_bytes=1 << 36) as s:
+            t0 = time.perf_counter()
+            e = s.load_entry("e")
+            pages = s.load_pages(e.entry.page_hashes)
+            mx.eval(list(pages.values()) + list(e.tails.values()))
+            store_t.append(time.perf_counter() - t0)
+            assert all(v is not None for v in pages.values())
+        pool = PagePool(spec=spec, page_size=PAGE, max_bytes=2 * total + (64 << 20),
+                        fingerprint=fp)
+        m = CacheManager(pool, DiskStore(root, fingerprint=fp, spec=spec, page_size=PAGE,
+                                         max_bytes=1 << 36), max_resident=0)
+        t0 = time.perf_counter()
+        seq, match = m.start(toks + [1], ["e"])
+        mx.eval([pool.data(b) for t in match.tables for b in t if b is not None])
+        restore_t.append(time.perf_counter() - t0)
+        assert match.tokens == tokens, match
+        seq.close()
+        m.close()
+    mb = total / 2**20
+    med = {k: statistics.median(v) for k, v in
+           (("plain", plain), ("store", store_t), ("restore", restore_t))}
+    return {"tokens": tokens, "files": len(files), "mb": round(mb, 1),
+            "plain_read_mb_s": round(mb / med["plain"]),
+            "store_read_mb_s": round(mb / med["store"]),
+            "restore_into_pool_mb_s": round(mb / med["restore"]),
+            "store_over_plain": round(med["plain"] / med["store"], 2),
+            "restore_over_plain": round(med["plain"] / med["restore"], 2)}
+
+
+def in_process(lm, reps: int, work: Path) -> dict:
+    """Turn 4's cache step and forward pass in one process, the server left out: warm (the
+    resident sequence) against restored (a new pool and store on the same directory)."""
+    toks = (lm.tokenizer.encode(document()) * 2)[:2291]
+    hist, new = toks[:2266], toks[2266:]
+    root = work / "inproc"
+
+    def manager() -> CacheManager:
+        pool = PagePool(spec=lm.cache_spec, page_size=PAGE, max_bytes=1 << 30,
+                        fingerprint=lm.fingerprint)
+        return CacheManager(pool, DiskStore(root, fingerprint=lm.fingerprint,
+                                            spec=lm.cache_spec, page_size=PAGE,
+                                            max_bytes=1 << 34))
+
+    def turn(m: CacheManager) -> tuple[float, float, int]:
+        t0 = time.perf_counter()
+        seq, match = m.start(hist + new, ["h"])
+        t1 = time.perf_counter()
+        mx.eval(lm.model(mx.array(new)[None], cache=seq.layers))
+        t2 = time.perf_counter()
+        seq.append_tokens(new)
+        m.keep(seq)
+        return t1 - t0, t2 - t1, match.tokens
+
+    m = manager()
+    seq, _ = m.start(hist, [])
+    for i in range(0, len(hist), 512):
+        mx.eval(lm.model(mx.array(hist[i : i + 512])[None], cache=seq.layers))
+        seq.append_tokens(hist[i : i + 512])
+    m.save("h", seq)
+    m.keep(seq)
+    m.sync()
+    warm = [turn(m) for _ in range(reps)]
+    m.close()
+    restored = []
+    for _ in range(reps):
+        m = manager()
+        restored.append(turn(m))
+        m.close()
+    w = statistics.median(a + b for a, b, _ in warm)
+    r = statistics.median(a + b for a, b, _ in restored)
+    return {"history_tokens": len(hist), "new_tokens": len(new),
+            "warm_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in warm],
+            "restored_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in restored],
+            "restored_tokens": [n for _, _, n in restored],
+            "restored_over_warm": round(r / w, 2)}
+
+
+def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
+    doc, cache_dir, port = document(), work / "kv", free_port()
+    qs = [f"{QUESTIONS[3]} (Version {k + 1}.)" for k in range(reps)]
+    server = Server(cache_dir, port, [])
+    try:
+        _, warm_hist = conversation(server.url, "w", True, max_tokens, doc, QUESTIONS[:3])
+        warm = []
+        for k, q in enumerate(qs):
+            msgs = warm_hist + [{"role": "user", "content": q, "message_id": f"w-u3-{k}"}]
+            warm.append(ask(server.url, msgs, True, max_tokens))
+        _, hist = conversation(server.url, "r", True, max_tokens, doc, QUESTIONS[:3])
+    finally:
+        server.stop()
+    restored = []
+    for k, q in enumerate(qs):
+        server = Server(cache_dir, port, [])
+        try:
+            if warmup:  # the new process's first forward pass, apart from the restore
+                ask(server.url, [{"role": "user", "content": "Hi."}], False, 1)
+            msgs = hist + [{"role": "user", "content": q, "message_id": f"r-u3-{k}"}]
+            restored.append(ask(server.url, msgs, True, max_tokens))
+        finally:
+            server.stop()
+    w = statistics.median(r["ttft"] for r in warm)
+    r = statistics.median(r["ttft"] for r in restored)
+    return {"process_warmup": warmup, "prompt_tokens": restored[0]["prompt_tokens"],
+            "cached_tokens_restored": [x["cached_tokens"] for x in restored],
+            "warm_ttft_s": [round(x["ttft"], 3) for x in warm],
+            "restored_ttft_s": [round(x["ttft"], 3) for x in restored],
+            "restored_over_warm": round(r / w, 2),
+            "same_answers": [a["text"] == b["text"] for a, b in zip(warm, restored)]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=2400)
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--no-ttft", action="store_true")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="send turn 4 as the restarted server's very first request")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="bench-restore-"))
+    lm = resolve_and_load(None)
+    out = {"model": lm.name, "throughput": throughput(lm, args.tokens, args.repeat, work),
+           "in_process": in_process(lm, args.reps, work)}
+    del lm
+    print(json.dumps(out, indent=1), flush=True)
+    if not args.no_ttft:
+        out["ttft"] = ttft(args.reps, args.max_tokens, work, not args.no_warmup)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
