@@ -75,6 +75,13 @@ class PagedLayerCache:
         self.keys = self.values = None
         self.base = 0
 
+    def keep_from(self, length: int) -> int:
+        """The first position a buffer of ``length`` positions must keep (all, here)."""
+        return 0
+
+    def can_trim_to(self, length: int) -> bool:
+        return True
+
     def size(self) -> int:
         return self.offset
 
@@ -165,9 +172,6 @@ class PagedWindowCache(PagedLayerCache):
 
     def can_trim_to(self, length: int) -> bool:
         return self.keys is None or max(0, length - self.window + 1) >= self.base
-
-    def is_trimmable(self) -> bool:
-        return True
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: Optional[int] = None

@@ -9,6 +9,7 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
+from .hashing import chain_hashes
 from .layer_cache import PagedLayerCache, PagedWindowCache
 from .page_pool import PagePool
 from .page_table import PageTable
@@ -122,7 +123,7 @@ class PagedSequence:
             return
         P, step, end = self.pool.page_size, PagedLayerCache.step, self.committed
         for table, layers in zip(self.tables, self.group_layers):
-            base = layers[0].keep_from(end) if isinstance(layers[0], PagedWindowCache) else 0
+            base = layers[0].keep_from(end)
             n = end - base
             room = -(-(n + 1) // step) * step - n
             blocks = table.blocks[base // P : -(-end // P)]
@@ -156,8 +157,7 @@ class PagedSequence:
             if self.pool.num_tokens(table.blocks[i]) == P:
                 table.blocks[i] = self.pool.seal(table.blocks[i], self._parent(g, i))
         for g, layers in enumerate(self.group_layers):
-            if isinstance(layers[0], PagedWindowCache):
-                self._release_before(g, layers[0].keep_from(end))
+            self._release_before(g, layers[0].keep_from(end))  # a window's pages behind it
 
     def _write_group(self, g: int, start: int, end: int) -> list[int]:
         P, pool, table, layers = self.pool.page_size, self.pool, self.tables[g], self.group_layers[g]
@@ -217,8 +217,6 @@ class PagedSequence:
             return self.pool.roots[g]
         chain = self._chains[g]
         if len(chain) < index:
-            from .hashing import chain_hashes
-
             self._chains[g] = chain = chain_hashes(
                 self.pool.roots[g], self.tokens[: index * self.pool.page_size],
                 self.pool.page_size, start=chain)
@@ -231,8 +229,7 @@ class PagedSequence:
             return True
         if self.state_layers:
             return False
-        return all(layer.can_trim_to(length) for g in self.group_layers for layer in g
-                   if isinstance(layer, PagedWindowCache))
+        return all(layer.can_trim_to(length) for layer in self.paged_layers)
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens: their positions, token ids and pages."""
