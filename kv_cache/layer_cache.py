@@ -5,7 +5,9 @@ working buffer that grows in steps, exactly as mlx-lm's ``KVCache`` does, so att
 full speed on any mlx-lm model unchanged. A sliding-window layer keeps only what its window can
 still read (a buffer of O(window) positions, dropped from the front as it slides). The pages in
 the pool are the record: ``PagedSequence.commit`` copies new positions into them, and a sequence
-that starts from stored pages gathers its buffers from them on first use. Recurrent-state layers
+that starts from stored pages gathers its buffers from them on first use. A full-attention layer
+of a sequence that reads a shared prefix view (``kv_cache.attention``) keeps only the positions
+after the view: its buffer starts at ``base`` = the view's length. Recurrent-state layers
 use mlx-lm's own ``ArraysCache`` (their state is snapshotted by the sequence, not paged).
 """
 
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
+
+from .attention import Reads, fetched
 
 if TYPE_CHECKING:
     from .sequence import PagedSequence
@@ -37,10 +41,37 @@ class PagedLayerCache:
         self.base = 0  # the position held at index 0 of the buffer
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is None and self.offset > 0:
-            self.sequence.materialize()
+        if self.keys is None:
+            self._start_buffer()
+        q_start = self.offset
         self._append(keys, values)
-        return self.keys[..., : self.offset, :], self.values[..., : self.offset, :]
+        n = self.offset - self.base
+        return self._fetched(self.keys[..., :n, :], self.values[..., :n, :], self.base, q_start)
+
+    def _start_buffer(self) -> None:
+        self.base = self.keep_from(self.offset)
+        if self.offset > self.base:  # gather what the pages hold (every layer at once)
+            self.sequence.materialize()
+
+    def _fetched(self, keys: mx.array, values: mx.array, own_start: int,
+                 q_start: int) -> tuple[mx.array, mx.array]:
+        self._read = (keys, values, own_start, q_start)
+        fetched(keys, self)
+        return keys, values
+
+    def read(self) -> Reads:
+        """What the last ``update_and_fetch``'s queries read (for ``attention``)."""
+        keys, values, own_start, q_start = self._read
+        view = self.sequence.view if not self.window else None
+        prefix = view.prefix(self.layer, self.base) if view is not None else None
+        return Reads(prefix, view, keys, values, own_start, q_start, self.window)
+
+    def reads(self) -> list[Reads] | None:
+        """None when the model's own attention over the returned keys is right (no shared
+        prefix before them)."""
+        if self.window or self.sequence.view is None:
+            return None
+        return [self.read()]
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         prev = self.offset - self.base
@@ -76,11 +107,12 @@ class PagedLayerCache:
         self.base = 0
 
     def keep_from(self, length: int) -> int:
-        """The first position a buffer of ``length`` positions must keep (all, here)."""
-        return 0
+        """The first position a buffer of ``length`` positions must keep: all after the shared
+        prefix view, if the sequence reads one."""
+        return self.sequence.view_len
 
     def can_trim_to(self, length: int) -> bool:
-        return True
+        return length >= self.sequence.view_len and (self.keys is None or length >= self.base)
 
     def size(self) -> int:
         return self.offset
@@ -153,14 +185,15 @@ class PagedWindowCache(PagedLayerCache):
         return max(0, length - self.window + 1) // P * P
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.keys is None and self.offset > 0:
-            self.sequence.materialize()
+        if self.keys is None:
+            self._start_buffer()
         prev = self.offset
         self._slide(prev)
         self._append(keys, values)
-        start = max(0, prev - self.window + 1) - self.base
-        end = self.offset - self.base
-        return self.keys[..., start:end, :], self.values[..., start:end, :]
+        first = max(0, prev - self.window + 1)
+        start, end = first - self.base, self.offset - self.base
+        return self._fetched(self.keys[..., start:end, :], self.values[..., start:end, :],
+                             first, prev)
 
     def _slide(self, length: int) -> None:
         drop = self.keep_from(length) - self.base

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Sequence
 
 import mlx.core as mx
 
+from .attention import PrefixViews
 from .disk_format import host_array
 from .disk_store import DiskStore, PageRecord, StoredEntry
 from .errors import OutOfBlocksError
@@ -115,10 +116,14 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class CacheManager:
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
-    def __init__(self, pool: PagePool, store: DiskStore | None = None, max_resident: int = 4):
+    def __init__(self, pool: PagePool, store: DiskStore | None = None, max_resident: int = 4,
+                 views: PrefixViews | None = None):
         """``max_resident``: finished sequences kept with their working buffers (least recently
-        used dropped first), so that a turn continuing one of them skips gathering its pages."""
+        used dropped first), so that a turn continuing one of them skips gathering its pages.
+        ``views``: the sequences this manager starts read shared prefixes through them (a model
+        whose attention ``kv_cache.attention`` routes)."""
         self.pool = pool
+        self.views = views
         self.max_resident = max_resident
         self.store = store
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
@@ -279,7 +284,7 @@ class CacheManager:
     ) -> tuple[PagedSequence, Match]:
         """A sequence that holds the reusable prefix of ``prompt``; the caller runs the rest."""
         if not use_cache:
-            return PagedSequence(self.pool), Match(0, self._no_tables(), "none")
+            return self.new_sequence(), Match(0, self._no_tables(), "none")
         match = self.find(prompt, keys)
         resident = self._take_resident(prompt, match)
         if resident is not None:
@@ -305,12 +310,16 @@ class CacheManager:
         else:
             self.stats.misses += 1
         seq = PagedSequence(self.pool, prompt[: match.tokens],
-                            match.tables if match.tokens else [], match.state)
+                            match.tables if match.tokens else [], match.state, self.views)
         for t in loaded:  # the sequence holds them now
             for b in t:
                 if b is not None:
                     self.pool.release(b)
         return seq, match
+
+    def new_sequence(self) -> PagedSequence:
+        """An empty sequence (no reuse)."""
+        return PagedSequence(self.pool, views=self.views)
 
     def _load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
                                                          Snapshot | None]:

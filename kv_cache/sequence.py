@@ -4,7 +4,7 @@ mlx-lm cache object per cache slot of the model."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
@@ -14,6 +14,9 @@ from .layer_cache import PagedLayerCache, PagedWindowCache
 from .page_pool import PagePool
 from .page_table import PageTable
 from .spec import SLIDING
+
+if TYPE_CHECKING:
+    from .attention import PrefixView, PrefixViews
 
 Snapshot = list[list[mx.array]]  # per recurrent-state slot, its arrays
 
@@ -47,12 +50,17 @@ class PagedSequence:
 
     def __init__(self, pool: PagePool, tokens: Sequence[int] = (),
                  blocks: Sequence[int] | Sequence[Sequence[int | None]] = (),
-                 state: Snapshot | None = None):
+                 state: Snapshot | None = None, views: PrefixViews | None = None):
         """Start from ``tokens`` whose keys and values the pool already holds: ``blocks`` per
         cache group (a plain list for a one-group pool; None where a sliding window no longer
         reads a page), and ``state``, the recurrent state after ``tokens`` (a reused prefix; the
-        sequence takes its own holds and copies)."""
+        sequence takes its own holds and copies). With ``views``, the full-attention layers read
+        the leading pages through a shared prefix view (``kv_cache.attention``) and keep only
+        the rest in their buffers."""
         self.pool = pool
+        self.views = views
+        self.view: PrefixView | None = None
+        self.view_len = 0
         spec = pool.spec
         n, P = len(tokens), pool.page_size
         tables = list(blocks)
@@ -90,6 +98,32 @@ class PagedSequence:
         self.layers = layers
         self.paged_layers = [layer for g in self.group_layers for layer in g]
         self.closed = False
+        if views is not None:
+            self.view, self.view_len = views.acquire([t.blocks for t in self.tables], n)
+            views.attach(self)
+
+    def adopt(self, view: PrefixView) -> None:
+        """Read the first ``view.length`` positions from ``view`` when this sequence's pages
+        begin with the view's pages: the buffers drop those positions (between forward passes
+        only)."""
+        c = view.length
+        if c <= self.view_len or self.committed < c:
+            return
+        P = self.pool.page_size
+        for g, blocks in zip(view.groups, view.tables):
+            if tuple(self.tables[g].blocks[: c // P]) != blocks:
+                return
+        for g in view.groups:
+            for layer in self.group_layers[g]:
+                if layer.keys is not None:
+                    cut = c - layer.base
+                    layer.keys = mx.contiguous(layer.keys[..., cut:, :])
+                    layer.values = mx.contiguous(layer.values[..., cut:, :])
+                    layer.base = c
+        if self.view is not None:
+            self.views.release(self.view)
+        view.users += 1
+        self.view, self.view_len = view, c
 
     @property
     def table(self) -> PageTable:
@@ -125,6 +159,10 @@ class PagedSequence:
         for table, layers in zip(self.tables, self.group_layers):
             base = layers[0].keep_from(end)
             n = end - base
+            if n == 0:  # all in the shared prefix view: the buffers start empty
+                for layer in layers:
+                    layer.base = base
+                continue
             room = -(-(n + 1) // step) * step - n
             blocks = table.blocks[base // P : -(-end // P)]
             assert None not in blocks, "a page the window reads was released"
@@ -268,10 +306,23 @@ class PagedSequence:
         return copy_snapshot([list(c.cache) for c in self.state_layers])
 
     def fork(self) -> "PagedSequence":
-        """A branch that shares every page (metadata is copied, data is not)."""
+        """A branch that shares every page and the prefix view (metadata is copied, data is
+        not)."""
         self.commit()
         return PagedSequence(self.pool, self.tokens, [t.blocks for t in self.tables],
-                             self.state_snapshot())
+                             self.state_snapshot(), self.views)
+
+    def share_prefix(self) -> None:
+        """Make every full page of this sequence readable through one prefix view (before
+        forking siblings that decode together): they then share it instead of each gathering
+        the pages into its own buffers."""
+        if self.views is None:
+            return
+        self.commit()
+        view, c = self.views.acquire([t.blocks for t in self.tables], len(self.tokens))
+        if view is not None:
+            self.adopt(view)
+            self.views.release(view)
 
     branch = fork
 
@@ -325,6 +376,11 @@ class PagedSequence:
         for layer in self.paged_layers:
             layer.drop_buffer()
             layer.offset = 0
+        if self.views is not None:
+            self.views.detach(self)
+            if self.view is not None:
+                self.views.release(self.view)
+            self.view, self.view_len = None, 0
         for c in self.state_layers:
             c.cache = [None] * len(c.cache)
         self.tokens.clear()

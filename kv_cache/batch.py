@@ -1,0 +1,82 @@
+"""A running batch: the cache list that lets one forward pass decode many sequences.
+
+``batch_caches(seqs)`` gives, per cache slot of the model, an object that speaks mlx-lm's cache
+protocol for all of them at once: a ``BatchLayer`` over their paged layers (each sequence's new
+keys and values go to its own buffer; ``kv_cache.attention`` reads the shared prefix views once
+per group) or an mlx-lm ``ArraysCache`` with their recurrent states stacked along the batch axis.
+``finish_batch`` puts the stepped states back. Sequences stay what they are: a batch is built for
+one step and dropped, so requests join and leave between any two steps.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from .attention import Reads, fetched
+from .layer_cache import PagedLayerCache
+from .sequence import PagedSequence
+
+
+class BatchLayer:
+    """One paged layer of every sequence in the batch (one new position each per step)."""
+
+    def __init__(self, members: Sequence[PagedLayerCache]):
+        self.members = list(members)
+        self.window = self.members[0].window
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([m.offset for m in self.members])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for i, m in enumerate(self.members):
+            m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+        fetched(keys, self)
+        return keys, values
+
+    def reads(self) -> list[Reads]:
+        return [m.read() for m in self.members]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        assert N == 1, "a batch steps one position per sequence"
+        return None  # attention() masks each sequence's own positions itself
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def state(self):
+        raise NotImplementedError("a batch layer is a view for one step")
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+def batch_caches(seqs: Sequence[PagedSequence]) -> list:
+    """The model's cache list for one decode step of ``seqs`` together."""
+    first = seqs[0]
+    out: list = []
+    for slot, layer in enumerate(first.layers):
+        if isinstance(layer, PagedLayerCache):
+            out.append(BatchLayer([s.layers[slot] for s in seqs]))
+        else:  # recurrent state: stacked along the batch axis
+            stacked = ArraysCache(len(layer.cache))
+            stacked.cache = [mx.concatenate([s.layers[slot].cache[j] for s in seqs], axis=0)
+                             for j in range(len(layer.cache))]
+            out.append(stacked)
+    return out
+
+
+def finish_batch(seqs: Sequence[PagedSequence], caches: list) -> None:
+    """Give each sequence its row of the stepped recurrent states."""
+    for slot, c in enumerate(caches):
+        if isinstance(c, ArraysCache):
+            for i, s in enumerate(seqs):
+                s.layers[slot].cache = [a[i : i + 1] for a in c.cache]
