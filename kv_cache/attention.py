@@ -154,6 +154,10 @@ class PrefixViews:
     def nbytes(self) -> int:
         return sum(v.nbytes for v in self.views)
 
+    def blocks(self) -> list[int]:
+        """The pages the live views hold (each view is one more holder of its pages)."""
+        return [b for v in self.views for t in v.tables for b in t]
+
 
 # -- attention ----------------------------------------------------------------------------------
 

@@ -144,7 +144,11 @@ class PagePool:
         need = n * self.group_page_bytes[group]
         while self.allocator.num_free < n or self._used_bytes + need > self.max_bytes:
             victim = self.policy.victim(self._can_evict)
-            assert victim is not None, "cached pages are counted but none is evictable"
+            if victim is None:
+                # NOTE: cached pages that held pages continue (a sliding window releases the
+                # pages behind it, not the ones after) are not leaves, so not evictable yet.
+                raise OutOfBlocksError(f"need {n} pages; the cached ones left are continued "
+                                       "by pages in use")
             self._evict(victim)
         blocks = self.allocator.alloc_n(n)
         for b in blocks:

@@ -195,7 +195,8 @@ class PagedSequence:
             if self.pool.num_tokens(table.blocks[i]) == P:
                 table.blocks[i] = self.pool.seal(table.blocks[i], self._parent(g, i))
         for g, layers in enumerate(self.group_layers):
-            self._release_before(g, layers[0].keep_from(end))  # a window's pages behind it
+            if layers[0].window:  # a window's pages behind it (a prefix view's stay held)
+                self._release_before(g, layers[0].keep_from(end))
 
     def _write_group(self, g: int, start: int, end: int) -> list[int]:
         P, pool, table, layers = self.pool.page_size, self.pool, self.tables[g], self.group_layers[g]

@@ -29,7 +29,8 @@ from .models import ModelRegistry, UnknownModelError
 from .openapi import openapi_spec
 from .schemas import check_message_id, parse_chat_request, unknown_model
 from .web import page_routes
-from .worker import Engine, Job
+from .engine import Engine
+from .request import Job
 
 log = logging.getLogger("mlx_kvserver.api")
 

@@ -73,7 +73,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def make_engine(models: list, config: ServerConfig):
     """The generation engine for loaded ``models`` with ``config``'s cache settings."""
-    from .worker import CacheConfig, Engine
+    from .engine import CacheConfig, Engine
 
     cache = CacheConfig(page_size=config.page_size, max_ram_bytes=int(config.max_kv_ram_gb * GB),
                         policy=config.eviction_policy, disk_dir=config.kv_cache_dir,

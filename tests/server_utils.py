@@ -14,7 +14,7 @@ import uvicorn
 from mlx_kvserver.api import build_app
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models import LoadedModel, ModelRegistry
-from mlx_kvserver.worker import Engine
+from mlx_kvserver.engine import Engine
 
 
 def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:

@@ -203,6 +203,7 @@ def test_a_link_planted_while_running_is_a_miss_and_not_followed(tiny_lm, tmp_pa
                                           max_resident_sequences=0)) as url:
         history = conversation(url, "live")
         conversation(url, "other")  # takes the RAM: "live" is left on disk only
+        httpx.get(f"{url}/kv_cache/stats")  # (waits for the disk writes in flight)
         root = store_root(cache)
         for f in (root / "entries").iterdir():
             (outside / f.name).write_bytes(f.read_bytes())

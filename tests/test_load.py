@@ -56,6 +56,8 @@ def cache_figures(engine) -> dict:
             pool = m.pool
             holds = Counter(b for key in m.keys() for b in m.get(key).blocks)  # noqa: SIM118
             holds.update(m.resident_blocks())  # the last finished sequence, kept resident
+            if m.views is not None:  # shared prefix views that resident sequences read
+                holds.update(m.views.blocks())
             refs = pool.ref_counts()
             stats = pool.stats()
             disk = m.store.stats() if m.store is not None else None
@@ -161,7 +163,7 @@ def test_sixteen_streaming_clients_no_cross_talk_nothing_leaks(tiny_lm, tmp_path
                 assert conversation(http, solo, c, None, [], use_cache=False) == expected[c]
     assert len({tuple(e) for e in expected}) == CLIENTS  # conversations really differ
     engine = make_engine([tiny_lm], config)
-    caplog.set_level(logging.INFO, logger="mlx_kvserver.worker")
+    caplog.set_level(logging.INFO, logger="mlx_kvserver.engine")
     with running_server([tiny_lm], config, engine=engine) as url:
         failures: list = []
         errors: list = []

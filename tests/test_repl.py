@@ -312,7 +312,7 @@ def test_repl_in_a_pty_streams_answers_reuses_cache_and_shows_stats(server, tiny
 
 
 def test_ctrl_c_in_a_pty_stops_the_answer_and_cancels_generation(tiny_lm, tmp_path, caplog):
-    caplog.set_level(logging.INFO, logger="mlx_kvserver.worker")
+    caplog.set_level(logging.INFO, logger="mlx_kvserver.engine")
     with running_server([tiny_lm]) as url:
         pty = Pty([sys.executable, "-m", "mlx_kvserver.repl", "--url", url, "--max-tokens",
                    "1500"], repl_env(tmp_path))

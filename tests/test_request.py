@@ -1,6 +1,6 @@
 """Stop strings and the streaming hold-back."""
 
-from mlx_kvserver.generation import StopMatcher
+from mlx_kvserver.request import StopMatcher
 
 
 def test_stop_matcher_finds_earliest_stop():

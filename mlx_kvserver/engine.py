@@ -1,8 +1,9 @@
-"""The generation worker: one thread owns the models and their caches; requests queue.
+"""The engine: one thread owns the models, their caches and their schedulers.
 
-The HTTP layer submits a ``Job`` and reads its events from an asyncio queue: ``accepted``
-(prompt checked, cache looked up), ``start``/``delta``/``finish`` per choice, ``usage``,
-``error`` and finally ``done``. A job whose client went away is cancelled between two steps.
+The HTTP layer submits a ``Job`` (``request.py``) and reads its events from an asyncio queue.
+The engine thread admits queued jobs between steps, runs cache-management calls (``call``)
+between steps, and steps every model's scheduler (``scheduler.py``) while any has work: many
+requests are answered at once, each step decoding one token for all of them.
 """
 
 from __future__ import annotations
@@ -14,48 +15,27 @@ import json
 import logging
 import queue
 import threading
-import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
 import mlx.core as mx
 
+from kv_cache.attention import PrefixViews
 from kv_cache.disk_store import DiskStore
-from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
 from kv_cache.page_pool import PagePool
-from kv_cache.sequence import PagedSequence
 from kv_cache.transfer import export_entry, import_entry
 
 from .errors import APIError
-from .generation import Cancelled, ChoiceResult, decode, prefill
 from .models import LoadedModel
-from .schemas import ChatRequest
+from .request import Job
+from .runner import Runner
+from .scheduler import MAX_BATCH, PREFILL_CHUNK, Scheduler
 
-log = logging.getLogger("mlx_kvserver.worker")
+log = logging.getLogger("mlx_kvserver.engine")
 
-
-def new_message_id() -> str:
-    return f"msg-{uuid.uuid4().hex}"
-
-
-@dataclass
-class Job:
-    request: ChatRequest
-    lm: LoadedModel
-    loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def emit(self, kind: str, data: Any = None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
-
-    def cancel(self) -> None:
-        self.cancelled.set()
+__all__ = ["CacheConfig", "Engine", "Job", "open_store"]
 
 
 @dataclass
@@ -103,22 +83,29 @@ def open_store(lm: LoadedModel, cache: CacheConfig) -> DiskStore | None:
 
 
 class Engine:
-    """Owns the models' caches and runs jobs one at a time on a worker thread."""
+    """Owns the models' caches and schedulers and steps them on one thread."""
 
     def __init__(self, models: list[LoadedModel], cache: CacheConfig | None = None,
-                 max_queue: int = 64):
+                 max_queue: int = 64, max_batch: int = MAX_BATCH,
+                 prefill_chunk: int = PREFILL_CHUNK):
         self.models = {lm.name: lm for lm in models}
         self.cache_config = cache or CacheConfig()
         self.managers: dict[str, CacheManager] = {}
+        self.schedulers: dict[str, Scheduler] = {}
         for lm in models:
             pool = PagePool(spec=lm.cache_spec, page_size=self.cache_config.page_size,
                             max_bytes=self.cache_config.max_ram_bytes,
                             policy=self.cache_config.policy, fingerprint=lm.fingerprint)
-            self.managers[lm.name] = CacheManager(pool, open_store(lm, self.cache_config),
-                                                  max_resident=self.cache_config.max_resident)
+            manager = CacheManager(pool, open_store(lm, self.cache_config),
+                                   max_resident=self.cache_config.max_resident)
+            runner = Runner(lm.model, manager, lm.name)
+            if runner.batched:
+                manager.views = PrefixViews(pool)
+            self.managers[lm.name] = manager
+            self.schedulers[lm.name] = Scheduler(manager, runner, max_batch=max_batch,
+                                                 prefill_chunk=prefill_chunk)
         self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=max_queue)
         self._thread: threading.Thread | None = None
-        self.busy = False
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -136,7 +123,7 @@ class Engine:
             manager.close()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run ``fn`` on the worker thread, between two jobs, and return its result."""
+        """Run ``fn`` on the engine thread, between two steps, and return its result."""
         control = Control(fn)
         self._queue.put(control)  # control calls are small: they do not count against the limit
         return await asyncio.wrap_future(control.future)
@@ -152,37 +139,60 @@ class Engine:
     def queued(self) -> int:
         return self._queue.qsize()
 
+    @property
+    def busy(self) -> bool:
+        return any(s.busy for s in self.schedulers.values())
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences decoding together now (all models)."""
+        return sum(s.batch_size for s in self.schedulers.values())
+
     def _loop(self) -> None:
         try:
             self._serve()
         finally:
+            for s in self.schedulers.values():
+                s.close()
             # NOTE: MLX keeps streams per thread; a thread that ran MLX and ends without
             # clearing them can abort the process at exit ("terminate called without an
             # active exception", seen in 3 of 10 threaded runs, 0 of 12 with this).
             mx.clear_streams()
 
     def _serve(self) -> None:
-        while (job := self._queue.get()) is not None:
-            if isinstance(job, Control):
-                self._control(job)
-                continue
-            self.busy = True
-            try:
-                if job.cancelled.is_set():
-                    continue
-                self._run(job)
-            except Cancelled:
-                log.info("%s cancelled by the client", job.id)
-            except APIError as e:
-                job.emit("error", e)
-            except Exception as e:  # the worker never dies with a request
-                log.exception("%s failed", job.id)
-                job.emit("error", APIError(500, f"generation failed: {e}", type="server_error"))
-            finally:
-                job.emit("done")
-                for manager in self.managers.values():
-                    manager.flush()  # disk writes, after the answer is out
-                self.busy = False
+        while True:
+            block = not self.busy
+            while True:  # everything queued now, waiting only when there is nothing to step
+                try:
+                    item = self._queue.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if item is None:
+                    return
+                if isinstance(item, Control):
+                    self._control(item)
+                else:
+                    self._admit(item)
+            for scheduler in self.schedulers.values():
+                if scheduler.busy:
+                    scheduler.step()
+            for manager in self.managers.values():
+                manager.flush()  # disk writes, after the step's answers are out
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.emit("done")
+            return
+        try:
+            self.schedulers[job.lm.name].add(job)
+        except APIError as e:
+            job.emit("error", e)
+            job.emit("done")
+        except Exception as e:
+            log.exception("%s could not be admitted", job.id)
+            job.emit("error", APIError(500, f"generation failed: {e}", type="server_error"))
+            job.emit("done")
 
     @staticmethod
     def _control(control: Control) -> None:
@@ -192,82 +202,6 @@ class Engine:
             control.future.set_result(control.fn())
         except BaseException as e:
             control.future.set_exception(e)
-
-    # -- one job --------------------------------------------------------------------------------
-
-    def _run(self, job: Job) -> None:
-        req, lm = job.request, job.lm
-        tok = lm.tokenizer
-        prompt = tok.encode(tok.render([m.as_template_dict() for m in req.messages],
-                                       add_generation_prompt=True))
-        room = lm.context_length - len(prompt)
-        if room < 1:
-            raise APIError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
-                           f"{lm.context_length}", param="messages",
-                           code="context_length_exceeded")
-        max_tokens = min(req.params.max_tokens or room, room)
-        manager = self.managers[lm.name]
-        keys = [m.message_id for m in reversed(req.messages) if m.message_id]
-        cancelled = job.cancelled.is_set
-        seq, match = manager.start(prompt, keys, use_cache=req.use_kv_cache)
-        job.emit("accepted", {"prompt_tokens": len(prompt), "cached_tokens": match.tokens,
-                              "source": match.source})
-        if req.params.seed is not None:
-            mx.random.seed(req.params.seed)
-        completion_tokens, keep = 0, False
-        try:
-            t0 = time.perf_counter()
-            logits = prefill(lm.model, seq, prompt[match.tokens:], cancelled)
-            log.info("%s: %d prompt tokens, %d from cache (%s), prefill %.2fs", job.id,
-                     len(prompt), match.tokens, match.source, time.perf_counter() - t0)
-            if req.use_kv_cache:
-                self._save(manager, req.messages[-1].message_id, seq)
-            shared = req.n > 1 and req.use_kv_cache  # the choices fork the prompt's pages
-            for index in range(req.n):
-                branch = seq
-                if shared:
-                    try:
-                        branch = seq.fork()
-                    except OutOfBlocksError as e:  # the prompt does not fit the page pool
-                        log.warning("%s: %s; each choice recomputes the prompt", job.id, e)
-                        shared = False
-                if not shared and index > 0:  # no cache: every choice recomputes its prompt
-                    branch = PagedSequence(manager.pool)
-                    logits = prefill(lm.model, branch, prompt, cancelled)
-                result = ChoiceResult(index, new_message_id())
-                job.emit("start", {"index": index, "message_id": result.message_id})
-                try:
-                    decode(lm.model, tok, branch, logits, max_tokens=max_tokens,
-                           temperature=req.params.temperature, top_p=req.params.top_p,
-                           stop=req.params.stop, result=result, is_cancelled=cancelled,
-                           on_text=lambda t, i=index: job.emit("delta", {"index": i, "text": t}))
-                    if req.use_kv_cache:
-                        self._save(manager, result.message_id, branch)
-                finally:
-                    if branch is not seq:
-                        branch.close()
-                completion_tokens += len(result.tokens)
-                job.emit("finish", {"index": index, "reason": result.finish_reason,
-                                    "message_id": result.message_id, "text": result.text})
-                if index == 0 and shared:
-                    seq.drop_buffers()  # the branches gather the prompt from its pages
-            keep = req.use_kv_cache and req.n == 1
-        finally:
-            if keep:  # the next turn of this conversation goes on from its buffers
-                manager.keep(seq)
-            else:
-                seq.close()
-        job.emit("usage", {"prompt_tokens": len(prompt), "completion_tokens": completion_tokens,
-                           "cached_tokens": match.tokens})
-
-    @staticmethod
-    def _save(manager: CacheManager, key: str | None, seq: PagedSequence) -> None:
-        if not key:
-            return
-        try:
-            manager.save(key, seq)
-        except OutOfBlocksError as e:  # the answer still goes out, without a cache entry
-            log.warning("not caching %s: %s", key, e)
 
     # -- reports --------------------------------------------------------------------------------
 
@@ -284,6 +218,7 @@ class Engine:
                    "bytes_shared": sum(pool.block_bytes(b) for b, n in refs.items() if n > 1),
                    "budget_bytes": pool.max_bytes, "page_size": s.page_size,
                    "resident_sequence_tokens": manager.resident_tokens(),
+                   "prefix_view_bytes": manager.views.nbytes if manager.views else 0,
                    "evictions": s.evictions}
             disk = manager.store.stats() if manager.store is not None else None
             out[name] = {"hits": m.hits, "misses": m.misses, "tokens_served": m.tokens_served,

@@ -1,4 +1,4 @@
-"""The generation worker through the real server: cache reuse is exact, verified and cancellable."""
+"""The engine through the real server: cache reuse is exact, verified and cancellable."""
 
 from __future__ import annotations
 

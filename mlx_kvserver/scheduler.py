@@ -1,0 +1,283 @@
+"""Continuous batching for one model: requests join and leave a running batch between steps.
+
+Each ``step()``:
+
+1. drops what cancelled requests held (a client that went away frees its sequences here);
+2. runs one prompt chunk (``prefill_chunk`` tokens) of the oldest request whose prompt is not
+   done, or of a preempted choice being recomputed: prompts run one chunk per step, so a long
+   prompt delays everyone else's next token by one chunk, not by the whole prompt;
+3. decodes one token for every running choice in one forward pass (``Runner.decode``), samples
+   each with its own sampler, streams text and finishes choices.
+
+A prompt's pages are committed after each chunk, so a request that arrives while another with the
+same document is still reading it starts from those pages (its prompt starts only when the one
+before it finished its own: one prompt at a time, oldest first). ``n > 1`` choices fork the
+prompt's sequence: siblings share its pages and one prefix view, and decode in the same batch.
+
+Memory: when pages run out (``OutOfBlocksError``), the youngest other running choice is preempted:
+its sequence is closed and it is queued to recompute its tokens (its streamed text stands; with
+the cache its prompt is found again in pages or on disk). When no other choice runs, the request
+goes on uncached: a running sequence keeps its own positions in working buffers, so pages are the
+record of a turn, never a condition for answering it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from kv_cache.errors import OutOfBlocksError
+from kv_cache.manager import CacheManager
+
+from .errors import APIError
+from .request import Choice, Job, Request
+from .runner import Runner
+
+log = logging.getLogger("mlx_kvserver.engine")
+
+# NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take ~0.9 s,
+# so a prompt arriving mid-stream stalls the other streams by about that much per step.
+PREFILL_CHUNK = 256
+MAX_BATCH = 32
+
+
+class Scheduler:
+    def __init__(self, manager: CacheManager, runner: Runner, *,
+                 prefill_chunk: int = PREFILL_CHUNK, max_batch: int = MAX_BATCH):
+        self.manager, self.runner = manager, runner
+        self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
+        self.requests: list[Request] = []  # admitted, oldest first
+        self.decoding: list[Choice] = []
+        self._arrivals = 0
+
+    # -- admission ------------------------------------------------------------------------------
+
+    def add(self, job: Job) -> None:
+        """Admit ``job`` (raises ``APIError`` for a prompt that cannot run)."""
+        self._arrivals += 1
+        self.requests.append(Request(job, self._arrivals))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.decoding)
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> None:
+        for r in [r for r in self.requests if r.cancelled]:
+            log.info("%s cancelled by the client", r.id)
+            self._end(r)
+        task = self._next_prompt()
+        if task is not None:
+            self._guard(task[0], lambda: self._prefill(*task))
+        if self.decoding:
+            self._decode()
+
+    def _next_prompt(self):
+        """(request, choice or None) whose prompt runs next: the oldest."""
+        if len(self.decoding) >= self.max_batch:
+            return None
+        for r in self.requests:
+            if r.seq is not None or not r.choices:
+                return r, None
+            for c in r.choices:
+                if c.resume is not None and not c.done:
+                    return r, c
+        return None
+
+    def _prefill(self, r: Request, choice: Choice | None) -> None:
+        if choice is None:
+            if r.seq is None:
+                r.seq, r.match = self._start(r, r.prompt, r.keys)
+                r.done_tokens = r.match.tokens
+                r.job.emit("accepted", {"prompt_tokens": len(r.prompt),
+                                        "cached_tokens": r.match.tokens,
+                                        "source": r.match.source})
+            seq, tokens, done = r.seq, r.prompt, r.done_tokens
+        else:
+            if choice.seq is None:
+                choice.seq, m = self._start(r, choice.resume, [])
+                choice.resume_done = m.tokens
+            seq, tokens, done = choice.seq, choice.resume, choice.resume_done
+        piece = tokens[done : done + self.prefill_chunk]
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(seq, piece)
+        done += len(piece)
+        if r.use_cache:  # its pages are there for whoever shares the prefix
+            if not self._with_room(r, seq.commit):
+                log.warning("%s: out of KV cache pages; this answer is not cached", r.id)
+                r.use_cache = False
+        if choice is not None:
+            choice.resume_done = done
+            if done == len(tokens):
+                choice.resume = None
+                self.decoding.append(choice)
+                if choice.next_token is None:  # a choice recomputing its prompt: first token
+                    self._first_token(choice, logits)
+            return
+        r.done_tokens = done
+        if done < len(tokens):
+            return
+        log.info("%s: %d prompt tokens, %d from cache (%s), last chunk %.2fs", r.id,
+                 len(tokens), r.match.tokens, r.match.source, time.perf_counter() - t0)
+        self._start_choices(r, logits)
+
+    def _start_choices(self, r: Request, logits: mx.array) -> None:
+        seq, r.seq = r.seq, None
+        if r.use_cache and r.prompt_key:
+            self._save(r.prompt_key, seq)
+        seqs = [seq]
+        if r.n > 1 and r.use_cache:
+            try:
+                seq.share_prefix()
+                seqs += [seq.fork() for _ in range(r.n - 1)]
+            except OutOfBlocksError as e:  # the prompt does not fit the page pool
+                log.warning("%s: %s; each choice recomputes the prompt", r.id, e)
+                for s in seqs[1:]:
+                    s.close()
+                seqs = [seq]
+        r.choices = [Choice(r, i, seqs[i] if i < len(seqs) else None) for i in range(r.n)]
+        for c in r.choices:
+            if c.seq is None:  # no cache (or no room): this choice computes the prompt again
+                c.resume, c.resume_done = list(r.prompt), 0
+        for c in r.choices:
+            if c.seq is not None:
+                self.decoding.append(c)
+                self._first_token(c, logits)
+
+    def _first_token(self, c: Choice, logits: mx.array) -> None:
+        c.request.job.emit("start", {"index": c.index, "message_id": c.message_id})
+        c.accept(int(c.sampler(logits).item()))
+        if c.done:
+            self._finish(c)
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def _decode(self) -> None:
+        running = self.decoding[: self.max_batch]
+        if self.runner.batched:
+            groups = [running]
+        else:
+            groups = [[c] for c in running]
+        for group in groups:
+            try:
+                logits = self.runner.decode([c.seq for c in group],
+                                            [c.next_token for c in group])
+                tokens = [c.sampler(logits[i]) for i, c in enumerate(group)]
+                mx.eval(tokens)
+            except Exception as e:  # the engine never dies with a request
+                log.exception("decode step failed")
+                for r in {id(c.request): c.request for c in group}.values():
+                    self._fail(r, APIError(500, f"generation failed: {e}", type="server_error"))
+                continue
+            for c, t in zip(group, tokens):
+                c.accept(int(t.item()))
+                if c.done:
+                    self._finish(c)
+
+    def _finish(self, c: Choice) -> None:
+        r = c.request
+        if c in self.decoding:
+            self.decoding.remove(c)
+        r.job.emit("finish", {"index": c.index, "reason": c.finish_reason,
+                              "message_id": c.message_id, "text": c.text})
+        seq, c.seq = c.seq, None
+        if r.use_cache:
+            self._save(c.message_id, seq)
+        if r.use_cache and r.n == 1:
+            self.manager.keep(seq)  # the next turn of this conversation goes on from it
+        else:
+            seq.close()
+        self._retire(r)
+
+    def _retire(self, r: Request) -> None:
+        if r.choices and all(c.done for c in r.choices) and r in self.requests:
+            r.job.emit("usage", r.usage())
+            self._end(r, finished=True)
+
+    def _save(self, key: str, seq) -> None:
+        try:
+            self.manager.save(key, seq)
+        except OutOfBlocksError as e:  # the answer still goes out, without a cache entry
+            log.warning("not caching %s: %s", key, e)
+
+    # -- memory pressure ------------------------------------------------------------------------
+
+    def _guard(self, r: Request, fn: Callable[[], None]) -> None:
+        """Run ``fn`` for ``r``; an error fails ``r`` alone (the engine never dies with one)."""
+        try:
+            fn()
+        except APIError as e:
+            self._fail(r, e)
+        except Exception as e:
+            log.exception("%s failed", r.id)
+            self._fail(r, APIError(500, f"generation failed: {e}", type="server_error"))
+
+    def _with_room(self, r: Request, fn: Callable[[], Any]) -> bool:
+        """Run ``fn``, which takes pages; when they run out, preempt the youngest other running
+        choice and try again. False when nothing else runs and they still do not suffice (the
+        caller goes on without caching: running sequences keep their positions in their own
+        buffers, so a request never needs pages to be answered)."""
+        while True:
+            try:
+                fn()
+                return True
+            except OutOfBlocksError:
+                victim = self._youngest(other_than=r)
+                if victim is None:
+                    return False
+                self._preempt(victim)
+
+    def _start(self, r: Request, tokens: list[int], keys: list[str]):
+        """``manager.start`` with room made for what it loads; uncached when there is none."""
+        out: list = []
+        if r.use_cache and self._with_room(r, lambda: out.append(
+                self.manager.start(tokens, keys, use_cache=True))):
+            return out[0]
+        r.use_cache = False
+        return self.manager.start(tokens, keys, use_cache=False)
+
+    def _youngest(self, other_than: Request) -> Choice | None:
+        running = [c for c in self.decoding if c.request is not other_than and c.seq is not None]
+        return max(running, key=lambda c: (c.request.arrival, c.index), default=None)
+
+    def _preempt(self, c: Choice) -> None:
+        """Close ``c``'s sequence; it recomputes its tokens when its turn comes again."""
+        log.info("%s: choice %d preempted (pages ran out); it will be recomputed",
+                 c.request.id, c.index)
+        self.decoding.remove(c)
+        c.resume, c.resume_done = list(c.seq.tokens), 0
+        c.seq.close()
+        c.seq = None
+
+    # -- ending ---------------------------------------------------------------------------------
+
+    def _fail(self, r: Request, error: APIError) -> None:
+        r.job.emit("error", error)
+        self._end(r)
+
+    def _end(self, r: Request, finished: bool = False) -> None:
+        """Free everything ``r`` holds and say ``done``."""
+        if r.seq is not None:
+            r.seq.close()
+            r.seq = None
+        for c in r.choices:
+            if c in self.decoding:
+                self.decoding.remove(c)
+            if c.seq is not None:
+                c.seq.close()
+                c.seq = None
+        if r in self.requests:
+            self.requests.remove(r)
+        r.job.emit("done")
+
+    def close(self) -> None:
+        for r in list(self.requests):
+            self._fail(r, APIError(503, "the server is shutting down", type="server_error"))
