@@ -51,6 +51,7 @@ ours; ``ForeignError`` a valid one for another model, geometry or format version
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -141,8 +142,15 @@ class Geometry:
                 for i, (shape, dt) in enumerate(zip(s.shapes, s.dtypes))}
 
     def metadata(self) -> dict[str, str]:
-        return {"format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                "page_size": str(self.page_size), "cache_spec": self.spec.to_json()}
+        return dict(_geometry_metadata(self))
+
+
+@functools.lru_cache(maxsize=32)
+def _geometry_metadata(geo: Geometry) -> dict[str, str]:
+    """What every file of ``geo`` says (once per geometry: the spec's JSON is not free, and every
+    header read compares it). Callers copy before changing it."""
+    return {"format_version": FORMAT_VERSION, "fingerprint": geo.fingerprint,
+            "page_size": str(geo.page_size), "cache_spec": geo.spec.to_json()}
 
 
 # -- tensors <-> bytes ----------------------------------------------------------------------------
@@ -327,8 +335,7 @@ def check_common(geo: Geometry, h: Header, fmt: str) -> dict[str, str]:
         raise ForeignError("another format version")
     if meta.get("meta_checksum") != meta_checksum(meta):
         raise FormatError("metadata checksum mismatch")
-    want = geo.metadata()
-    for k, v in want.items():
+    for k, v in _geometry_metadata(geo).items():
         if meta.get(k) != v:
             raise ForeignError(f"{k} differs from the store's")
     return meta
@@ -470,11 +477,18 @@ def check_page(geo: Geometry, buf, expect: bytes,
 def page_dest(geo: Geometry, group: int) -> tuple[mx.array, memoryview]:
     """An MLX array for one page of ``group`` and a writable byte view of its memory, for reading
     a page file straight into it (``fill_page``); call ``as_page`` on it once filled."""
-    dt = geo.group_dtype(group)
-    mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
-    arr = mx.zeros(geo.shape(geo.page_size, group), dtype=mdt)
-    mx.eval(arr)
-    return arr, memoryview(np.array(arr, copy=False)).cast("B")
+    return page_dests(geo, [group])[0]
+
+
+def page_dests(geo: Geometry, groups: Sequence[int]) -> list[tuple[mx.array, memoryview]]:
+    """``page_dest`` for several pages at once (one evaluation for all: cheaper per page)."""
+    arrs = []
+    for group in groups:
+        dt = geo.group_dtype(group)
+        mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
+        arrs.append(mx.zeros(geo.shape(geo.page_size, group), dtype=mdt))
+    mx.eval(arrs)
+    return [(a, memoryview(np.array(a, copy=False)).cast("B")) for a in arrs]
 
 
 def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:

@@ -27,8 +27,9 @@ class PageReader:
         """Per hash: ("ok", page array), ("nodir", None) when its directory is gone, or
         ("bad", error) when the file is missing, unreadable or not a valid page of ours."""
         opened = self._map(self._open, hashes)
-        dests = [fmt.page_dest(self.geo, got[2].group) if kind == "ok" else None
-                 for kind, got in opened]
+        made = iter(fmt.page_dests(self.geo, [got[2].group for kind, got in opened
+                                               if kind == "ok"]))
+        dests = [next(made) if kind == "ok" else None for kind, _ in opened]
         filled = iter(self._map(lambda x: self._fill(*x),
                                 [(got, d[1]) for (kind, got), d in zip(opened, dests)
                                  if kind == "ok"]))
