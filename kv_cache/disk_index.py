@@ -1,6 +1,7 @@
 """The disk store's in-memory index and accounting: which entries, page files and tail files
-exist, how many entries reference each file, which file holds each entry's open tail page, the bytes they take against the budget, eviction in policy
-order, and the start-up scan that builds all of it from file headers alone.
+exist, how many entries reference each file, which file holds each entry's open tail page, the
+bytes they take against the budget, eviction in policy order, and the start-up scan that builds
+all of it from file headers alone.
 
 ``StoreIndex`` is a part of ``DiskStore`` (it keeps the store's state and is used under the
 store's lock); it touches files only to remove what the index no longer references. Every

@@ -283,7 +283,7 @@ def test_twenty_turns_cost_about_the_final_turn(tmp_path, stores):
         assert s.get(f"turn-{turn}").page_hashes == hashes(s.get(f"turn-{turn}").tokens, geo)
 
 
-# -- one chat stored once: shared open tail pages ---------------------------------------------------
+# -- one chat stored once: shared open tail pages --------------------------------------------------
 
 
 def turn_records(tokens, data: mx.array) -> list[PageRecord]:
