@@ -5,20 +5,25 @@ A file is standard safetensors (an 8-byte little-endian header length, a JSON he
 bytes), readable by ``mx.load`` and the ``safetensors`` package; bfloat16 is stored as ``BF16``.
 The header's ``__metadata__`` (strings only) says what the file is and for which model:
 
-    format          "mlx-kvcache-page" or "mlx-kvcache-entry"
-    format_version  FORMAT_VERSION ("3")
+    format          "mlx-kvcache-page", "mlx-kvcache-tail" or "mlx-kvcache-entry"
+    format_version  FORMAT_VERSION ("4")
     fingerprint, page_size
     cache_spec      the model's cache spec as canonical JSON (``kv_cache.spec``): its paged groups
                     (kind, layers, heads, head size, dtype, window) and recurrent-state slots
     tokens          JSON list of token ids
     page:   group, hash, parent (hex; hash == page_hash(parent, tokens), in that group's chain);
             tensor "kv" [group layers, 2, H, P, D] in the group's dtype
+    tail:   a partial page, as a page but with 1..P-1 tokens (hash == page_hash(parent,
+            tokens) too) and tensor "kv" [group layers, 2, H, tokens, D]
     entry:  key (the message id, only here), page_hashes (JSON list of hex, every group's pages
             one group after another), layout (JSON [[skip, count], ...] per group: the first
             ``skip`` full pages are not stored, as no sliding window at the entry's end reads
             them, then ``count`` pages), tail_tokens, state ("1" when the entry carries the
-            recurrent state after its tokens); tensors "tail.<group>" [.., tail_tokens, ..]
-            when tail_tokens > 0 and "state.<slot>.<i>" per recurrent-state array
+            recurrent state after its tokens); tensors "state.<slot>.<i>" per recurrent-state
+            array. An entry's open tail page (its last tail_tokens tokens, per group) is not in
+            the manifest: it is the first tail_tokens positions of any stored page or tail
+            whose parent is the entry's last full page's chain hash (the group's root when
+            there is none) and whose tokens begin with the entry's tail tokens
     data_checksum   xxh3-128 of the tensor bytes (checked when data is loaded)
     meta_checksum   xxh3-128 of the canonical JSON of every other metadata field
 
@@ -26,7 +31,10 @@ The checksums detect corruption (torn writes, flipped bits, truncation); they ar
 authentication. Page identity is the page hash (sha256 chain, ``kv_cache.hashing``), checked
 against the tokens in the header.
 
-Version 3 (this one) checks with xxh3-128 instead of version 2's blake2b-256: xxh3 runs at
+Version 4 (this one) stores an entry's open tail page once, as a content-addressed partial page
+(a "tail" file) that every entry ending inside that page shares, each with its own length, and
+that a longer tail or the full page continuing it replaces; version 3 kept a copy of the tail in
+every manifest. Version 3 checks with xxh3-128 instead of version 2's blake2b-256: xxh3 runs at
 memory speed (~19 GB/s here against ~0.9 GB/s), so verifying is no longer what limits a
 restore. Version 2 replaced version 1's one page shape (dtype, num_layers, num_kv_heads,
 head_dim) by the cache spec, and added page groups, entry layouts and state snapshots. Files of
@@ -43,6 +51,7 @@ ours; ``ForeignError`` a valid one for another model, geometry or format version
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import struct
@@ -63,8 +72,9 @@ try:
 except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
-FORMAT_VERSION = "3"
+FORMAT_VERSION = "4"
 PAGE_FORMAT = "mlx-kvcache-page"
+TAIL_FORMAT = "mlx-kvcache-tail"
 ENTRY_FORMAT = "mlx-kvcache-entry"
 MAX_HEADER_BYTES = 16 << 20  # hostile-header cap
 INT64 = (-(1 << 63), 1 << 63)
@@ -132,8 +142,15 @@ class Geometry:
                 for i, (shape, dt) in enumerate(zip(s.shapes, s.dtypes))}
 
     def metadata(self) -> dict[str, str]:
-        return {"format_version": FORMAT_VERSION, "fingerprint": self.fingerprint,
-                "page_size": str(self.page_size), "cache_spec": self.spec.to_json()}
+        return dict(_geometry_metadata(self))
+
+
+@functools.lru_cache(maxsize=32)
+def _geometry_metadata(geo: Geometry) -> dict[str, str]:
+    """What every file of ``geo`` says (once per geometry: the spec's JSON is not free, and every
+    header read compares it). Callers copy before changing it."""
+    return {"format_version": FORMAT_VERSION, "fingerprint": geo.fingerprint,
+            "page_size": str(geo.page_size), "cache_spec": geo.spec.to_json()}
 
 
 # -- tensors <-> bytes ----------------------------------------------------------------------------
@@ -199,8 +216,8 @@ def seal_metadata(meta: dict[str, str]) -> dict[str, str]:
 
 
 def page_metadata(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
-                  data_sum: str, group: int = 0) -> dict[str, str]:
-    return seal_metadata({"format": PAGE_FORMAT, **geo.metadata(), "group": str(group),
+                  data_sum: str, group: int = 0, kind: str = PAGE_FORMAT) -> dict[str, str]:
+    return seal_metadata({"format": kind, **geo.metadata(), "group": str(group),
                           "hash": h.hex(),
                           "parent": parent.hex(), "tokens": json.dumps(list(tokens)),
                           "data_checksum": data_sum})
@@ -318,8 +335,7 @@ def check_common(geo: Geometry, h: Header, fmt: str) -> dict[str, str]:
         raise ForeignError("another format version")
     if meta.get("meta_checksum") != meta_checksum(meta):
         raise FormatError("metadata checksum mismatch")
-    want = geo.metadata()
-    for k, v in want.items():
+    for k, v in _geometry_metadata(geo).items():
         if meta.get(k) != v:
             raise ForeignError(f"{k} differs from the store's")
     return meta
@@ -339,17 +355,24 @@ class PageMetaInfo:
     group: int = 0
 
 
-def parse_page(geo: Geometry, h: Header, expect: bytes) -> PageMetaInfo:
-    meta = check_common(geo, h, PAGE_FORMAT)
+def parse_page(geo: Geometry, h: Header, expect: bytes, kind: str = PAGE_FORMAT) -> PageMetaInfo:
+    """A page's header (``kind``: a full page, or a partial page of 1..P-1 tokens)."""
+    meta = check_common(geo, h, kind)
     group = _uint(meta, "group")
     if group >= len(geo.spec.groups):
         raise FormatError("a page of no group of this model")
-    _check_tensors(h, {"kv": (geo.shape(geo.page_size, group), geo.group_dtype(group))}, "page")
     ph, parent = _hex(meta.get("hash"), "hash"), _hex(meta.get("parent"), "parent")
     tokens = _tokens(meta)
-    if len(tokens) != geo.page_size or page_hash(parent, tokens) != ph or ph != expect:
+    n = len(tokens)
+    if not (n == geo.page_size if kind == PAGE_FORMAT else 0 < n < geo.page_size) \
+            or page_hash(parent, tokens) != ph or ph != expect:
         raise FormatError("page hash does not match its tokens, parent or file name")
+    _check_tensors(h, {"kv": (geo.shape(n, group), geo.group_dtype(group))}, "page")
     return PageMetaInfo(ph, parent, tokens, group)
+
+
+def parse_tail(geo: Geometry, h: Header, expect: bytes) -> PageMetaInfo:
+    return parse_page(geo, h, expect, TAIL_FORMAT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -360,6 +383,7 @@ class EntryMetaInfo:
     tail_tokens: int
     layout: tuple[tuple[int, int], ...] = ()
     has_state: bool = False
+    tail_parents: tuple[bytes, ...] = ()  # per group, the parent of its open tail page (if any)
 
 
 def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
@@ -380,44 +404,41 @@ def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
             or sum(count for _, count in layout) != len(hashes) \
             or meta.get("state") not in ("0", "1"):
         raise FormatError("entry key, tokens, pages and tail do not agree")
-    at = 0
+    at, parents = 0, []
     for g, (skip, count) in enumerate(layout):
         if skip and groups[g].kind != "sliding":
             raise FormatError("a full-attention group skips pages")
-        if chain_hashes(geo.root(g), tokens, P)[skip:] != hashes[at : at + count]:
+        chain = chain_hashes(geo.root(g), tokens, P)
+        if chain[skip:] != hashes[at : at + count]:
             raise FormatError("entry page hashes do not match its tokens")
         at += count
+        parents.append(chain[-1] if chain else geo.root(g))
     has_state = meta["state"] == "1"
-    want = {f"tail.{g}": (geo.shape(tail, g), geo.group_dtype(g))
-            for g in range(len(groups))} if tail else {}
-    if has_state:
-        want.update(geo.state_tensors())
-    _check_tensors(h, want, "entry")
-    return EntryMetaInfo(key, tokens, hashes, tail, tuple(tuple(x) for x in layout), has_state)
+    _check_tensors(h, geo.state_tensors() if has_state else {}, "entry")
+    return EntryMetaInfo(key, tokens, hashes, tail, tuple(tuple(x) for x in layout), has_state,
+                         tuple(parents) if tail else ())
 
 
 def page_file(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
               data: mx.array, group: int = 0) -> list:
-    """A sealed page's file, as chunks to write."""
+    """A sealed page's file (or, with fewer than page_size tokens, a tail file), as chunks to
+    write."""
     dt = geo.group_dtype(group)
     arr = to_storage(data, dt)
-    meta = page_metadata(geo, h, parent, tokens, checksum(arr), group)
+    kind = PAGE_FORMAT if len(tokens) == geo.page_size else TAIL_FORMAT
+    meta = page_metadata(geo, h, parent, tokens, checksum(arr), group, kind)
     return encode({"kv": arr}, DTYPES[dt][1], meta)
 
 
 def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
-               tails: dict[int, mx.array | np.ndarray] | None,
                layout: Sequence[tuple[int, int]] | None = None,
                state: Sequence[Sequence[mx.array | np.ndarray]] | None = None) -> list:
-    """An entry's manifest (with its open tail pages' data and its recurrent state), as chunks
-    to write. ``tails``: per group; ``layout``: per group (skip, count), default all pages of
-    one group."""
+    """An entry's manifest (with its recurrent state), as chunks to write. ``layout``: per group
+    (skip, count), default all pages of one group. Its open tail page is stored apart (a page
+    or tail file that holds it)."""
     full = len(tokens) // geo.page_size
     layout = [(0, full)] if layout is None else list(layout)
     tensors, codes = {}, {}
-    for g, data in sorted((tails or {}).items()):
-        dt = geo.group_dtype(g)
-        tensors[f"tail.{g}"], codes[f"tail.{g}"] = to_storage(data, dt), DTYPES[dt][1]
     if state is not None:
         specs = geo.state_tensors()
         for si, arrays in enumerate(state):
@@ -440,11 +461,12 @@ def _verified(h: Header, buf: bytes) -> None:
         raise FormatError("data checksum mismatch")
 
 
-def check_page(geo: Geometry, buf, expect: bytes) -> tuple[np.ndarray, str]:
-    """A whole page file, every check passed: its data as a zero-copy numpy view of ``buf``
-    (storage form) and its dtype name. Runs no MLX (safe in a reader thread)."""
+def check_page(geo: Geometry, buf, expect: bytes,
+               kind: str = PAGE_FORMAT) -> tuple[np.ndarray, str]:
+    """A whole page (or tail) file, every check passed: its data as a zero-copy numpy view of
+    ``buf`` (storage form) and its dtype name. Runs no MLX (safe in a reader thread)."""
     h = parse_header(buf, len(buf))
-    parse_page(geo, h, expect)
+    parse_page(geo, h, expect, kind)
     _verified(h, buf)
     t = h.tensors["kv"]
     dt = geo.group_dtype(int(h.metadata["group"]))
@@ -455,11 +477,18 @@ def check_page(geo: Geometry, buf, expect: bytes) -> tuple[np.ndarray, str]:
 def page_dest(geo: Geometry, group: int) -> tuple[mx.array, memoryview]:
     """An MLX array for one page of ``group`` and a writable byte view of its memory, for reading
     a page file straight into it (``fill_page``); call ``as_page`` on it once filled."""
-    dt = geo.group_dtype(group)
-    mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
-    arr = mx.zeros(geo.shape(geo.page_size, group), dtype=mdt)
-    mx.eval(arr)
-    return arr, memoryview(np.array(arr, copy=False)).cast("B")
+    return page_dests(geo, [group])[0]
+
+
+def page_dests(geo: Geometry, groups: Sequence[int]) -> list[tuple[mx.array, memoryview]]:
+    """``page_dest`` for several pages at once (one evaluation for all: cheaper per page)."""
+    arrs = []
+    for group in groups:
+        dt = geo.group_dtype(group)
+        mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
+        arrs.append(mx.zeros(geo.shape(geo.page_size, group), dtype=mdt))
+    mx.eval(arrs)
+    return [(a, memoryview(np.array(a, copy=False)).cast("B")) for a in arrs]
 
 
 def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
@@ -482,21 +511,20 @@ def to_array(view: np.ndarray, dtype: str) -> mx.array:
     return arr.view(mx.bfloat16) if DTYPES[dtype][0] == mx.bfloat16 else arr
 
 
-def decode_page(geo: Geometry, buf: bytes, expect: bytes) -> mx.array:
-    """A whole page file, every check passed, to its data."""
-    return to_array(*check_page(geo, buf, expect))
+def decode_page(geo: Geometry, buf: bytes, expect: bytes, kind: str = PAGE_FORMAT) -> mx.array:
+    """A whole page (or tail) file, every check passed, to its data."""
+    return to_array(*check_page(geo, buf, expect, kind))
 
 
 def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, dict[str, mx.array]]:
-    """A whole manifest, every check passed, to its metadata and tensors (tails, state)."""
+    """A whole manifest, every check passed, to its metadata and tensors (its state)."""
     h = parse_header(buf, len(buf))
     info = parse_entry(geo, h)
     _verified(h, buf)
     st = geo.state_tensors()
     out = {}
     for name, t in h.tensors.items():
-        dt = st[name][1] if name in st else geo.group_dtype(int(name.split(".")[1]))
-        out[name] = from_storage(buf, t.start, t.shape, dt)
+        out[name] = from_storage(buf, t.start, t.shape, st[name][1])
     return info, out
 
 

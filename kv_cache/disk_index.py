@@ -1,12 +1,19 @@
-"""The disk store's in-memory index and accounting: which entries and page files exist, how
-many entries reference each page, the bytes they take against the budget, eviction in policy
-order, and the start-up scan that builds all of it from file headers alone.
+"""The disk store's in-memory index and accounting: which entries, page files and tail files
+exist, how many entries reference each file, which file holds each entry's open tail page, the
+bytes they take against the budget, eviction in policy order, and the start-up scan that builds
+all of it from file headers alone.
 
 ``StoreIndex`` is a part of ``DiskStore`` (it keeps the store's state and is used under the
 store's lock); it touches files only to remove what the index no longer references. Every
 entry's token ids, layout and page hashes live in the index (built from headers at start-up,
 updated on every save and eviction), so asking whether the store holds a key, and what its
 tokens are, reads no file; a manifest is read again only when its entry is loaded.
+
+An entry's open tail page (per group) is held by one stored file: among the pages and tails with
+the tail's parent whose tokens begin with the entry's tail tokens, a full page first, else the
+longest tail. When a file is stored that continues a tail file, the entries that tail held move
+to the new file and the tail file goes, so a page's bytes are on disk once however many entries
+end inside it.
 """
 
 from __future__ import annotations
@@ -46,6 +53,20 @@ class IndexedEntry:  # the in-memory index of one manifest
     tokens: np.ndarray  # int32 where every id fits (4 bytes a token), else int64
     layout: tuple[tuple[int, int], ...]
     has_state: bool
+    tails: tuple[bytes | None, ...] = ()  # per group, the file holding its open tail page
+
+    @property
+    def files(self) -> set[bytes]:
+        """Every page and tail file the entry references."""
+        return set(self.page_hashes).union(h for h in self.tails if h is not None)
+
+
+@dataclass(slots=True)
+class FileInfo:  # a page or tail file's identity, from its header
+    parent: bytes
+    tokens: np.ndarray
+    group: int
+    partial: bool  # a tail file (tails/), else a full page (pages/)
 
 
 def token_array(tokens: Sequence[int]) -> np.ndarray:
@@ -65,21 +86,23 @@ def entry_name(key: str) -> str:
 class StoreIndex:
     """Entries, page files, reference counts and bytes of a ``DiskStore``."""
 
-    def _fits_after_evicting_all(self, old, protected, needed, add) -> bool:
+    def _fits_after_evicting_all(self, old, protected, needed, add, gone=()) -> bool:
+        """``gone``: tail files that the put's new files continue (they go after it)."""
         refs, free = Counter(self._refs), 0
         going = [e for k, e in self._entries.items() if k not in protected]
         for e in going + ([old] if old is not None else []):
             free += e.size
-            refs.subtract(set(e.page_hashes))
-        free += sum(s for h, s in self._pages.items() if refs[h] <= 0 and h not in needed)
+            refs.subtract(e.files)
+        free += sum(s for h, s in self._pages.items()
+                    if (refs[h] <= 0 or h in gone) and h not in needed)
         return self._bytes - free + add <= self.max_bytes
 
-    def _projected(self, old, needed, add) -> int:
+    def _projected(self, old, needed, add, gone=()) -> int:
         """Bytes after this put if nothing more were evicted."""
-        b = self._bytes + add
+        b = self._bytes + add - sum(self._pages.get(h, 0) for h in gone)
         if old is not None:
-            b -= old.size + sum(self._pages.get(h, 0) for h in old.page_hashes
-                                if self._refs[h] == 1 and h not in needed)
+            b -= old.size + sum(self._pages.get(h, 0) for h in old.files
+                                if self._refs[h] == 1 and h not in needed and h not in gone)
         return b
 
     def _evict_one(self, protected: Collection[str], keep: Collection[bytes] = ()) -> bool:
@@ -99,14 +122,20 @@ class StoreIndex:
         return self._clock
 
     def _add_entry(self, key, name, info: "fmt.EntryMetaInfo", size, at_end=True) -> None:
+        tokens = token_array(info.tokens)
+        tail = tokens[len(tokens) - info.tail_tokens:] if info.tail_tokens else tokens[:0]
+        holders = tuple(self._holder(g, parent, tail) for g, parent in
+                        enumerate(info.tail_parents)) if info.tail_tokens else ()
         e = IndexedEntry(key, name, tuple(info.page_hashes), info.tail_tokens, size,
-                         self._next_id, token_array(info.tokens), tuple(info.layout),
-                         info.has_state)
+                         self._next_id, tokens, tuple(info.layout), info.has_state, holders)
         self._next_id += 1
         self._entries[key] = e
         self._entries.move_to_end(key, last=at_end)
         self._by_id[e.id] = key
-        self._refs.update(set(e.page_hashes))
+        self._refs.update(e.files)
+        for h in holders:
+            if h is not None:
+                self._holds.setdefault(h, set()).add(key)
         self._bytes += size
         self.policy.insert(e.id, ident=key)
 
@@ -114,8 +143,59 @@ class StoreIndex:
         del self._entries[e.key]
         del self._by_id[e.id]
         self.policy.remove(e.id)
-        self._refs.subtract(set(e.page_hashes))
+        self._refs.subtract(e.files)
+        for h in e.tails:
+            if h is not None and h in self._holds:
+                self._holds[h].discard(e.key)
+                if not self._holds[h]:
+                    del self._holds[h]
         self._bytes -= e.size
+
+    # -- files and open tail pages --------------------------------------------------------------
+
+    def _file_landed(self, h: bytes, size: int, info: FileInfo) -> None:
+        self._pages[h] = size
+        self._bytes += size
+        self._info[h] = info
+        self._kids.setdefault(info.parent, set()).add(h)
+
+    def _holder(self, group: int, parent: bytes, tail: np.ndarray) -> bytes | None:
+        """The stored file that holds an open tail page: a full page first, else the longest
+        tail file; None when no file holds it."""
+        best, rank = None, None
+        n = len(tail)
+        for h in self._kids.get(parent, ()):
+            f = self._info[h]
+            if f.group == group and len(f.tokens) >= n and np.array_equal(f.tokens[:n], tail):
+                r = (not f.partial, len(f.tokens), h)
+                if rank is None or r > rank:
+                    best, rank = h, r
+        return best
+
+    def _continued(self, h: bytes, f: FileInfo) -> list[bytes]:
+        """The tail files that file ``h`` (``f``) continues: shorter, same parent, a prefix."""
+        out = []
+        for x in self._kids.get(f.parent, ()):
+            o = self._info[x]
+            if x != h and o.partial and o.group == f.group and len(o.tokens) < len(f.tokens) \
+                    and np.array_equal(f.tokens[: len(o.tokens)], o.tokens):
+                out.append(x)
+        return out
+
+    def _supersede(self, h: bytes) -> None:
+        """File ``h`` has landed: the entries whose tails a shorter tail file holds, that ``h``
+        continues, move to ``h``, and the shorter file goes."""
+        f = self._info.get(h)
+        if f is None:
+            return
+        for x in self._continued(h, f):
+            for key in self._holds.pop(x, set()):
+                e = self._entries[key]
+                e.tails = tuple(h if t == x else t for t in e.tails)
+                self._refs[x] -= 1
+                self._refs[h] += 1
+                self._holds.setdefault(h, set()).add(key)
+            self._gc([x])
 
     def _drop_entry(self, key: str, keep: Collection[bytes] = ()) -> bool:
         """Remove an entry's manifest, then the pages only it referenced (a crash in between
@@ -124,23 +204,28 @@ class StoreIndex:
         if not afs.unlink(self._entries_fd, e.name):
             return False
         self._forget_entry(e)
-        self._gc(e.page_hashes, keep)
+        self._gc(e.files, keep)
         return True
 
     def _gc(self, hashes, keep: Collection[bytes] = ()) -> None:
-        """Delete the page files among ``hashes`` that no entry references."""
+        """Delete the page and tail files among ``hashes`` that no entry references."""
         for h in hashes:
             if self._refs[h] <= 0:
                 self._refs.pop(h, None)
                 if h in self._pages and h not in keep:
                     self._on_page_file(h, afs.unlink)
 
+    def _dir_of(self, h: bytes) -> int:
+        """The directory (pages or tails) of file ``h``."""
+        f = self._info.get(h)
+        return self._tails_fd if f is not None and f.partial else self._pages_fd
+
     def _on_page_file(self, h: bytes, op) -> None:
-        """Run ``op(dir_fd, name)`` on page ``h``'s file; the index forgets the page when its
-        directory is gone or ``op`` returns True (the file is gone)."""
+        """Run ``op(dir_fd, name)`` on page or tail ``h``'s file; the index forgets the file
+        when its directory is gone or ``op`` returns True (the file is gone)."""
         name = h.hex() + ".safetensors"
         try:
-            sub_fd = afs.open_dir(name[:2], self._pages_fd, create=False)
+            sub_fd = afs.open_dir(name[:2], self._dir_of(h), create=False)
         except OSError:
             self._lost_page(h)
             return
@@ -152,11 +237,18 @@ class StoreIndex:
 
     def _lost_page(self, h: bytes) -> None:
         self._bytes -= self._pages.pop(h, 0)
+        f = self._info.pop(h, None)
+        if f is not None:
+            kids = self._kids.get(f.parent)
+            if kids is not None:
+                kids.discard(h)
+                if not kids:
+                    del self._kids[f.parent]
 
     def _page_file_exists(self, h: bytes) -> bool:
         name = h.hex() + ".safetensors"
         try:
-            os.stat(f"{name[:2]}/{name}", dir_fd=self._pages_fd, follow_symlinks=False)
+            os.stat(f"{name[:2]}/{name}", dir_fd=self._dir_of(h), follow_symlinks=False)
             return True
         except OSError:
             return False
@@ -179,26 +271,11 @@ class StoreIndex:
         return True
 
     def _build_index(self) -> None:
-        """Index pages and entries from their headers only; remove temp, bad and orphan files."""
-        for sub in self._scan(self._pages_fd):
-            if not (_HEX2.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
-                continue
-            try:
-                sub_fd = afs.open_dir(sub.name, self._pages_fd, create=False)
-            except OSError:
-                continue
-            try:
-                for f in self._scan(sub_fd):
-                    m = PAGE_NAME.fullmatch(f.name)
-                    if m and m.group(1)[:2] == sub.name:
-                        h = bytes.fromhex(m.group(1))
-                        got = self._index_file(sub_fd, f.name, lambda hdr: fmt.parse_page(
-                            self.geo, hdr, h), "page")
-                        if got is not None:
-                            self._pages[h] = got[1]
-                            self._bytes += got[1]
-            finally:
-                os.close(sub_fd)
+        """Index pages, tails and entries from their headers only; remove temp, bad and orphan
+        files (a tail file that a longer one or a full page continues holds no entry's tail:
+        an orphan)."""
+        self._index_pages(self._pages_fd, fmt.PAGE_FORMAT, "page")
+        self._index_pages(self._tails_fd, fmt.TAIL_FORMAT, "tail")
         found = []
         for f in self._scan(self._entries_fd):
             if ENTRY_NAME.fullmatch(f.name):
@@ -218,6 +295,29 @@ class StoreIndex:
         self._gc(list(self._pages))  # orphans: pages no manifest references
         while self._bytes > self.max_bytes and self._evict_one(()):
             pass  # the budget may have shrunk since the last run
+
+    def _index_pages(self, base_fd: int, kind: str, what: str) -> None:
+        for sub in self._scan(base_fd):
+            if not (_HEX2.fullmatch(sub.name) and sub.is_dir(follow_symlinks=False)):
+                continue
+            try:
+                sub_fd = afs.open_dir(sub.name, base_fd, create=False)
+            except OSError:
+                continue
+            try:
+                for f in self._scan(sub_fd):
+                    m = PAGE_NAME.fullmatch(f.name)
+                    if m and m.group(1)[:2] == sub.name:
+                        h = bytes.fromhex(m.group(1))
+                        got = self._index_file(sub_fd, f.name, lambda hdr: fmt.parse_page(
+                            self.geo, hdr, h, kind), what)
+                        if got is not None:
+                            info, size, _ = got
+                            self._file_landed(h, size, FileInfo(
+                                info.parent, token_array(info.tokens), info.group,
+                                kind == fmt.TAIL_FORMAT))
+            finally:
+                os.close(sub_fd)
 
     def _scan(self, dir_fd: int):
         """A directory's entries; temp files and planted symlinks are removed on the way."""

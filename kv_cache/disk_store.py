@@ -3,8 +3,10 @@
 Layout under ``root`` (one store, one model per root; a lock file keeps out a second store):
 
     pages/<hh>/<hash hex>.safetensors     a sealed page, written once, shared by every entry
-    entries/<sha256(key) hex>.safetensors an entry: its tokens and page hashes (metadata) and the
-                                          open tail page's data; the key lives only in metadata
+    tails/<hh>/<hash hex>.safetensors     an open tail page (1..P-1 tokens after a parent hash),
+                                          written once, shared by every entry ending inside it
+    entries/<sha256(key) hex>.safetensors an entry: its tokens and page hashes (metadata) and its
+                                          recurrent state; the key lives only in metadata
     .lock                                 held (flock) while a store has the root open
 
 Files are described in ``disk_format``; the invariants cited are those of docs/ARCHITECTURE.md.
@@ -13,6 +15,12 @@ truncated, corrupt, foreign or planted file is a miss: logged and removed, never
 of a read. After every ``put`` the files fit ``max_bytes`` (invariant 6): entries go in policy
 order (LRU: last put or touch first), never the one being written nor a pinned one, and a page
 goes when no entry references it. A message id never becomes a path (invariant 7).
+
+One chat is stored once: an entry's open tail page is not in its manifest but in a file that
+holds it (``disk_index``): a full page that continues it, else a tail file, written only when
+no stored file holds it. The prompt's entry and the answer's entry of a turn, and the next
+turn's entries, share that page; a tail file that a longer tail or a full page continues is
+removed once the longer file is on disk, and its entries read their tokens from the longer one.
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ import mlx.core as mx
 from . import disk_format as fmt
 from . import atomic_fs as afs
 from .disk_format import FormatError, Geometry
-from .disk_index import IndexedEntry, StoreIndex, entry_name
+from .disk_index import FileInfo, IndexedEntry, StoreIndex, entry_name, token_array
 from .spec import CacheSpec
 from .eviction import make_policy
 from .page_reader import PageReader
@@ -53,6 +61,16 @@ class PageRecord:
     tokens: tuple[int, ...]
     data: mx.array | None  # [layers, 2, kv_heads, n, head_dim]; None if the store has the page
     group: int = 0  # the cache group whose layers the page holds
+
+
+@dataclass
+class NewFile:
+    """A page or tail file a put writes."""
+
+    hash: bytes
+    chunks: list
+    size: int
+    info: FileInfo
 
 
 @dataclass
@@ -131,14 +149,19 @@ class DiskStore(StoreIndex):
             self._fds.append(self._entries_fd)
             self._pages_fd = afs.open_dir("pages", self._root_fd, create=True)
             self._fds.append(self._pages_fd)
+            self._tails_fd = afs.open_dir("tails", self._root_fd, create=True)
+            self._fds.append(self._tails_fd)
         except BaseException:
             self._close_fds()
             raise
         self._closed = False
         self._entries: OrderedDict[str, IndexedEntry] = OrderedDict()  # least recent first
         self._by_id: dict[int, str] = {}
-        self._pages: dict[bytes, int] = {}  # present page files: hash -> size
-        self._refs: Counter[bytes] = Counter()  # entries referencing each page hash
+        self._pages: dict[bytes, int] = {}  # present page and tail files: hash -> size
+        self._info: dict[bytes, FileInfo] = {}  # their parents, tokens, groups
+        self._kids: dict[bytes, set[bytes]] = {}  # parent hash -> the files it is parent of
+        self._holds: dict[bytes, set[str]] = {}  # tail-holding file -> the entries it holds
+        self._refs: Counter[bytes] = Counter()  # entries referencing each page or tail file
         self._bytes = 0
         self._next_id = 0
         self._clock = 0
@@ -153,7 +176,8 @@ class DiskStore(StoreIndex):
         """Write a small file of the store's own (a note saying which model it holds) at its
         root, after removing temp files a crash left there. A temp file and a rename: a link
         planted under ``name`` is replaced, never written through. False (logged) on failure."""
-        if not name or "/" in name or name.startswith(".") or name in ("entries", "pages"):
+        if not name or "/" in name or name.startswith(".") or name in ("entries", "pages",
+                                                                       "tails"):
             raise ValueError(f"not a note name: {name!r}")
         try:
             for f in os.listdir(self._root_fd):  # a write that a crash cut short
@@ -167,7 +191,7 @@ class DiskStore(StoreIndex):
 
     @_locked
     def has_page(self, h: bytes) -> bool:
-        return h in self._pages
+        return h in self._pages and not self._info[h].partial
 
     @_locked
     def put(self, key: str, tokens: Sequence[int], pages: Sequence[PageRecord],
@@ -184,27 +208,28 @@ class DiskStore(StoreIndex):
         the disk refuses the write. Inconsistent records (hashes that do not chain over
         ``tokens``, wrong shapes, no data for a page the store lacks) are a ``ValueError``.
         """
-        tokens, new_pages, manifest, layout = self._prepare(key, tokens, pages, tails, layout,
-                                                            state)
+        tokens, new_pages, manifest, layout, held = self._prepare(key, tokens, pages, tails,
+                                                                  layout, state)
         if manifest is None:
             return False
         name = entry_name(key)
         old = self._entries.get(key)
-        needed = {p[0] for p in new_pages} | set(manifest[1])
-        add = sum(p[3] for p in new_pages) + manifest[2]
+        needed = {p.hash for p in new_pages} | set(manifest[1]) | held
+        add = sum(p.size for p in new_pages) + manifest[2]
+        gone = {x for p in new_pages for x in self._continued(p.hash, p.info)} - needed
         protected = set(pinned) | {key}
         self._gc(list(self._pages), keep=needed)  # orphans an earlier failure left, if any
-        if not self._fits_after_evicting_all(old, protected, needed, add):
+        if not self._fits_after_evicting_all(old, protected, needed, add, gone):
             self._stats["refused"] += 1
             log.info("disk store: an entry of %d bytes does not fit %d (pinned or too big)",
                      add, self.max_bytes)
             return False
         try:
-            while self._projected(old, needed, add) > self.max_bytes:
+            while self._projected(old, needed, add, gone) > self.max_bytes:
                 if not self._evict_one(protected, keep=needed):
                     raise OSError(errno.EACCES, "cannot remove the files of evicted entries")
             self._write_pages(new_pages)
-            chunks, hashes, _ = manifest
+            chunks, hashes, _, _ = manifest
             msize = afs.atomic_write(self._entries_fd, name, chunks, mtime_ns=self._tick())
         except OSError as e:
             self._stats["errors"] += 1
@@ -215,9 +240,11 @@ class DiskStore(StoreIndex):
             self._forget_entry(old)
         self._add_entry(key, name, fmt.EntryMetaInfo(
             key, tokens, hashes, len(tokens) % self.page_size,
-            tuple(tuple(x) for x in layout), state is not None), msize)
+            tuple(tuple(x) for x in layout), state is not None, manifest[3]), msize)
         if old is not None:
-            self._gc(old.page_hashes)
+            self._gc(old.files)
+        for p in new_pages:  # shorter tail files these continue are no longer needed
+            self._supersede(p.hash)
         self._stats["puts"] += 1
         if self._bytes > self.max_bytes:
             log.warning("disk store: %d bytes over a budget of %d", self._bytes, self.max_bytes)
@@ -249,9 +276,14 @@ class DiskStore(StoreIndex):
         if got is None:
             return None
         info, tensors = got
+        e = self._entries[key]
         stored = StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens,
                              info.layout, info.has_state)
-        tails = {int(k.split(".")[1]): v for k, v in tensors.items() if k.startswith("tail.")}
+        tails = {}
+        for g, h in enumerate(e.tails):
+            data = None if h is None else self._load_holder(h)
+            if data is not None:
+                tails[g] = data[:, :, :, : info.tail_tokens, :]
         state = None
         if info.has_state:
             state = [[tensors[f"state.{si}.{i}"] for i in range(len(s.shapes))]
@@ -267,7 +299,8 @@ class DiskStore(StoreIndex):
     def load_pages(self, hashes: Sequence[bytes]) -> dict[bytes, mx.array | None]:
         """Several pages at once, each as ``load_page`` gives it, read and verified in parallel
         straight into their MLX arrays (``page_reader``)."""
-        todo = [h for h in dict.fromkeys(hashes) if h in self._pages]
+        todo = [h for h in dict.fromkeys(hashes) if h in self._pages
+                and not self._info[h].partial]
         out: dict[bytes, mx.array | None] = {h: None for h in hashes}
         for h, (kind, got) in zip(todo, self._reader.read(todo)):
             if kind == "ok":
@@ -329,8 +362,9 @@ class DiskStore(StoreIndex):
     @_locked
     def stats(self) -> dict:
         s = self._stats
+        tails = sum(1 for f in self._info.values() if f.partial)
         return {
-            "entries": len(self._entries), "pages": len(self._pages),
+            "entries": len(self._entries), "pages": len(self._pages) - tails, "tail_pages": tails,
             "bytes_on_disk": self._bytes, "budget": self.max_bytes, "policy": self.policy.name,
             **{k: s[k] for k in ("puts", "refused", "evictions", "corrupt_files_removed",
                                  "foreign_files_removed", "temp_files_removed", "errors")},
@@ -359,7 +393,8 @@ class DiskStore(StoreIndex):
     # -- put helpers ----------------------------------------------------------------------------
 
     def _prepare(self, key, tokens, pages, tails=None, layout=None, state=None):
-        """Validate a put; returns (tokens, new page files, manifest) — manifest None: refused."""
+        """Validate a put; returns (tokens, new page and tail files, manifest, layout, stored
+        files holding its tails) — manifest None: refused."""
         if not isinstance(key, str):
             raise ValueError("a key is a str")
         tokens = tuple(int(t) for t in tokens)
@@ -388,9 +423,10 @@ class DiskStore(StoreIndex):
         if (state is None) == geo.spec.has_state and tokens:
             raise ValueError("an entry of this model carries its recurrent state"
                              if geo.spec.has_state else "this model has no recurrent state")
-        new_pages, new_set, hashes, at = [], set(), [], 0
+        new_pages, new_set, hashes, at, parents = [], set(), [], 0, []
         for g, (skip, count) in enumerate(layout):
             chain = fmt.chain_hashes(geo.root(g), tokens, P)
+            parents.append(chain[-1] if chain else geo.root(g))
             group_pages = sealed[at : at + count]
             at += count
             for i, p in enumerate(group_pages, start=skip):
@@ -408,38 +444,56 @@ class DiskStore(StoreIndex):
                         new_set.add(h)
                         parent = geo.root(g) if i == 0 else chain[i - 1]
                         chunks = fmt.page_file(geo, h, parent, p.tokens, p.data, g)
-                        new_pages.append((h, chunks, h.hex()[:2], fmt.nbytes(chunks)))
+                        new_pages.append(NewFile(h, chunks, fmt.nbytes(chunks), FileInfo(
+                            parent, token_array(p.tokens), g, False)))
                 elif h not in self._pages:
                     raise ValueError(f"page {h.hex()[:12]} is not on disk and came without data")
-        for g, data in tails.items():
-            self._check_shape(data, len(tokens) % P, g)
+        n_tail, held = len(tokens) % P, set()
+        tail = token_array(tokens[len(tokens) - n_tail:]) if n_tail else None
+        for g, data in sorted(tails.items()):
+            self._check_shape(data, n_tail, g)
+            holder = self._holder(g, parents[g], tail)
+            if holder is not None and not self._page_file_exists(holder):
+                self._lost_page(holder)
+                holder = self._holder(g, parents[g], tail)
+            if holder is not None:
+                held.add(holder)  # NOTE: a stored page or longer tail holds it: nothing written
+                continue
+            h = fmt.page_hash(parents[g], tail.tolist())
+            chunks = fmt.page_file(geo, h, parents[g], tail.tolist(), data, g)
+            new_pages.append(NewFile(h, chunks, fmt.nbytes(chunks),
+                                     FileInfo(parents[g], tail, g, True)))
         try:
-            chunks = fmt.entry_file(geo, key, tokens, hashes, tails, layout, state)
+            chunks = fmt.entry_file(geo, key, tokens, hashes, layout, state)
         except FormatError as e:
             log.warning("disk store: entry refused: %s", e)
             self._stats["refused"] += 1
-            return tokens, new_pages, None, layout
-        return tokens, new_pages, (chunks, hashes, fmt.nbytes(chunks)), layout
+            return tokens, new_pages, None, layout, held
+        return (tokens, new_pages, (chunks, hashes, fmt.nbytes(chunks),
+                                    tuple(parents) if n_tail else ()), layout, held)
 
     def _check_shape(self, data: mx.array, n: int, group: int = 0) -> None:
         if list(data.shape) != self.geo.shape(n, group):
             raise ValueError(f"page data of shape {data.shape}; {self.geo.shape(n, group)} "
                              "expected")
 
-    def _write_pages(self, new_pages) -> None:
-        """Write new page files as one batch (one full flush); index each as it lands."""
-        fds: dict[str, int] = {}
+    def _write_pages(self, new_pages: list[NewFile]) -> None:
+        """Write new page and tail files as one batch (one full flush); index each as it
+        lands."""
+        fds: dict[tuple[bool, str], int] = {}
         try:
-            for _, _, sub, _ in new_pages:
-                if sub not in fds:
-                    fds[sub] = afs.open_dir(sub, self._pages_fd, create=True)
+            for p in new_pages:
+                d = (p.info.partial, p.hash.hex()[:2])
+                if d not in fds:
+                    fds[d] = afs.open_dir(d[1], self._tails_fd if d[0] else self._pages_fd,
+                                          create=True)
 
             def landed(i: int, size: int) -> None:
-                self._pages[new_pages[i][0]] = size
-                self._bytes += size
+                self._file_landed(new_pages[i].hash, size, new_pages[i].info)
 
-            afs.atomic_write_many([(fds[sub], h.hex() + ".safetensors", chunks, None)
-                                   for h, chunks, sub, _ in new_pages], landed)
+            afs.atomic_write_many([(fds[(p.info.partial, p.hash.hex()[:2])],
+                                    p.hash.hex() + ".safetensors", p.chunks, None)
+                                   for p in new_pages], landed)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -455,14 +509,38 @@ class DiskStore(StoreIndex):
             if not self._bad_file(err, self._entries_fd, e.name, "manifest"):
                 return None
             self._forget_entry(e)
-            self._gc(e.page_hashes)
+            self._gc(e.files)
             return None
         if tuple(info.page_hashes) != e.page_hashes or len(got) != e.size \
                 or info.tokens != tuple(e.tokens.tolist()):  # replaced behind our back
             self._forget_entry(e)
-            self._gc(e.page_hashes, keep=info.page_hashes)
             self._add_entry(e.key, e.name, info, len(got))
+            self._gc(e.files)
         return info, tensors
+
+    def _load_holder(self, h: bytes) -> mx.array | None:
+        """The data of the page or tail file that holds an open tail page; None when it is
+        missing or bad (logged, the file removed)."""
+        f = self._info.get(h)
+        if f is None:
+            return None
+        if not f.partial:
+            return self.load_pages([h])[h]
+        name = h.hex() + ".safetensors"
+        try:
+            sub_fd = afs.open_dir(name[:2], self._tails_fd, create=False)
+        except OSError:
+            self._lost_page(h)
+            return None
+        try:
+            return fmt.decode_page(self.geo, self._read(sub_fd, name, whole=True), h,
+                                   fmt.TAIL_FORMAT)
+        except (FormatError, OSError) as err:
+            if self._bad_file(err, sub_fd, name, "tail"):
+                self._lost_page(h)
+            return None
+        finally:
+            os.close(sub_fd)
 
     @staticmethod
     def _read(dir_fd: int, name: str, whole: bool):

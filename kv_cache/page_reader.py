@@ -26,9 +26,23 @@ class PageReader:
     def read(self, hashes: Sequence[bytes]) -> list[tuple[str, object]]:
         """Per hash: ("ok", page array), ("nodir", None) when its directory is gone, or
         ("bad", error) when the file is missing, unreadable or not a valid page of ours."""
-        opened = self._map(self._open, hashes)
-        dests = [fmt.page_dest(self.geo, got[2].group) if kind == "ok" else None
-                 for kind, got in opened]
+        subs: dict[str, int | None] = {}  # each page folder opened once for the batch
+        for h in hashes:
+            sub = h.hex()[:2]
+            if sub not in subs:
+                try:
+                    subs[sub] = afs.open_dir(sub, self.pages_fd, create=False)
+                except OSError:
+                    subs[sub] = None
+        try:
+            opened = self._map(lambda h: self._open(h, subs[h.hex()[:2]]), hashes)
+        finally:
+            for fd in subs.values():
+                if fd is not None:
+                    os.close(fd)
+        made = iter(fmt.page_dests(self.geo, [got[2].group for kind, got in opened
+                                               if kind == "ok"]))
+        dests = [next(made) if kind == "ok" else None for kind, _ in opened]
         filled = iter(self._map(lambda x: self._fill(*x),
                                 [(got, d[1]) for (kind, got), d in zip(opened, dests)
                                  if kind == "ok"]))
@@ -53,13 +67,12 @@ class PageReader:
             self._threads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-read")
         return list(self._threads.map(fn, items))
 
-    def _open(self, h: bytes):
-        """("ok", (fd, header, page info)), ("nodir", None) or ("bad", error)."""
-        name = h.hex() + ".safetensors"
-        try:
-            sub_fd = afs.open_dir(name[:2], self.pages_fd, create=False)
-        except OSError:
+    def _open(self, h: bytes, sub_fd: int | None):
+        """("ok", (fd, header, page info)), ("nodir", None) or ("bad", error); ``sub_fd``: the
+        page's folder (None: it could not be opened)."""
+        if sub_fd is None:
             return "nodir", None
+        name = h.hex() + ".safetensors"
         fd = None
         try:
             fd, size = afs.open_regular(name, sub_fd)
@@ -69,8 +82,6 @@ class PageReader:
             if fd is not None:
                 os.close(fd)
             return "bad", e
-        finally:
-            os.close(sub_fd)
 
     @staticmethod
     def _fill(opened, dest: memoryview):

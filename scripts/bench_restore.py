@@ -8,6 +8,8 @@
               Page cache warm for all (each is read once first); medians of ``--repeat``.
   in_process  turn 4's cache step and forward pass with the library alone: warm (resident
               sequence) against restored (new pool and store on the same directory);
+  tiny        (``--tiny``, alone) the in_process step for a tiny random-weight llama model
+              (``tests/tiny_model.py``) with ``--tiny-history`` tokens (~16,000) of history;
   ttft        with the real server (``bench_ttft`` helpers): the 4-turn ~2,400-token chat; turn 4
               sent warm (the history in memory) and after a restart (the history from disk),
               ``--reps`` times each with a slightly different question; restored / warm TTFT.
@@ -16,6 +18,7 @@
 
 Usage: python scripts/bench_restore.py [--tokens 2400] [--repeat 5] [--reps 3] [--no-ttft]
        [--json out.json]
+       python scripts/bench_restore.py --tiny [--tiny-history 16000] [--reps 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -110,12 +113,13 @@ def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
             "restore_over_plain": round(med["plain"] / med["restore"], 2)}
 
 
-def in_process(lm, reps: int, work: Path) -> dict:
+def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int = 25) -> dict:
     """Turn 4's cache step and forward pass in one process, the server left out: warm (the
     resident sequence) against restored (a new pool and store on the same directory)."""
-    toks = (lm.tokenizer.encode(document()) * 2)[:2291]
-    hist, new = toks[:2266], toks[2266:]
-    root = work / "inproc"
+    doc = lm.tokenizer.encode(document())
+    toks = (doc * (-(-(history + new_tokens) // len(doc))))[: history + new_tokens]
+    hist, new = toks[:history], toks[history:]
+    root = work / f"inproc-{history}"
 
     def manager() -> CacheManager:
         pool = PagePool(spec=lm.cache_spec, page_size=PAGE, max_bytes=1 << 30,
@@ -152,6 +156,7 @@ def in_process(lm, reps: int, work: Path) -> dict:
     w = statistics.median(a + b for a, b, _ in warm)
     r = statistics.median(a + b for a, b, _ in restored)
     return {"history_tokens": len(hist), "new_tokens": len(new),
+            "warm_s": round(w, 4), "restored_s": round(r, 4),
             "warm_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in warm],
             "restored_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in restored],
             "restored_tokens": [n for _, _, n in restored],
@@ -191,6 +196,20 @@ def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
             "same_answers": [a["text"] == b["text"] for a, b in zip(warm, restored)]}
 
 
+def tiny(history: int, reps: int, work: Path) -> dict:
+    """``in_process`` for a tiny random-weight llama model written to ``work``."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from tests.tiny_model import make_tiny_model_dir
+
+    lm = resolve_and_load(str(make_tiny_model_dir(work / "tiny-model", seed=0)))
+    spec = lm.cache_spec
+    per_token = sum(2 * len(g.layers) * g.num_kv_heads * g.head_dim * g.mx_dtype.size
+                    for g in spec.groups)
+    return {"model": "tiny llama (tests/tiny_model.py: 2 layers, 2 KV heads of 16, float32)",
+            "kv_bytes_per_token": per_token,
+            "in_process": in_process(lm, reps, work, history=history)}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=2400)
@@ -200,9 +219,18 @@ def main():
     ap.add_argument("--no-ttft", action="store_true")
     ap.add_argument("--no-warmup", action="store_true",
                     help="send turn 4 as the restarted server's very first request")
+    ap.add_argument("--tiny", action="store_true",
+                    help="only the in-process warm / restored step, tiny model, long history")
+    ap.add_argument("--tiny-history", type=int, default=16000)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-restore-"))
+    if args.tiny:
+        out = tiny(args.tiny_history, args.reps, work)
+        print(json.dumps(out, indent=1))
+        if args.json:
+            args.json.write_text(json.dumps(out, indent=1))
+        return
     lm = resolve_and_load(None)
     out = {"model": lm.name, "throughput": throughput(lm, args.tokens, args.repeat, work),
            "in_process": in_process(lm, args.reps, work)}

@@ -29,7 +29,8 @@ GEO = dict(fingerprint=FP, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4
            dtype=mx.float16)
 BITS = {mx.float16: (np.uint16, mx.uint16), mx.bfloat16: (np.uint16, mx.uint16),
         mx.float32: (np.uint32, mx.uint32)}
-FILE_RE = re.compile(r"(entries/[0-9a-f]{64}|pages/([0-9a-f]{2})/\2[0-9a-f]{62})\.safetensors")
+FILE_RE = re.compile(r"(entries/[0-9a-f]{64}|(pages|tails)/([0-9a-f]{2})/\3[0-9a-f]{62})"
+                     r"\.safetensors")
 
 
 @pytest.fixture
@@ -96,6 +97,18 @@ def page_path(root: Path, h: bytes) -> Path:
     return root / "pages" / h.hex()[:2] / (h.hex() + ".safetensors")
 
 
+def tail_path(root: Path, h: bytes) -> Path:
+    return root / "tails" / h.hex()[:2] / (h.hex() + ".safetensors")
+
+
+def tail_hash(tokens, geo=GEO) -> bytes:
+    """The name of the tail file that holds the open tail page of ``tokens``."""
+    P = geo["page_size"]
+    full = hashes(tokens, geo)
+    return page_hash(full[-1] if full else root_hash(geo["fingerprint"]),
+                     tuple(tokens[len(full) * P :]))
+
+
 def entry_path(root: Path, key: str) -> Path:
     return root / "entries" / entry_name(key)
 
@@ -146,7 +159,8 @@ def test_round_trip_is_bit_exact(tmp_path, stores, dtype):
     # Plain safetensors files: mx.load reads the same bits, the dtype in the header is true.
     loaded = mx.load(str(page_path(tmp_path, recs[0].hash)))
     assert loaded["kv"].dtype == dtype and np.array_equal(bits(loaded["kv"]), bits(recs[0].data))
-    assert mx.load(str(entry_path(tmp_path, "m1")))["tail.0"].dtype == dtype
+    assert mx.load(str(tail_path(tmp_path, tail_hash(toks))))["kv"].dtype == dtype
+    assert mx.load(str(entry_path(tmp_path, "m1"))) == {}  # the tail is in its own file
 
 
 def test_files_are_self_describing_safetensors(tmp_path, stores):
@@ -161,7 +175,7 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
         assert list(f.keys()) == ["kv"] and f.get_tensor("kv").dtype == np.float16
     assert {k: meta[k] for k in ("format", "format_version", "fingerprint", "page_size",
                                  "group")} == {
-        "format": "mlx-kvcache-page", "format_version": "3", "fingerprint": FP,
+        "format": "mlx-kvcache-page", "format_version": "4", "fingerprint": FP,
         "page_size": "4", "group": "0"}
     assert json.loads(meta["cache_spec"]) == {
         "num_slots": 2, "states": [],
@@ -171,9 +185,14 @@ def test_files_are_self_describing_safetensors(tmp_path, stores):
     assert meta["hash"] == recs[0].hash.hex() and meta["parent"] == root_hash(FP).hex()
     assert meta["data_checksum"].startswith("xxh3-128:")
     assert meta["meta_checksum"] == fmt.meta_checksum(meta)
+    with safe_open(str(tail_path(tmp_path, tail_hash(toks))), framework="numpy") as f:
+        tmeta = f.metadata()
+        assert f.get_tensor("kv").shape == (2, 2, 2, 2, 4)
+    assert tmeta["format"] == "mlx-kvcache-tail" and json.loads(tmeta["tokens"]) == [4, 5]
+    assert tmeta["parent"] == recs[0].hash.hex() and tmeta["format_version"] == "4"
     with safe_open(str(entry_path(tmp_path, "msg-1")), framework="numpy") as f:
         meta = f.metadata()
-        assert f.get_tensor("tail.0").shape == (2, 2, 2, 2, 4)
+        assert list(f.keys()) == []
     assert meta["format"] == "mlx-kvcache-entry" and meta["key"] == "msg-1"
     assert json.loads(meta["tokens"]) == toks and meta["tail_tokens"] == "2"
     assert json.loads(meta["page_hashes"]) == [recs[0].hash.hex()]
@@ -229,11 +248,13 @@ def test_shared_pages_are_stored_once(tmp_path, stores, monkeypatch):
     monkeypatch.setattr(afs, "atomic_write_many", lambda files, done: (
         writes.extend(f[1] for f in files), real(files, done))[1])
     assert s.put("b", b, records(b))
-    assert writes == [hashes(b)[2].hex() + ".safetensors", entry_name("b")]
+    assert writes == [hashes(b)[2].hex() + ".safetensors", tail_hash(b).hex() + ".safetensors",
+                      entry_name("b")]
     pages = [f for f in data_files(tmp_path) if f.startswith("pages/")]
-    assert len(pages) == 4 and s.stats()["pages"] == 4
+    assert len(pages) == 4 and s.stats()["pages"] == 4 and s.stats()["tail_pages"] == 1
     man = entry_path(tmp_path, "a").stat().st_size + entry_path(tmp_path, "b").stat().st_size
-    assert s.stats()["bytes_on_disk"] == 4 * page_size + man
+    tail = tail_path(tmp_path, tail_hash(b)).stat().st_size
+    assert s.stats()["bytes_on_disk"] == 4 * page_size + man + tail
     check_accounting(s, tmp_path)
     # An entry whose pages are all on disk writes only its manifest, with or without data.
     writes.clear()
@@ -254,11 +275,208 @@ def test_twenty_turns_cost_about_the_final_turn(tmp_path, stores):
     per_token = 2 * 2 * 2 * 64 * 2
     final_kv = len(toks) * per_token
     assert s.stats()["entries"] == 20 and s.stats()["pages"] == len(toks) // 16
+    assert s.stats()["tail_pages"] == 1  # each turn's tail is continued by the next turn
     total = s.stats()["bytes_on_disk"]
-    assert total <= 1.5 * final_kv, (total, final_kv)
+    assert total <= 1.2 * final_kv, (total, final_kv)
     check_accounting(s, tmp_path)
     for turn in (0, 9, 19):
         assert s.get(f"turn-{turn}").page_hashes == hashes(s.get(f"turn-{turn}").tokens, geo)
+
+
+# -- one chat stored once: shared open tail pages --------------------------------------------------
+
+
+def turn_records(tokens, data: mx.array) -> list[PageRecord]:
+    """The pages of ``tokens`` cut from one sequence's KV ``data`` (as a pool holds them: the
+    prompt's tail is a prefix of the answer's page)."""
+    P, out = GEO["page_size"], []
+    for i, h in enumerate(hashes(tokens)):
+        out.append(PageRecord(h, tuple(tokens[i * P : (i + 1) * P]),
+                              data[:, :, :, i * P : (i + 1) * P, :]))
+    if len(tokens) % P:
+        n = len(out) * P
+        out.append(PageRecord(None, tuple(tokens[n:]), data[:, :, :, n : len(tokens), :]))
+    return out
+
+
+def tail_files(root: Path) -> list[str]:
+    return sorted(f for f in data_files(root) if f.startswith("tails/"))
+
+
+@pytest.mark.parametrize("answer_len", [11, 12, 14], ids=["same-page", "fills-it", "next-page"])
+@pytest.mark.parametrize("answer_first", [False, True])
+def test_a_turns_prompt_and_answer_store_their_tail_page_once(tmp_path, stores, monkeypatch,
+                                                             answer_len, answer_first):
+    """The prompt's entry ends inside a page that the answer's entry continues (in its tail or
+    in a full page): the page's bytes are on disk once, each entry reads its own length."""
+    s = stores(tmp_path)
+    toks = list(range(200, 200 + answer_len))
+    data = kv(b"one sequence", answer_len)
+    prompt, answer = toks[:9], toks  # the prompt: 2 pages and a tail of 1
+    writes = []
+    real = afs.atomic_write_many
+    monkeypatch.setattr(afs, "atomic_write_many", lambda files, done: (
+        writes.extend(f[1] for f in files), real(files, done))[1])
+    order = [("a", answer), ("p", prompt)] if answer_first else [("p", prompt), ("a", answer)]
+    for key, t in order:
+        assert s.put(key, t, turn_records(t, data))
+    if answer_first:  # the prompt's tail is held by what the answer stored: only its manifest
+        pages, tail = answer_len // 4, int(answer_len % 4 > 0)
+        assert writes[-1:] == [entry_name("p")] and len(writes) == pages + tail + 2
+    # One file holds every tail: the answer's tail file, if it has a tail, and nothing else.
+    want = [f"tails/{tail_hash(answer).hex()[:2]}/{tail_hash(answer).hex()}.safetensors"] \
+        if answer_len % 4 else []
+    assert tail_files(tmp_path) == want and s.stats()["tail_pages"] == len(want)
+    check_accounting(s, tmp_path)
+
+    def check(store):
+        for key, t in (("p", prompt), ("a", answer)):
+            n = len(t) % 4
+            tail = store.load_tail(key)
+            if n:
+                assert np.array_equal(bits(tail), bits(data[:, :, :, len(t) - n : len(t), :]))
+            else:
+                assert tail is None
+            assert store.load_entry(key).entry.tokens == tuple(t)
+
+    check(s)
+    s.close()
+    s = stores(tmp_path)  # after a restart: the same files, the same answers
+    assert tail_files(tmp_path) == want
+    check(s)
+    check_accounting(s, tmp_path)
+    # Deleting the answer keeps the prompt whole: the file holding its tail stays.
+    assert s.delete("a")
+    tail = s.load_tail("p")
+    assert np.array_equal(bits(tail), bits(data[:, :, :, 8:9, :]))
+    assert len(data_files(tmp_path)) == 2 + 1 + 1  # 2 pages + the page or tail holding it
+    check_accounting(s, tmp_path)
+    assert s.delete("p") and data_files(tmp_path) == {}
+
+
+def test_an_entry_whose_tail_another_holds_writes_no_tail(tmp_path, stores):
+    s = stores(tmp_path)
+    toks = list(range(10))
+    data = kv(b"seq", 10)
+    assert s.put("long", toks, turn_records(toks, data))
+    (t,) = tail_files(tmp_path)
+    before = data_files(tmp_path)[t]
+    assert s.put("short", toks[:9], turn_records(toks[:9], data))  # its tail: a prefix of long's
+    assert tail_files(tmp_path) == [t] and data_files(tmp_path)[t] == before
+    assert np.array_equal(bits(s.load_tail("short")), bits(data[:, :, :, 8:9, :]))
+    # A longer tail replaces the shorter file; both entries move to it.
+    toks2 = toks + [10]
+    data2 = mx.concatenate([data, kv(b"more", 1)], axis=3)
+    assert s.put("longer", toks2, turn_records(toks2, data2))
+    assert tail_files(tmp_path) == [f"tails/{tail_hash(toks2).hex()[:2]}/"
+                                    f"{tail_hash(toks2).hex()}.safetensors"]
+    for key, n in (("short", 9), ("long", 10), ("longer", 11)):
+        assert np.array_equal(bits(s.load_tail(key)), bits(data2[:, :, :, 8:n, :])), key
+    check_accounting(s, tmp_path)
+    # Evicting the entry that wrote the tail file leaves it to those that still use it.
+    assert s.delete("longer") and s.delete("long")
+    assert np.array_equal(bits(s.load_tail("short")), bits(data[:, :, :, 8:9, :]))
+    check_accounting(s, tmp_path)
+    assert s.delete("short") and data_files(tmp_path) == {}
+
+
+def test_a_tail_of_another_branch_is_not_shared(tmp_path, stores):
+    s = stores(tmp_path)
+    a, b = list(range(10)), list(range(9)) + [99]  # same parent, tails [8, 9] and [8, 99]
+    assert s.put("a", a, records(a)) and s.put("b", b, records(b))
+    assert len(tail_files(tmp_path)) == 2
+    assert np.array_equal(bits(s.load_tail("a")), bits(records(a)[-1].data))
+    assert np.array_equal(bits(s.load_tail("b")), bits(records(b)[-1].data))
+    check_accounting(s, tmp_path)
+
+
+def test_the_budget_counts_a_shared_tail_once(tmp_path, stores):
+    toks = list(range(11))
+    data = kv(b"seq", 11)
+    with stores(tmp_path / "probe") as p:
+        assert p.put("a", toks, turn_records(toks, data))
+        one = p.stats()["bytes_on_disk"]
+        assert p.put("p", toks[:9], turn_records(toks[:9], data))
+        both = p.stats()["bytes_on_disk"]
+    man = both - one  # the second entry adds its manifest only
+    s = stores(tmp_path / "s", max_bytes=both)
+    assert s.put("p", toks[:9], turn_records(toks[:9], data))
+    assert s.put("a", toks, turn_records(toks, data))  # fits: the prompt's tail file goes
+    assert sorted(s.keys()) == ["a", "p"] and s.stats()["evictions"] == 0
+    assert s.stats()["bytes_on_disk"] == both and man < 1000
+    check_accounting(s, tmp_path / "s")
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "other-name", "symlink", "foreign"])
+def test_a_bad_tail_file_is_a_miss_and_removed(tmp_path, stores, damage):
+    for live in (False, True):
+        root = fresh(tmp_path / "r")
+        s = stores(root)
+        toks = list(range(10))
+        assert s.put("k", toks, records(toks))
+        (t,) = tail_files(root)
+        path = root / t
+        raw = path.read_bytes()
+        if not live:
+            s.close()
+        if damage == "truncate":
+            path.write_bytes(raw[: len(raw) - 5])
+        elif damage == "flip":
+            bad = bytearray(raw)
+            bad[-3] ^= 0x10
+            path.write_bytes(bytes(bad))
+        elif damage == "other-name":  # a valid tail file of another tail, under this name
+            other = list(range(9)) + [77]
+            with stores(tmp_path / "other") as o:
+                assert o.put("k", other, records(other))
+                path.write_bytes(tail_path(tmp_path / "other", tail_hash(other)).read_bytes())
+        elif damage == "symlink":
+            (tmp_path / "outside").write_bytes(raw)
+            path.unlink()
+            path.symlink_to(tmp_path / "outside")
+        else:  # another format version
+            header, body = header_of(path)
+            header["__metadata__"]["format_version"] = "3"
+            write_with_header(path, header, body)
+        if not live:
+            s = stores(root)
+        assert s.get("k").tokens == tuple(toks)  # the entry's pages are fine
+        assert s.load_tail("k") is None  # its tail is a miss, never a crash
+        assert not os.path.lexists(path)
+        loaded = s.load_entry("k")
+        assert loaded is not None and loaded.tails == {}
+        check_accounting(s, root)
+        s.close()
+        if damage == "symlink":
+            assert (tmp_path / "outside").read_bytes() == raw
+
+
+def test_twenty_turns_of_prompts_and_answers_cost_the_final_turn(tmp_path, stores):
+    """Each turn saves the prompt's entry and the answer's entry, as the server does: the tails
+    of all of them are held by the last turn's pages and one tail file."""
+    geo = {**GEO, "num_layers": 2, "num_kv_heads": 2, "head_dim": 64, "page_size": 16}
+    s = stores(tmp_path, **geo)
+    rng = np.random.default_rng(3)
+    toks: list[int] = []
+    P = 16
+    for turn in range(20):
+        toks = toks + [int(t) for t in rng.integers(0, 50_000, size=int(rng.integers(13, 41)))]
+        prompt = len(toks)
+        toks = toks + [int(t) for t in rng.integers(0, 50_000, size=24)]
+        data = kv(b"conversation", len(toks), geo)  # NOTE: the same bits for the same positions
+        for key, n in ((f"u{turn}", prompt), (f"a{turn}", len(toks))):
+            t = toks[:n]
+            recs = [PageRecord(h, tuple(t[i * P : (i + 1) * P]),
+                               data[:, :, :, i * P : (i + 1) * P, :])
+                    for i, h in enumerate(hashes(t, geo))]
+            tails = {0: data[:, :, :, n - n % P : n, :]} if n % P else None
+            assert s.put(key, t, recs, tails=tails)
+    final_kv = len(toks) * 2 * 2 * 2 * 64 * 2
+    assert s.stats()["tail_pages"] <= 1
+    manifests = sum(v for k, v in data_files(tmp_path).items() if k.startswith("entries/"))
+    assert s.stats()["pages"] == len(toks) // P  # each page once, headers included:
+    assert s.stats()["bytes_on_disk"] - manifests <= 1.06 * final_kv
+    check_accounting(s, tmp_path)
 
 
 # -- restart ---------------------------------------------------------------------------------------
@@ -468,10 +686,12 @@ def test_files_of_another_model_or_geometry_are_never_used(tmp_path, stores, oth
     os.rename(src, fresh)
     c = stores(fresh)
     assert c.keys() == [] and c.stats()["pages"] == 0 and data_files(fresh) == {}
-    assert c.stats()["foreign_files_removed"] == len(toks) // geo_b["page_size"] + 1
+    tail = len(toks) % geo_b["page_size"] != 0  # a tail file
+    assert c.stats()["foreign_files_removed"] == len(toks) // geo_b["page_size"] + 1 + tail
 
 
-@pytest.mark.parametrize("version", ["1", "2"])  # before cache specs; before xxh3 checksums
+# before cache specs; before xxh3 checksums; before tails stored once
+@pytest.mark.parametrize("version", ["1", "2", "3"])
 def test_another_format_version_is_foreign(tmp_path, stores, version):
     h, page, man = small_files(tmp_path, stores)
     install(tmp_path / "r", h, page, man)
@@ -645,7 +865,7 @@ def test_hostile_keys_never_leave_the_root_and_round_trip(tmp_path, stores):
         assert s.get(key).key == key and s.get(key).tokens == (i, i + 1, i + 2, i + 3, i + 4)
         assert s.load_tail(key) is not None
     assert sorted(os.listdir(tmp_path)) == ["store"]
-    assert sorted(os.listdir(root)) == [".lock", "entries", "pages"]
+    assert sorted(os.listdir(root)) == [".lock", "entries", "pages", "tails"]
     check_accounting(s, root)
     assert len(os.listdir(root / "entries")) == len(HOSTILE_KEYS)
     s.close()

@@ -459,10 +459,12 @@ def test_over_a_thousand_generated_requests_get_no_5xx(fuzz_server, tiny_lm):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["canary", "kv"]
     assert tree(tmp_path / "canary") == canary_before
     (root,) = (tmp_path / "kv").iterdir()
-    assert {p.name for p in root.iterdir()} <= {".lock", "entries", "pages", "model.json"}
+    assert {p.name for p in root.iterdir()} <= {".lock", "entries", "pages", "tails",
+                                                "model.json"}
     assert all(re.fullmatch(r"[0-9a-f]{64}\.safetensors", p.name)
                for p in (root / "entries").iterdir())
     assert all(re.fullmatch(r"[0-9a-f]{2}", p.name) for p in (root / "pages").iterdir())
+    assert all(re.fullmatch(r"[0-9a-f]{2}", p.name) for p in (root / "tails").iterdir())
     http.close()
 
 

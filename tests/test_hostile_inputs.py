@@ -54,11 +54,13 @@ def store_root(cache_dir: Path) -> Path:
 
 
 def assert_store_layout(root: Path) -> None:
-    """Only the store's own names: hashed manifests, hashed pages in two-hex-digit folders."""
-    assert {p.name for p in root.iterdir()} <= {".lock", "entries", "pages", "model.json"}
+    """Only the store's own names: hashed manifests, hashed pages and tails in two-hex-digit
+    folders."""
+    assert {p.name for p in root.iterdir()} <= {".lock", "entries", "pages", "tails",
+                                                "model.json"}
     for p in (root / "entries").iterdir():
         assert len(p.stem) == 64 and p.suffix == ".safetensors" and p.is_file(), p
-    for sub in (root / "pages").iterdir():
+    for sub in [*(root / "pages").iterdir(), *(root / "tails").iterdir()]:
         assert len(sub.name) == 2 and sub.is_dir() and not sub.is_symlink(), sub
         assert all(len(f.stem) == 64 and f.is_file() and not f.is_symlink()
                    for f in sub.iterdir()), sub
@@ -244,7 +246,7 @@ def header_length_past_the_end(raw: bytes) -> bytes:
 def offsets_past_the_end(raw: bytes) -> bytes:
     header, data = split(raw)
     t = first_tensor(header)
-    if t is None:  # a manifest without a tail: give it a tensor that reaches past the end
+    if t is None:  # a manifest (no tensors): give it a tensor that reaches past the end
         header["tail"] = t = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     t["data_offsets"] = [t["data_offsets"][0], t["data_offsets"][1] + 4096]
     return join(header, data)

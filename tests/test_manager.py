@@ -196,3 +196,38 @@ def test_lookup_reads_no_file_for_keys_the_store_does_not_hold(model, tmp_path, 
     assert mx.allclose(logits, reference(model, tokens), atol=1e-4).item()
     seq.close()
     m.close()
+
+
+def test_a_turns_prompt_and_answer_share_pages_on_disk_and_restore_exactly(model, tmp_path):
+    """The prompt's entry ends inside a page that the answer's entry continues: that page is
+    on disk once (no tail file for the prompt), and both entries restore exactly."""
+    tokens = list(range(30, 57))
+    prompt, answer = tokens[:22], tokens[:25]  # 5 pages + 2 tokens; 6 pages + 1 token
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
+    seq, _ = m.start(prompt, [])
+    run(model, seq, prompt)
+    m.save("u1", seq)
+    run(model, seq, answer[22:])
+    m.save("a1", seq)
+    seq.close()
+    m.close()
+    tails = sorted(p.name for p in (tmp_path / "tails").rglob("*.safetensors"))
+    pages = sorted(p.name for p in (tmp_path / "pages").rglob("*.safetensors"))
+    assert len(tails) == 1 and len(pages) == 6  # the answer's one-token tail; 6 pages, once
+    for key, n in (("u1", 22), ("a1", 25)):
+        m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))  # a restart
+        seq, match = m.start(tokens, [key])
+        assert (match.tokens, match.source) == (n, f"disk:{key}")
+        assert tuple(seq.tokens) == tuple(tokens[:n])
+        logits = run(model, seq, tokens[n:])
+        assert mx.allclose(logits, reference(model, tokens), atol=1e-4).item()
+        seq.close()
+        if key == "a1":
+            assert m.drop("a1")  # the prompt's entry stays whole without it
+        m.close()
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
+    seq, match = m.start(tokens, ["a1", "u1"])
+    assert (match.tokens, match.source) == (22, "disk:u1")
+    assert mx.allclose(run(model, seq, tokens[22:]), reference(model, tokens), atol=1e-4).item()
+    seq.close()
+    m.close()

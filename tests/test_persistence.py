@@ -89,7 +89,8 @@ def corrupt_empty(path: Path, n: int) -> None:
 def test_damaged_files_are_misses_and_answers_stay_exact(tiny_lm, tmp_path, damage):
     with running_server([tiny_lm], config(tmp_path)) as url:
         history = run_turns(url, tiny_lm.name, "d", TURNS[:2])
-    files = page_files(tmp_path) + sorted(tmp_path.rglob("entries/*.safetensors"))
+    files = page_files(tmp_path) + sorted(tmp_path.rglob("tails/*/*.safetensors")) \
+        + sorted(tmp_path.rglob("entries/*.safetensors"))
     assert files
     for i, f in enumerate(files):
         damage(f, 7 + 13 * i)
