@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="finished conversations kept with their working buffers, so that their "
                         "next turn skips gathering pages (0: none)")
     p.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "s3fifo"])
+    p.add_argument("--max-batch", type=int, default=32,
+                   help="answers decoded together in one forward pass, at most (default 32)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens read per step while other answers stream (default 256)")
     p.add_argument("--api-key", default=os.environ.get("MLX_KVSERVER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
@@ -60,12 +64,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-kv-size-gb, --max-kv-ram-gb and --page-size must be positive")
     if args.max_resident_sequences < 0:
         raise SystemExit("--max-resident-sequences must be 0 or more")
+    if args.max_batch < 1 or args.prefill_chunk < 1:
+        raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
     return ServerConfig(
         models=args.models or ["default"], host=args.host, port=args.port,
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
+        max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
         eviction_policy=args.eviction_policy, api_key=args.api_key,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
         dequantize=False if args.keep_quantized else None)
@@ -80,7 +87,8 @@ def make_engine(models: list, config: ServerConfig):
                         max_disk_bytes=int(config.max_kv_size_gb * GB),
                         disk_policy=config.eviction_policy,
                         max_resident=config.max_resident_sequences)
-    return Engine(models, cache, max_queue=config.max_queue)
+    return Engine(models, cache, max_queue=config.max_queue, max_batch=config.max_batch,
+                  prefill_chunk=config.prefill_chunk)
 
 
 def load_engine(config: ServerConfig):

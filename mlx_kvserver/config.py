@@ -36,6 +36,8 @@ class ServerConfig:
     max_kv_ram_gb: float = 2.0
     page_size: int = 32
     max_resident_sequences: int = 4
+    max_batch: int = 32  # answers decoded together
+    prefill_chunk: int = 256  # prompt tokens per step
     eviction_policy: str = "lru"
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)

@@ -58,14 +58,14 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, cache_dir: Path, port: int, extra: list[str]):
+    def __init__(self, cache_dir: Path, port: int, extra: list[str], cwd: Path = ROOT):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.url = f"http://127.0.0.1:{port}/v1"
         self.log = open(cache_dir.parent / f"server-{port}-{time.time_ns()}.log", "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mlx_kvserver", "--port", str(port),
              "--kv-cache-dir", str(cache_dir), *extra],
-            cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+            cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while True:
             try:

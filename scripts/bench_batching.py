@@ -1,0 +1,262 @@
+"""Many clients at once: ours against mlx-lm's server (continuous batching on both).
+
+Each of N clients holds its own conversation on one shared ~2,000-token document. Round 1: all
+N send their first question at the same moment (cold: a fresh server). Round 2: all N send the
+next turn of their conversation at the same moment. 64-token greedy answers, streamed.
+Per server, per N, per round: time to first token (min / median / p95 / max), the round's
+wall time, aggregate completion tokens/s, per-client decode tokens/s.
+
+    python scripts/bench_batching.py                       # N = 1, 4, 8, 16, both servers
+    python scripts/bench_batching.py --clients 1 --ours-root ../old-checkout --skip-mlxlm
+    python scripts/bench_batching.py --kv-only              # KV bytes, in-process
+
+``--kv-only`` measures the KV memory held while 8 conversations sharing the document decode
+together (pages + prefix views + working buffers) against one conversation alone, in-process
+with the scheduler, and what mlx-lm's batch (one contiguous KVCache per sequence) holds.
+Writes ``bench_batching.json`` (and ``bench_batching.png``) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_multiturn import MlxLmServer  # noqa: E402
+from bench_ttft import Server, document, free_port  # noqa: E402
+
+import httpx  # noqa: E402
+
+QUESTIONS = ["When was the old mill rebuilt?", "How far is the harbour from the square?",
+             "Which place records the most visitors?", "What opens earliest on weekdays?",
+             "Name two places founded before 1800.", "What does the library keep?",
+             "Which place has a stone bridge?", "Where can one buy bread?"]
+FOLLOW_UP = "Thanks. Now say it again in other words."
+
+
+def question(i: int) -> str:
+    return f"(Reader {i + 1}) {QUESTIONS[i % len(QUESTIONS)]}"
+
+
+def stream(url: str, messages: list[dict], max_tokens: int, ours: bool) -> dict:
+    body = {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    if ours:
+        body["use_kv_cache"] = True
+    t0 = time.perf_counter()
+    ttft, text, mid, usage = None, [], None, None
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=1800) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            mid = chunk.get("message_id", mid)
+            for c in chunk.get("choices", []):
+                piece = c.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft if ttft is not None else time.perf_counter() - t0
+                    text.append(piece)
+    total = time.perf_counter() - t0
+    tokens = (usage or {}).get("completion_tokens", 0)
+    return {"ttft": ttft or total, "total": total, "tokens": tokens, "text": "".join(text),
+            "message_id": mid,
+            "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
+
+
+def round_(url: str, convs: list[list[dict]], args, ours: bool) -> dict:
+    results: list[dict | None] = [None] * len(convs)
+    barrier = threading.Barrier(len(convs))
+
+    def client(i: int) -> None:
+        barrier.wait()
+        results[i] = stream(url, convs[i], args.tokens, ours)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttfts = sorted(r["ttft"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    decode = [(r["tokens"] - 1) / (r["total"] - r["ttft"]) for r in results
+              if r["tokens"] > 1 and r["total"] > r["ttft"]]
+    return {"ttft_min": ttfts[0], "ttft_median": statistics.median(ttfts),
+            "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
+            "ttft_max": ttfts[-1], "wall": wall, "tokens": tokens,
+            "tokens_per_s": tokens / wall,
+            "decode_tokens_per_s_per_client": statistics.median(decode) if decode else None,
+            "cached": [r["cached"] for r in results], "results": results}
+
+
+def session(url: str, n: int, args, ours: bool, doc: str) -> dict:
+    convs = []
+    for i in range(n):
+        system = {"role": "system", "content": doc}
+        user = {"role": "user", "content": question(i)}
+        if ours:
+            system["message_id"], user["message_id"] = f"doc-{i}", f"c{i}-u0"
+        convs.append([system, user])
+    r1 = round_(url, convs, args, ours)
+    for i, conv in enumerate(convs):
+        answer = {"role": "assistant", "content": r1["results"][i]["text"]}
+        user = {"role": "user", "content": FOLLOW_UP}
+        if ours:
+            answer["message_id"], user["message_id"] = r1["results"][i]["message_id"], f"c{i}-u1"
+        conv += [answer, user]
+    r2 = round_(url, convs, args, ours)
+    return {"round1": r1, "round2": r2}
+
+
+def run_server(kind: str, args, doc: str, work: Path) -> dict:
+    out = {}
+    for n in args.clients:
+        port = free_port()
+        if kind == "ours":
+            server = Server(work / f"kv-{n}-{time.time_ns()}", port,
+                            ["--model", args.model, "--max-tokens", "512"], cwd=args.ours_root)
+        else:
+            server = MlxLmServer(args.mlx_folder, port, work)
+        try:
+            out[str(n)] = session(server.url, n, args, kind == "ours", doc)
+        finally:
+            server.stop()
+        r1, r2 = out[str(n)]["round1"], out[str(n)]["round2"]
+        print(f"{kind} N={n}: round 1 TTFT median {r1['ttft_median']:.2f}s, "
+              f"{r1['tokens_per_s']:.2f} tok/s; round 2 TTFT median {r2['ttft_median']:.2f}s "
+              f"p95 {r2['ttft_p95']:.2f}s, {r2['tokens_per_s']:.2f} tok/s, decode/client "
+              f"{r2['decode_tokens_per_s_per_client']}", flush=True)
+    return out
+
+
+def kv_bytes(args, doc: str) -> dict:
+    """KV bytes held while 8 conversations on the document decode together, against one."""
+    import mlx.core as mx
+
+    from kv_cache.attention import PrefixViews
+    from kv_cache.manager import CacheManager
+    from kv_cache.page_pool import PagePool
+    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.runner import Runner
+
+    lm = resolve_and_load(args.model)
+    tok = lm.tokenizer
+
+    def held(n: int) -> dict:
+        """Prompts prefilled the way the scheduler does (pages committed, the document found
+        in pages), then 50 tokens decoded together (greedy, end tokens ignored)."""
+        pool = PagePool(spec=lm.cache_spec, page_size=32, max_bytes=8 << 30,
+                        fingerprint=lm.fingerprint)
+        manager = CacheManager(pool)
+        runner = Runner(lm.model, manager, lm.name)
+        if runner.batched:
+            manager.views = PrefixViews(pool)
+        seqs, nxt = [], []
+        for i in range(n):
+            prompt = tok.encode(tok.render([{"role": "system", "content": doc},
+                                            {"role": "user", "content": question(i)}],
+                                           add_generation_prompt=True))
+            seq, match = manager.start(prompt, [])
+            for at in range(match.tokens, len(prompt), 256):
+                logits = runner.prefill(seq, prompt[at : at + 256])
+                seq.commit()
+            seqs.append(seq)
+            nxt.append(int(mx.argmax(logits).item()))
+        for _ in range(50):
+            logits = runner.decode(seqs, nxt)
+            nxt = mx.argmax(logits, axis=-1).tolist()
+        mx.eval([layer.keys for q in seqs for layer in q.paged_layers])
+        pages = pool.stats().used_bytes
+        views = manager.views.nbytes if manager.views else 0
+        working = sum(layer.nbytes for q in seqs for layer in q.paged_layers)
+        tokens = [len(q.tokens) for q in seqs]
+        for q in seqs:
+            q.close()
+        return {"sequences": n, "tokens": tokens, "pages_bytes": pages, "view_bytes": views,
+                "working_bytes": working, "total_bytes": pages + views + working}
+
+    one, eight = held(1), held(8)
+    g = lm.cache_spec.groups[0]
+    per_token = sum(gr.page_bytes(1) for gr in lm.cache_spec.groups)
+    # mlx-lm's batch: one contiguous cache per sequence, grown in steps of 256 positions
+    mlxlm = sum(-(-t // 256) * 256 * per_token for t in eight["tokens"])
+    return {"one": one, "eight": eight, "ratio": eight["total_bytes"] / one["total_bytes"],
+            "mlx_lm_batch_bytes": mlxlm, "dtype": g.dtype}
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for kind, runs in report["servers"].items():
+        ns = sorted(int(n) for n in runs)
+        for rnd, style in (("round1", "--"), ("round2", "-")):
+            a.plot(ns, [runs[str(n)][rnd]["ttft_median"] for n in ns], style, marker="o",
+                   label=f"{kind} {rnd}")
+            b.plot(ns, [runs[str(n)][rnd]["tokens_per_s"] for n in ns], style, marker="o",
+                   label=f"{kind} {rnd}")
+    a.set(xlabel="clients", ylabel="median time to first token (s)", yscale="log")
+    b.set(xlabel="clients", ylabel="completion tokens/s, all clients")
+    a.legend(fontsize=7)
+    b.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--clients", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--skip-mlxlm", action="store_true")
+    p.add_argument("--skip-ours", action="store_true")
+    p.add_argument("--ours-root", type=Path, default=ROOT, help="checkout whose server runs")
+    p.add_argument("--kv-only", action="store_true")
+    p.add_argument("--out", type=Path, default=ROOT / "docs")
+    p.add_argument("--name", default="bench_batching")
+    args = p.parse_args()
+    doc = document()
+    report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
+    if args.kv_only:
+        report["kv"] = kv_bytes(args, doc)
+        print(json.dumps(report["kv"], indent=1))
+    else:
+        report["servers"] = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            work = Path(tmp)
+            if not args.skip_ours:
+                report["servers"]["ours"] = run_server("ours", args, doc, work)
+            if not args.skip_mlxlm:
+                from mlx_kvserver.convert import save_mlx_folder
+                from mlx_kvserver.models import resolve_and_load
+
+                args.mlx_folder = save_mlx_folder(resolve_and_load(args.model), work / "mlx")
+                report["servers"]["mlx-lm"] = run_server("mlx-lm", args, doc, work)
+        for runs in report["servers"].values():
+            for r in runs.values():
+                for rnd in r.values():
+                    for res in rnd["results"]:
+                        res.pop("text")
+        if len(report["servers"]) and len(args.clients) > 1:
+            plot(report, args.out / f"{args.name}.png")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
