@@ -23,8 +23,11 @@ from .sequence import PagedSequence
 class BatchLayer:
     """One paged layer of every sequence in the batch (one new position each per step)."""
 
-    def __init__(self, members: Sequence[PagedLayerCache]):
+    def __init__(self, members: Sequence[PagedLayerCache], lengths: Sequence[int] | None = None):
+        """``lengths``: new positions per member this step (default one each; a prompt batch
+        pads shorter members on the right, and their padding is not stored)."""
         self.members = list(members)
+        self.lengths = list(lengths) if lengths is not None else None
         self.window = self.members[0].window
 
     @property
@@ -33,7 +36,11 @@ class BatchLayer:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         for i, m in enumerate(self.members):
-            m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            if self.lengths is None or self.lengths[i] == keys.shape[2]:
+                m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            else:
+                n = self.lengths[i]
+                m.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
         fetched(keys, self)
         return keys, values
 
@@ -41,7 +48,6 @@ class BatchLayer:
         return [m.read() for m in self.members]
 
     def make_mask(self, N: int, return_array: bool = False, window_size=None):
-        assert N == 1, "a batch steps one position per sequence"
         return None  # attention() masks each sequence's own positions itself
 
     def is_trimmable(self) -> bool:
@@ -59,13 +65,16 @@ class BatchLayer:
         return 0
 
 
-def batch_caches(seqs: Sequence[PagedSequence]) -> list:
-    """The model's cache list for one decode step of ``seqs`` together."""
+def batch_caches(seqs: Sequence[PagedSequence], lengths: Sequence[int] | None = None) -> list:
+    """The model's cache list for one step of ``seqs`` together: one new position each, or
+    ``lengths[i]`` prompt positions each (right-padded; no recurrent state then)."""
     first = seqs[0]
     out: list = []
     for slot, layer in enumerate(first.layers):
         if isinstance(layer, PagedLayerCache):
-            out.append(BatchLayer([s.layers[slot] for s in seqs]))
+            out.append(BatchLayer([s.layers[slot] for s in seqs], lengths))
+        elif lengths is not None:
+            raise ValueError("padded prompt batches would corrupt a recurrent state")
         else:  # recurrent state: stacked along the batch axis
             stacked = ArraysCache(len(layer.cache))
             stacked.cache = [mx.concatenate([s.layers[slot].cache[j] for s in seqs], axis=0)

@@ -176,7 +176,12 @@ class Engine:
                     self._admit(item)
             for scheduler in self.schedulers.values():
                 if scheduler.busy:
-                    scheduler.step()
+                    try:
+                        scheduler.step()
+                    except Exception as e:  # the engine never dies with a request
+                        log.exception("step failed")
+                        scheduler.fail_all(APIError(500, f"generation failed: {e}",
+                                                    type="server_error"))
             for manager in self.managers.values():
                 manager.flush()  # disk writes, after the step's answers are out
 

@@ -25,6 +25,8 @@ class Runner:
     def __init__(self, model, manager: CacheManager, name: str = "model"):
         self.model = model
         self.batched = install(model) and self._probe(manager)
+        # several short prompts in one forward pass (right-padded): attention layers only
+        self.batched_prompts = self.batched and not manager.pool.spec.has_state
         if not self.batched:
             log.info("%s decodes one sequence per forward pass (its attention is not routed)",
                      name)
@@ -36,6 +38,22 @@ class Runner:
         mx.eval(logits)
         seq.append_tokens(tokens)
         return logits
+
+    def prefill_many(self, seqs: Sequence[PagedSequence],
+                     pieces: Sequence[Sequence[int]]) -> list[mx.array]:
+        """Prompt pieces of several sequences in one forward pass; each one's last logits."""
+        if len(seqs) == 1:
+            return [self.prefill(seqs[0], pieces[0])]
+        begin_forward()
+        T = max(len(p) for p in pieces)
+        padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
+        lengths = [len(p) for p in pieces]
+        logits = self.model(padded, cache=batch_caches(seqs, lengths))
+        rows = logits[mx.arange(len(seqs)), mx.array(lengths) - 1]
+        mx.eval(rows)
+        for seq, p in zip(seqs, pieces):
+            seq.append_tokens(p)
+        return [rows[i] for i in range(len(seqs))]
 
     def decode(self, seqs: Sequence[PagedSequence], tokens: Sequence[int]) -> mx.array:
         """One new token per sequence; logits ``[len(seqs), vocab]`` (lazy)."""

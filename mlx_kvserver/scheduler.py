@@ -5,13 +5,16 @@ Each ``step()``:
 1. drops what cancelled requests held (a client that went away frees its sequences here);
 2. runs one prompt chunk (``prefill_chunk`` tokens) of the oldest request whose prompt is not
    done, or of a preempted choice being recomputed: prompts run one chunk per step, so a long
-   prompt delays everyone else's next token by one chunk, not by the whole prompt;
+   prompt delays everyone else's next token by one chunk, not by the whole prompt. When the
+   oldest prompt ends within the chunk, the next prompts that fit in whole join it in the same
+   forward pass (right-padded; models without recurrent state), so the next turns of many
+   cached conversations arriving together get their first tokens together;
 3. decodes one token for every running choice in one forward pass (``Runner.decode``), samples
    each with its own sampler, streams text and finishes choices.
 
 A prompt's pages are committed after each chunk, so a request that arrives while another with the
-same document is still reading it starts from those pages (its prompt starts only when the one
-before it finished its own: one prompt at a time, oldest first). ``n > 1`` choices fork the
+same document is still reading it starts from those pages (a prompt starts only when its first
+piece runs, oldest first). ``n > 1`` choices fork the
 prompt's sequence: siblings share its pages and one prefix view, and decode in the same batch.
 
 Memory: when pages run out (``OutOfBlocksError``), the youngest other running choice is preempted:
@@ -74,25 +77,58 @@ class Scheduler:
         for r in [r for r in self.requests if r.cancelled]:
             log.info("%s cancelled by the client", r.id)
             self._end(r)
-        task = self._next_prompt()
-        if task is not None:
-            self._guard(task[0], lambda: self._prefill(*task))
+        if len(self.decoding) < self.max_batch:
+            self._prefill(self._prompt_tasks())
         if self.decoding:
             self._decode()
 
-    def _next_prompt(self):
-        """(request, choice or None) whose prompt runs next: the oldest."""
-        if len(self.decoding) >= self.max_batch:
-            return None
+    def _prompt_tasks(self) -> list[tuple[Request, Choice | None]]:
+        """Prompts not done yet, oldest first: (request, None) for a request's prompt, or
+        (request, choice) for a choice recomputing its tokens."""
+        tasks: list[tuple[Request, Choice | None]] = []
         for r in self.requests:
             if r.seq is not None or not r.choices:
-                return r, None
-            for c in r.choices:
-                if c.resume is not None and not c.done:
-                    return r, c
-        return None
+                tasks.append((r, None))
+            tasks += [(r, c) for c in r.choices if c.resume is not None and not c.done]
+        return tasks
 
-    def _prefill(self, r: Request, choice: Choice | None) -> None:
+    def _prefill(self, tasks: list[tuple[Request, Choice | None]]) -> None:
+        """One chunk of ``prefill_chunk`` prompt tokens: the oldest prompt's next piece and,
+        when that finishes it with room to spare, the next prompts that fit in whole (several
+        short prompts, e.g. the next turns of cached conversations, in one forward pass).
+
+        NOTE: a prompt starts (looks up its cache) only when its first piece runs, so one that
+        arrives while another with the same document is still being read finds its pages."""
+        batch: list[tuple] = []
+        budget = self.prefill_chunk
+        for r, choice in tasks:
+            opened: list = []
+            self._guard(r, lambda: opened.append(self._open(r, choice)))
+            if not opened:
+                continue  # failed (its client has its error)
+            seq, tokens, done = opened[0]
+            if batch and len(tokens) - done > budget:
+                break  # started; its prompt runs first next step
+            piece = tokens[done : done + budget]
+            batch.append((r, choice, seq, tokens, done + len(piece), piece))
+            budget -= len(piece)
+            if budget <= 0 or not self.runner.batched_prompts:
+                break
+        if not batch:
+            return
+        try:
+            logits = self.runner.prefill_many([b[2] for b in batch], [b[5] for b in batch])
+        except Exception as e:  # the engine never dies with a request
+            log.exception("prompt step failed")
+            for r in {id(b[0]): b[0] for b in batch}.values():
+                self._fail(r, APIError(500, f"generation failed: {e}", type="server_error"))
+            return
+        for (r, choice, seq, tokens, done, _), row in zip(batch, logits):
+            if r in self.requests:
+                self._guard(r, lambda: self._after_piece(r, choice, seq, tokens, done, row))
+
+    def _open(self, r: Request, choice: Choice | None):
+        """(sequence, prompt tokens, tokens done) of a task, starting it when it has not."""
         if choice is None:
             if r.seq is None:
                 r.seq, r.match = self._start(r, r.prompt, r.keys)
@@ -100,16 +136,14 @@ class Scheduler:
                 r.job.emit("accepted", {"prompt_tokens": len(r.prompt),
                                         "cached_tokens": r.match.tokens,
                                         "source": r.match.source})
-            seq, tokens, done = r.seq, r.prompt, r.done_tokens
-        else:
-            if choice.seq is None:
-                choice.seq, m = self._start(r, choice.resume, [])
-                choice.resume_done = m.tokens
-            seq, tokens, done = choice.seq, choice.resume, choice.resume_done
-        piece = tokens[done : done + self.prefill_chunk]
-        t0 = time.perf_counter()
-        logits = self.runner.prefill(seq, piece)
-        done += len(piece)
+            return r.seq, r.prompt, r.done_tokens
+        if choice.seq is None:
+            choice.seq, m = self._start(r, choice.resume, [])
+            choice.resume_done = m.tokens
+        return choice.seq, choice.resume, choice.resume_done
+
+    def _after_piece(self, r: Request, choice: Choice | None, seq, tokens: list[int],
+                     done: int, logits: mx.array) -> None:
         if r.use_cache:  # its pages are there for whoever shares the prefix
             if not self._with_room(r, seq.commit):
                 log.warning("%s: out of KV cache pages; this answer is not cached", r.id)
@@ -125,8 +159,8 @@ class Scheduler:
         r.done_tokens = done
         if done < len(tokens):
             return
-        log.info("%s: %d prompt tokens, %d from cache (%s), last chunk %.2fs", r.id,
-                 len(tokens), r.match.tokens, r.match.source, time.perf_counter() - t0)
+        log.info("%s: %d prompt tokens, %d from cache (%s), %.2fs since it arrived", r.id,
+                 len(tokens), r.match.tokens, r.match.source, time.perf_counter() - r.started)
         self._start_choices(r, logits)
 
     def _start_choices(self, r: Request, logits: mx.array) -> None:
@@ -278,6 +312,9 @@ class Scheduler:
             self.requests.remove(r)
         r.job.emit("done")
 
-    def close(self) -> None:
+    def fail_all(self, error: APIError) -> None:
         for r in list(self.requests):
-            self._fail(r, APIError(503, "the server is shutting down", type="server_error"))
+            self._fail(r, error)
+
+    def close(self) -> None:
+        self.fail_all(APIError(503, "the server is shutting down", type="server_error"))

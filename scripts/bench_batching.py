@@ -117,11 +117,14 @@ def session(url: str, n: int, args, ours: bool, doc: str) -> dict:
             answer["message_id"], user["message_id"] = r1["results"][i]["message_id"], f"c{i}-u1"
         conv += [answer, user]
     r2 = round_(url, convs, args, ours)
+    for res in r1["results"] + r2["results"]:
+        res.pop("text")
     return {"round1": r1, "round2": r2}
 
 
-def run_server(kind: str, args, doc: str, work: Path) -> dict:
-    out = {}
+def run_server(kind: str, args, doc: str, work: Path, out: dict | None = None,
+               save=lambda: None) -> dict:
+    out = {} if out is None else out
     for n in args.clients:
         port = free_port()
         if kind == "ours":
@@ -133,6 +136,7 @@ def run_server(kind: str, args, doc: str, work: Path) -> dict:
             out[str(n)] = session(server.url, n, args, kind == "ours", doc)
         finally:
             server.stop()
+        save()
         r1, r2 = out[str(n)]["round1"], out[str(n)]["round2"]
         print(f"{kind} N={n}: round 1 TTFT median {r1['ttft_median']:.2f}s, "
               f"{r1['tokens_per_s']:.2f} tok/s; round 2 TTFT median {r2['ttft_median']:.2f}s "
@@ -237,25 +241,28 @@ def main() -> None:
         print(json.dumps(report["kv"], indent=1))
     else:
         report["servers"] = {}
+        save = lambda: write(report, args)  # noqa: E731  (after every N: a long run keeps what it has)
         with tempfile.TemporaryDirectory() as tmp:
             work = Path(tmp)
             if not args.skip_ours:
-                report["servers"]["ours"] = run_server("ours", args, doc, work)
+                report["servers"]["ours"] = {}
+                run_server("ours", args, doc, work, report["servers"]["ours"], save)
             if not args.skip_mlxlm:
                 from mlx_kvserver.convert import save_mlx_folder
                 from mlx_kvserver.models import resolve_and_load
 
                 args.mlx_folder = save_mlx_folder(resolve_and_load(args.model), work / "mlx")
-                report["servers"]["mlx-lm"] = run_server("mlx-lm", args, doc, work)
-        for runs in report["servers"].values():
-            for r in runs.values():
-                for rnd in r.values():
-                    for res in rnd["results"]:
-                        res.pop("text")
+                report["servers"]["mlx-lm"] = {}
+                run_server("mlx-lm", args, doc, work, report["servers"]["mlx-lm"], save)
         if len(report["servers"]) and len(args.clients) > 1:
             plot(report, args.out / f"{args.name}.png")
+    write(report, args)
+
+
+def write(report: dict, args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.name}.json").write_text(json.dumps(report, indent=1))
+    text = json.dumps(report, indent=1, default=str)
+    (args.out / f"{args.name}.json").write_text(text)
 
 
 if __name__ == "__main__":

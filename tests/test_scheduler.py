@@ -221,3 +221,21 @@ def test_out_of_pages_preempts_the_youngest_and_every_answer_stays_exact(lm, cap
     assert [j.answers() for j in jobs] == want
     assert all(not j.errors() for j in jobs)
     assert "preempted" in caplog.text
+
+
+def test_short_prompts_are_read_together_and_answer_as_alone(lm):
+    """Four short prompts arriving at once (a chunk holds them all) are read in one forward
+    pass, right-padded, when the model has no recurrent state (its state would take in the
+    padding); every answer is still its answer alone."""
+    bodies = [{"messages": [{"role": "user", "content": text(300 + i, 2 + 3 * i)}],
+               "max_tokens": 8, "temperature": 0} for i in range(4)]
+    want = [alone(lm, b) for b in bodies]
+    s = scheduler(lm, prefill_chunk=512)
+    jobs = [Collect(b, lm) for b in bodies]
+    for j in jobs:
+        s.add(j)
+    s.step()
+    started = sum(1 for j in jobs if any(k == "start" for k, _ in j.log))
+    assert started == (1 if lm.cache_spec.has_state else 4)
+    run(s, {0: []})
+    assert [j.answers() for j in jobs] == want
