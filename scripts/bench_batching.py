@@ -9,6 +9,8 @@ wall time, aggregate completion tokens/s, per-client decode tokens/s.
     python scripts/bench_batching.py                       # N = 1, 4, 8, 16, both servers
     python scripts/bench_batching.py --clients 1 --ours-root ../old-checkout --skip-mlxlm
     python scripts/bench_batching.py --kv-only              # KV bytes, in-process
+    python scripts/bench_batching.py --plot docs/bench_batching_run1.log \
+        docs/bench_batching_ours.json                       # the plot of both
 
 ``--kv-only`` measures the KV memory held while 8 conversations sharing the document decode
 together (pages + prefix views + working buffers) against one conversation alone, in-process
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -222,6 +225,28 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+LINE = re.compile(r"(\S+) N=(\d+): round 1 TTFT median ([\d.]+)s, ([\d.]+) tok/s; round 2 TTFT "
+                  r"median ([\d.]+)s p95 ([\d.]+)s, ([\d.]+) tok/s")
+
+
+def from_sources(paths: list[Path]) -> dict:
+    """Runs gathered from reports (json) and from this script's printed lines (a log), for a
+    plot of several runs: the later source wins for a server and N."""
+    servers: dict = {}
+    for path in paths:
+        if path.suffix == ".json":
+            for kind, runs in json.loads(path.read_text()).get("servers", {}).items():
+                servers.setdefault(kind, {}).update(runs)
+            continue
+        for m in LINE.finditer(path.read_text()):
+            kind, n = m[1], m[2]
+            servers.setdefault(kind, {})[n] = {
+                "round1": {"ttft_median": float(m[3]), "tokens_per_s": float(m[4])},
+                "round2": {"ttft_median": float(m[5]), "ttft_p95": float(m[6]),
+                           "tokens_per_s": float(m[7])}}
+    return {"servers": servers}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
@@ -233,7 +258,12 @@ def main() -> None:
     p.add_argument("--kv-only", action="store_true")
     p.add_argument("--out", type=Path, default=ROOT / "docs")
     p.add_argument("--name", default="bench_batching")
+    p.add_argument("--plot", type=Path, nargs="+",
+                   help="only plot: reports (.json) and logs of this script, later ones win")
     args = p.parse_args()
+    if args.plot:
+        plot(from_sources(args.plot), args.out / f"{args.name}.png")
+        return
     doc = document()
     report: dict = {"args": {k: str(v) for k, v in vars(args).items()}}
     if args.kv_only:
