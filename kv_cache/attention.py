@@ -175,6 +175,18 @@ class Reads:
     own_start: int
     q_start: int
     window: int
+    buffer: tuple[mx.array, mx.array] | None = None  # the buffers ``keys`` is a slice of,
+    at: int = 0  # from this index (padding can then be a longer slice, not a copy)
+
+    def padded(self, n: int) -> tuple[mx.array, mx.array]:
+        """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""
+        k, v = self.keys, self.values
+        if k.shape[2] == n:
+            return k, v
+        if self.buffer is not None and self.buffer[0].shape[2] >= self.at + n:
+            bk, bv = self.buffer
+            return bk[..., self.at : self.at + n, :], bv[..., self.at : self.at + n, :]
+        return _pad(k, n), _pad(v, n)
 
 
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -202,6 +214,11 @@ def fetched(keys: mx.array, owner: Any) -> None:
 
 def begin_forward() -> None:
     _FETCHED.clear()
+    _MASKS.clear()
+
+
+# own-position masks of this forward pass, shared by its layers
+_MASKS: dict[tuple, mx.array | None] = {}
 
 
 def split_attention(queries: mx.array, reads: list[Reads], scale: float,
@@ -228,6 +245,13 @@ def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
     """Additive mask ``[B, 1, 1, T, N]`` over the padded own keys, or None when every key is
     visible to every query."""
     lens = [r.keys.shape[2] for r in reads]
+    key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window) for r in reads))
+    if key not in _MASKS:
+        _MASKS[key] = _build_mask(reads, lens, T, N)
+    return _MASKS[key]
+
+
+def _build_mask(reads: list[Reads], lens: list[int], T: int, N: int) -> mx.array | None:
     if T == 1 and all(n == N for n in lens) and all(
             not r.window or r.q_start - r.own_start < r.window for r in reads):
         return None
@@ -251,8 +275,9 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     if B == 1:
         ko, vo = reads[0].keys, reads[0].values
     else:
-        ko = mx.concatenate([_pad(r.keys, N) for r in reads], axis=0)
-        vo = mx.concatenate([_pad(r.values, N) for r in reads], axis=0)
+        kv = [r.padded(N) for r in reads]
+        ko = mx.concatenate([k for k, _ in kv], axis=0)
+        vo = mx.concatenate([v for _, v in kv], axis=0)
     s_own = (q @ ko.swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, rep*T, N]
     mask = _own_mask(reads, T, N)
     if mask is not None:

@@ -55,16 +55,17 @@ class PagedLayerCache:
 
     def _fetched(self, keys: mx.array, values: mx.array, own_start: int,
                  q_start: int) -> tuple[mx.array, mx.array]:
-        self._read = (keys, values, own_start, q_start)
+        self._read = (keys, values, own_start, q_start, own_start - self.base)
         fetched(keys, self)
         return keys, values
 
     def read(self) -> Reads:
         """What the last ``update_and_fetch``'s queries read (for ``attention``)."""
-        keys, values, own_start, q_start = self._read
+        keys, values, own_start, q_start, at = self._read
         view = self.sequence.view if not self.window else None
         prefix = view.prefix(self.layer, self.base) if view is not None else None
-        return Reads(prefix, view, keys, values, own_start, q_start, self.window)
+        return Reads(prefix, view, keys, values, own_start, q_start, self.window,
+                     (self.keys, self.values), at)
 
     def reads(self) -> list[Reads] | None:
         """None when the model's own attention over the returned keys is right (no shared
