@@ -1,0 +1,84 @@
+"""Where a batched decode step's time goes: 8 sequences on one shared document (default model).
+
+    python scripts/bench_batch_step.py
+
+Prints the step time for 1 and 8 sequences, the same step with attention skipped, and 30
+layers of attention for 8 rows through the split path against the fused kernel on 8 contiguous
+caches (mlx-lm's batch layout). Figures: docs/BENCHMARKS.md, section 10.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import mlx.core as mx  # noqa: E402
+
+import kv_cache.attention as attention  # noqa: E402
+from bench_ttft import document  # noqa: E402
+from kv_cache.manager import CacheManager  # noqa: E402
+from kv_cache.page_pool import PagePool  # noqa: E402
+from mlx_kvserver.models import resolve_and_load  # noqa: E402
+from mlx_kvserver.runner import Runner  # noqa: E402
+
+
+def step_time(runner, seqs, tokens, reps: int = 8) -> float:
+    for _ in range(2):
+        tokens = mx.argmax(runner.decode(seqs, tokens), axis=-1).tolist()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        tokens = mx.argmax(runner.decode(seqs, tokens), axis=-1).tolist()
+    return (time.perf_counter() - t0) / reps
+
+
+def main() -> None:
+    lm = resolve_and_load("default")
+    tok = lm.tokenizer
+    pool = PagePool(spec=lm.cache_spec, page_size=32, max_bytes=8 << 30,
+                    fingerprint=lm.fingerprint)
+    manager = CacheManager(pool)
+    runner = Runner(lm.model, manager)
+    manager.views = attention.PrefixViews(pool)
+    doc, seqs, nxt = document(), [], []
+    for i in range(8):
+        prompt = tok.encode(tok.render([{"role": "system", "content": doc},
+                                        {"role": "user", "content": f"Question {i}?"}],
+                                       add_generation_prompt=True))
+        seq, match = manager.start(prompt, [])
+        for at in range(match.tokens, len(prompt), 512):
+            logits = runner.prefill(seq, prompt[at : at + 512])
+            seq.commit()
+        seqs.append(seq)
+        nxt.append(int(mx.argmax(logits).item()))
+    print("prefix view lengths", [s.view_len for s in seqs])
+    for b in (1, 8):
+        print(f"step, {b} sequence(s): {step_time(runner, seqs[:b], nxt[:b]) * 1000:.0f} ms")
+    split = attention.split_attention
+    attention.split_attention = lambda q, reads, scale, sinks=None: q
+    print(f"step, 8 sequences, attention skipped: {step_time(runner, seqs, nxt) * 1000:.0f} ms")
+    attention.split_attention = split
+
+    reads = [layer.read() for layer in (s.layers[0] for s in seqs)]
+    g = lm.cache_spec.groups[0]
+    q = mx.random.normal((8, lm.model.args.num_attention_heads, 1, g.head_dim))
+    n = reads[0].prefix[0].shape[1] + max(r.keys.shape[2] for r in reads)
+    k = mx.random.normal((8, g.num_kv_heads, n, g.head_dim))
+    mx.eval(q, k)
+    for label, f in (("split path", lambda: split(q, reads, 0.125)),
+                     ("fused, 8 contiguous caches",
+                      lambda: mx.fast.scaled_dot_product_attention(q, k, k, scale=0.125))):
+        mx.eval([f() for _ in range(30)])
+        t0 = time.perf_counter()
+        mx.eval([f() for _ in range(30)])
+        print(f"attention, 30 layers, 8 rows, {label}: {(time.perf_counter() - t0) * 1000:.0f} ms")
+    for s in seqs:
+        s.close()
+
+
+if __name__ == "__main__":
+    main()
