@@ -101,7 +101,10 @@ class Scheduler:
         arrives while another with the same document is still being read finds its pages."""
         batch: list[tuple] = []
         budget = self.prefill_chunk
+        room = self.max_batch - len(self.decoding)  # answers that may still start decoding
         for r, choice in tasks:
+            if len(batch) >= room:
+                break
             opened: list = []
             self._guard(r, lambda: opened.append(self._open(r, choice)))
             if not opened:

@@ -239,3 +239,13 @@ def test_short_prompts_are_read_together_and_answer_as_alone(lm):
     assert started == (1 if lm.cache_spec.has_state else 4)
     run(s, {0: []})
     assert [j.answers() for j in jobs] == want
+
+
+def test_max_batch_caps_the_running_answers_and_the_rest_wait(lm):
+    bodies = [body(i, shared=True, max_tokens=10) for i in range(4)]
+    want = [alone(lm, b) for b in bodies]
+    s = scheduler(lm, max_batch=2)
+    jobs = [Collect(b, lm) for b in bodies]
+    seen = run(s, {0: jobs})
+    assert seen["batch"] == 2
+    assert [j.answers() for j in jobs] == want
