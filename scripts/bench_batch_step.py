@@ -20,11 +20,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx.core as mx  # noqa: E402
 
 import kv_cache.attention as attention  # noqa: E402
+from bench_batching import on_document  # noqa: E402
 from bench_ttft import document  # noqa: E402
-from kv_cache.manager import CacheManager  # noqa: E402
-from kv_cache.page_pool import PagePool  # noqa: E402
 from mlx_kvserver.models import resolve_and_load  # noqa: E402
-from mlx_kvserver.runner import Runner  # noqa: E402
 
 
 def step_time(runner, seqs, tokens, reps: int = 8) -> float:
@@ -38,23 +36,7 @@ def step_time(runner, seqs, tokens, reps: int = 8) -> float:
 
 def main() -> None:
     lm = resolve_and_load("default")
-    tok = lm.tokenizer
-    pool = PagePool(spec=lm.cache_spec, page_size=32, max_bytes=8 << 30,
-                    fingerprint=lm.fingerprint)
-    manager = CacheManager(pool)
-    runner = Runner(lm.model, manager)
-    manager.views = attention.PrefixViews(pool)
-    doc, seqs, nxt = document(), [], []
-    for i in range(8):
-        prompt = tok.encode(tok.render([{"role": "system", "content": doc},
-                                        {"role": "user", "content": f"Question {i}?"}],
-                                       add_generation_prompt=True))
-        seq, match = manager.start(prompt, [])
-        for at in range(match.tokens, len(prompt), 512):
-            logits = runner.prefill(seq, prompt[at : at + 512])
-            seq.commit()
-        seqs.append(seq)
-        nxt.append(int(mx.argmax(logits).item()))
+    _, _, runner, seqs, nxt = on_document(lm, document(), 8, chunk=512)
     print("prefix view lengths", [s.view_len for s in seqs])
     for b in (1, 8):
         print(f"step, {b} sequence(s): {step_time(runner, seqs[:b], nxt[:b]) * 1000:.0f} ms")

@@ -35,9 +35,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_multiturn import MlxLmServer  # noqa: E402
-from bench_ttft import Server, document, free_port  # noqa: E402
+from bench_ttft import Server, ask, document, free_port  # noqa: E402
 
-import httpx  # noqa: E402
 
 QUESTIONS = ["When was the old mill rebuilt?", "How far is the harbour from the square?",
              "Which place records the most visitors?", "What opens earliest on weekdays?",
@@ -50,40 +49,13 @@ def question(i: int) -> str:
     return f"(Reader {i + 1}) {QUESTIONS[i % len(QUESTIONS)]}"
 
 
-def stream(url: str, messages: list[dict], max_tokens: int, ours: bool) -> dict:
-    body = {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "stream_options": {"include_usage": True}}
-    if ours:
-        body["use_kv_cache"] = True
-    t0 = time.perf_counter()
-    ttft, text, mid, usage = None, [], None, None
-    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=1800) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            usage = chunk.get("usage") or usage
-            mid = chunk.get("message_id", mid)
-            for c in chunk.get("choices", []):
-                piece = c.get("delta", {}).get("content")
-                if piece:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    text.append(piece)
-    total = time.perf_counter() - t0
-    tokens = (usage or {}).get("completion_tokens", 0)
-    return {"ttft": ttft or total, "total": total, "tokens": tokens, "text": "".join(text),
-            "message_id": mid,
-            "cached": ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens")}
-
-
 def round_(url: str, convs: list[list[dict]], args, ours: bool) -> dict:
     results: list[dict | None] = [None] * len(convs)
     barrier = threading.Barrier(len(convs))
 
     def client(i: int) -> None:
         barrier.wait()
-        results[i] = stream(url, convs[i], args.tokens, ours)
+        results[i] = ask(url, convs[i], True if ours else None, args.tokens, timeout=3600)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(len(convs))]
@@ -93,15 +65,15 @@ def round_(url: str, convs: list[list[dict]], args, ours: bool) -> dict:
         t.join()
     wall = time.perf_counter() - t0
     ttfts = sorted(r["ttft"] for r in results)
-    tokens = sum(r["tokens"] for r in results)
-    decode = [(r["tokens"] - 1) / (r["total"] - r["ttft"]) for r in results
-              if r["tokens"] > 1 and r["total"] > r["ttft"]]
+    tokens = sum(r["completion_tokens"] for r in results)
+    decode = [(r["completion_tokens"] - 1) / (r["total"] - r["ttft"]) for r in results
+              if r["completion_tokens"] > 1 and r["total"] > r["ttft"]]
     return {"ttft_min": ttfts[0], "ttft_median": statistics.median(ttfts),
             "ttft_p95": ttfts[min(len(ttfts) - 1, round(0.95 * (len(ttfts) - 1)))],
             "ttft_max": ttfts[-1], "wall": wall, "tokens": tokens,
             "tokens_per_s": tokens / wall,
             "decode_tokens_per_s_per_client": statistics.median(decode) if decode else None,
-            "cached": [r["cached"] for r in results], "results": results}
+            "cached": [r["cached_tokens"] for r in results], "results": results}
 
 
 def session(url: str, n: int, args, ours: bool, doc: str) -> dict:
@@ -148,39 +120,49 @@ def run_server(kind: str, args, doc: str, work: Path, out: dict | None = None,
     return out
 
 
-def kv_bytes(args, doc: str) -> dict:
-    """KV bytes held while 8 conversations on the document decode together, against one."""
+def on_document(lm, doc: str, n: int, chunk: int = 256):
+    """``n`` conversations on ``doc`` prompted the way the scheduler does (pages committed per
+    chunk, so each later one finds the document in pages and reads it through a view): the
+    pool, its manager, the runner, the sequences and each one's next (greedy) token."""
     import mlx.core as mx
 
     from kv_cache.attention import PrefixViews
     from kv_cache.manager import CacheManager
     from kv_cache.page_pool import PagePool
-    from mlx_kvserver.models import resolve_and_load
     from mlx_kvserver.runner import Runner
 
-    lm = resolve_and_load(args.model)
     tok = lm.tokenizer
+    pool = PagePool(spec=lm.cache_spec, page_size=32, max_bytes=8 << 30,
+                    fingerprint=lm.fingerprint)
+    manager = CacheManager(pool)
+    runner = Runner(lm.model, manager, lm.name)
+    if runner.batched:
+        manager.views = PrefixViews(pool)
+    seqs, nxt = [], []
+    for i in range(n):
+        prompt = tok.encode(tok.render([{"role": "system", "content": doc},
+                                        {"role": "user", "content": question(i)}],
+                                       add_generation_prompt=True))
+        seq, match = manager.start(prompt, [])
+        for at in range(match.tokens, len(prompt), chunk):
+            logits = runner.prefill(seq, prompt[at : at + chunk])
+            seq.commit()
+        seqs.append(seq)
+        nxt.append(int(mx.argmax(logits).item()))
+    return pool, manager, runner, seqs, nxt
+
+
+def kv_bytes(args, doc: str) -> dict:
+    """KV bytes held while 8 conversations on the document decode together, against one."""
+    import mlx.core as mx
+
+    from mlx_kvserver.models import resolve_and_load
+
+    lm = resolve_and_load(args.model)
 
     def held(n: int) -> dict:
-        """Prompts prefilled the way the scheduler does (pages committed, the document found
-        in pages), then 50 tokens decoded together (greedy, end tokens ignored)."""
-        pool = PagePool(spec=lm.cache_spec, page_size=32, max_bytes=8 << 30,
-                        fingerprint=lm.fingerprint)
-        manager = CacheManager(pool)
-        runner = Runner(lm.model, manager, lm.name)
-        if runner.batched:
-            manager.views = PrefixViews(pool)
-        seqs, nxt = [], []
-        for i in range(n):
-            prompt = tok.encode(tok.render([{"role": "system", "content": doc},
-                                            {"role": "user", "content": question(i)}],
-                                           add_generation_prompt=True))
-            seq, match = manager.start(prompt, [])
-            for at in range(match.tokens, len(prompt), 256):
-                logits = runner.prefill(seq, prompt[at : at + 256])
-                seq.commit()
-            seqs.append(seq)
-            nxt.append(int(mx.argmax(logits).item()))
+        """After the prompts, 50 tokens decoded together (greedy, end tokens ignored)."""
+        pool, manager, runner, seqs, nxt = on_document(lm, doc, n)
         for _ in range(50):
             logits = runner.decode(seqs, nxt)
             nxt = mx.argmax(logits, axis=-1).tolist()

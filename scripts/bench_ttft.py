@@ -86,12 +86,17 @@ class Server:
         self.log.close()
 
 
-def ask(url: str, messages: list[dict], use_cache: bool, max_tokens: int) -> dict:
+def ask(url: str, messages: list[dict], use_cache: bool | None, max_tokens: int,
+        timeout: float = 600) -> dict:
+    """One streamed greedy request; ``use_cache`` None leaves ``use_kv_cache`` out (a peer
+    server)."""
     body = {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
-            "use_kv_cache": use_cache, "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}}
+    if use_cache is not None:
+        body["use_kv_cache"] = use_cache
     t0 = time.perf_counter()
     ttft, text, mid, usage = None, [], None, None
-    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=600) as r:
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=timeout) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -109,6 +114,7 @@ def ask(url: str, messages: list[dict], use_cache: bool, max_tokens: int) -> dic
     return {"ttft": ttft if ttft is not None else time.perf_counter() - t0,
             "total": time.perf_counter() - t0, "text": "".join(text), "message_id": mid,
             "prompt_tokens": usage["prompt_tokens"],
+            "completion_tokens": usage["completion_tokens"],
             "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]}
 
 
