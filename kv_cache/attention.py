@@ -26,6 +26,7 @@ go to mlx-lm's function untouched.
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -194,8 +195,9 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
     sequence with a shared prefix, takes the split path; everything else is mlx-lm's."""
     reads = getattr(cache, "reads", None)
     if reads is None:
-        owner = _FETCHED.get(id(keys))  # a layer that reuses another layer's keys (KV sharing)
-        reads = owner.reads if owner is not None else None
+        # a layer that reuses another layer's keys (KV sharing): found by the keys themselves
+        entry = _FETCHED.get(id(keys))
+        reads = entry[1].reads if entry is not None and entry[0] is keys else None
     if reads is None:
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     rs = reads()
@@ -204,17 +206,30 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
     return split_attention(queries, rs, scale, sinks)
 
 
-# update_and_fetch results -> the cache that returned them (cleared before every forward pass)
-_FETCHED: dict[int, Any] = {}
+# Inside ``forward()``: id of what update_and_fetch returned -> (that array, the cache). The array
+# is held, so its id cannot be taken by another one while the entry lives.
+_FETCHED: dict[int, tuple[mx.array, Any]] = {}
+_OPEN = [False]
 
 
 def fetched(keys: mx.array, owner: Any) -> None:
-    _FETCHED[id(keys)] = owner
+    if _OPEN[0]:
+        _FETCHED[id(keys)] = (keys, owner)
 
 
-def begin_forward() -> None:
+@contextmanager
+def forward():
+    """One forward pass over our caches: layers that reuse another layer's keys (KV sharing)
+    find that layer's reads, and masks are built once for all layers; nothing is kept after."""
     _FETCHED.clear()
     _MASKS.clear()
+    _OPEN[0] = True
+    try:
+        yield
+    finally:
+        _OPEN[0] = False
+        _FETCHED.clear()
+        _MASKS.clear()
 
 
 # own-position masks of this forward pass, shared by its layers
@@ -245,6 +260,8 @@ def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
     """Additive mask ``[B, 1, 1, T, N]`` over the padded own keys, or None when every key is
     visible to every query."""
     lens = [r.keys.shape[2] for r in reads]
+    if not _OPEN[0]:
+        return _build_mask(reads, lens, T, N)
     key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window) for r in reads))
     if key not in _MASKS:
         _MASKS[key] = _build_mask(reads, lens, T, N)

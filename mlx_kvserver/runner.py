@@ -9,7 +9,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from kv_cache.attention import begin_forward, install
+from kv_cache.attention import forward, install
 from kv_cache.batch import batch_caches, finish_batch
 from kv_cache.manager import CacheManager
 from kv_cache.sequence import PagedSequence
@@ -33,9 +33,9 @@ class Runner:
 
     def prefill(self, seq: PagedSequence, tokens: Sequence[int]) -> mx.array:
         """Run ``tokens`` on ``seq``; the last position's logits (evaluated)."""
-        begin_forward()
-        logits = self.model(mx.array(list(tokens))[None], cache=seq.layers)[0, -1]
-        mx.eval(logits)
+        with forward():
+            logits = self.model(mx.array(list(tokens))[None], cache=seq.layers)[0, -1]
+            mx.eval(logits)
         seq.append_tokens(tokens)
         return logits
 
@@ -44,26 +44,26 @@ class Runner:
         """Prompt pieces of several sequences in one forward pass; each one's last logits."""
         if len(seqs) == 1:
             return [self.prefill(seqs[0], pieces[0])]
-        begin_forward()
         T = max(len(p) for p in pieces)
         padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
         lengths = [len(p) for p in pieces]
-        logits = self.model(padded, cache=batch_caches(seqs, lengths))
-        rows = logits[mx.arange(len(seqs)), mx.array(lengths) - 1]
-        mx.eval(rows)
+        with forward():
+            logits = self.model(padded, cache=batch_caches(seqs, lengths))
+            rows = logits[mx.arange(len(seqs)), mx.array(lengths) - 1]
+            mx.eval(rows)
         for seq, p in zip(seqs, pieces):
             seq.append_tokens(p)
         return [rows[i] for i in range(len(seqs))]
 
     def decode(self, seqs: Sequence[PagedSequence], tokens: Sequence[int]) -> mx.array:
         """One new token per sequence; logits ``[len(seqs), vocab]`` (lazy)."""
-        begin_forward()
-        if len(seqs) == 1:
-            logits = self.model(mx.array([[tokens[0]]]), cache=seqs[0].layers)[:, -1]
-        else:
-            caches = batch_caches(seqs)
-            logits = self.model(mx.array(list(tokens))[:, None], cache=caches)[:, -1]
-            finish_batch(seqs, caches)
+        with forward():
+            if len(seqs) == 1:
+                logits = self.model(mx.array([[tokens[0]]]), cache=seqs[0].layers)[:, -1]
+            else:
+                caches = batch_caches(seqs)
+                logits = self.model(mx.array(list(tokens))[:, None], cache=caches)[:, -1]
+                finish_batch(seqs, caches)
         for seq, t in zip(seqs, tokens):
             seq.append_tokens([t])
         return logits
