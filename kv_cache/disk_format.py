@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import re
 import struct
 from dataclasses import dataclass
@@ -251,6 +252,12 @@ class Header:
     data_start: int
     metadata: dict[str, str]
     tensors: dict[str, Tensor]
+    digest: bytes = b""  # xxh3-128 of the header's bytes (length and JSON), where read from a file
+
+
+def head_digest(head: bytes) -> bytes:
+    """What a store's index keeps of a file's header bytes, to know the file unchanged later."""
+    return xxhash.xxh3_128_digest(head)
 
 
 def parse_header(prefix: bytes, file_size: int) -> Header:
@@ -353,6 +360,7 @@ class PageMetaInfo:
     parent: bytes
     tokens: tuple[int, ...]
     group: int = 0
+    checksum: str = ""  # the data's checksum, as its header gives it
 
 
 def parse_page(geo: Geometry, h: Header, expect: bytes, kind: str = PAGE_FORMAT) -> PageMetaInfo:
@@ -368,7 +376,7 @@ def parse_page(geo: Geometry, h: Header, expect: bytes, kind: str = PAGE_FORMAT)
             or page_hash(parent, tokens) != ph or ph != expect:
         raise FormatError("page hash does not match its tokens, parent or file name")
     _check_tensors(h, {"kv": (geo.shape(n, group), geo.group_dtype(group))}, "page")
-    return PageMetaInfo(ph, parent, tokens, group)
+    return PageMetaInfo(ph, parent, tokens, group, str(meta.get("data_checksum", "")))
 
 
 def parse_tail(geo: Geometry, h: Header, expect: bytes) -> PageMetaInfo:
@@ -420,14 +428,20 @@ def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
 
 
 def page_file(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
-              data: mx.array, group: int = 0) -> list:
+              data: mx.array, group: int = 0) -> tuple[list, str]:
     """A sealed page's file (or, with fewer than page_size tokens, a tail file), as chunks to
-    write."""
+    write, and its data's checksum."""
     dt = geo.group_dtype(group)
     arr = to_storage(data, dt)
     kind = PAGE_FORMAT if len(tokens) == geo.page_size else TAIL_FORMAT
-    meta = page_metadata(geo, h, parent, tokens, checksum(arr), group, kind)
-    return encode({"kv": arr}, DTYPES[dt][1], meta)
+    data_sum = checksum(arr)
+    meta = page_metadata(geo, h, parent, tokens, data_sum, group, kind)
+    return encode({"kv": arr}, DTYPES[dt][1], meta), data_sum
+
+
+def page_data_bytes(geo: Geometry, n: int, group: int) -> int:
+    """The size of the data of a page (or tail) of ``n`` positions: the file's last bytes."""
+    return math.prod(geo.shape(n, group)) * DTYPES[geo.group_dtype(group)][2].itemsize
 
 
 def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
@@ -495,14 +509,16 @@ def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
     return arr.view(mx.bfloat16) if geo.group_dtype(group) == "bfloat16" else arr
 
 
-def fill_page(fd: int, h: Header, dest: memoryview) -> None:
-    """Read a checked page header's tensor bytes into ``dest`` and verify their checksum."""
-    t = h.tensors["kv"]
-    if t.end - t.start != dest.nbytes:
-        raise FormatError("page data of another size")
-    read_into(fd, dest, t.start)
-    if checksum(dest) != h.metadata.get("data_checksum"):
-        raise FormatError("data checksum mismatch")
+def fill_page(fd: int, size: int, dest: memoryview, head_sum: bytes, data_sum: str) -> bool:
+    """Read a page file of ``size`` bytes into ``dest`` (its data: the file's last
+    ``dest.nbytes`` bytes) and say whether it is still the file a store indexed: its header's
+    bytes hash to ``head_sum`` and its data to ``data_sum`` (the header was checked in full when
+    the store wrote or indexed the file)."""
+    if size <= dest.nbytes:
+        return False
+    head = read_at(fd, size - dest.nbytes, 0)
+    read_into(fd, dest, len(head))
+    return head_digest(head) == head_sum and checksum(dest) == data_sum
 
 
 def to_array(view: np.ndarray, dtype: str) -> mx.array:
@@ -536,4 +552,5 @@ def read_header(fd: int, size: int) -> Header:
     (n,) = struct.unpack("<Q", head)
     if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
         head += read_at(fd, n, 8)
-    return parse_header(head, size)
+    h = parse_header(head, size)
+    return Header(h.size, h.data_start, h.metadata, h.tensors, head_digest(head))

@@ -67,6 +67,8 @@ class FileInfo:  # a page or tail file's identity, from its header
     tokens: np.ndarray
     group: int
     partial: bool  # a tail file (tails/), else a full page (pages/)
+    checksum: str = ""  # the data's, as the header says
+    head_sum: bytes = b""  # fmt.head_digest of the header: a restore parses no header again
 
 
 def token_array(tokens: Sequence[int]) -> np.ndarray:
@@ -309,13 +311,13 @@ class StoreIndex:
                     m = PAGE_NAME.fullmatch(f.name)
                     if m and m.group(1)[:2] == sub.name:
                         h = bytes.fromhex(m.group(1))
-                        got = self._index_file(sub_fd, f.name, lambda hdr: fmt.parse_page(
-                            self.geo, hdr, h, kind), what)
+                        got = self._index_file(sub_fd, f.name, lambda hdr: (fmt.parse_page(
+                            self.geo, hdr, h, kind), hdr.digest), what)
                         if got is not None:
-                            info, size, _ = got
+                            (info, digest), size, _ = got
                             self._file_landed(h, size, FileInfo(
                                 info.parent, token_array(info.tokens), info.group,
-                                kind == fmt.TAIL_FORMAT))
+                                kind == fmt.TAIL_FORMAT, info.checksum, digest))
             finally:
                 os.close(sub_fd)
 

@@ -302,7 +302,8 @@ class DiskStore(StoreIndex):
         todo = [h for h in dict.fromkeys(hashes) if h in self._pages
                 and not self._info[h].partial]
         out: dict[bytes, mx.array | None] = {h: None for h in hashes}
-        for h, (kind, got) in zip(todo, self._reader.read(todo)):
+        found = self._reader.read([(h, self._pages[h], self._info[h]) for h in todo])
+        for h, (kind, got) in zip(todo, found):
             if kind == "ok":
                 out[h] = got
             elif kind == "nodir":
@@ -443,9 +444,10 @@ class DiskStore(StoreIndex):
                     if h not in self._pages and h not in new_set:
                         new_set.add(h)
                         parent = geo.root(g) if i == 0 else chain[i - 1]
-                        chunks = fmt.page_file(geo, h, parent, p.tokens, p.data, g)
+                        chunks, data_sum = fmt.page_file(geo, h, parent, p.tokens, p.data, g)
                         new_pages.append(NewFile(h, chunks, fmt.nbytes(chunks), FileInfo(
-                            parent, token_array(p.tokens), g, False)))
+                            parent, token_array(p.tokens), g, False, data_sum,
+                            fmt.head_digest(chunks[0]))))
                 elif h not in self._pages:
                     raise ValueError(f"page {h.hex()[:12]} is not on disk and came without data")
         n_tail, held = len(tokens) % P, set()
@@ -460,9 +462,10 @@ class DiskStore(StoreIndex):
                 held.add(holder)  # NOTE: a stored page or longer tail holds it: nothing written
                 continue
             h = fmt.page_hash(parents[g], tail.tolist())
-            chunks = fmt.page_file(geo, h, parents[g], tail.tolist(), data, g)
+            chunks, data_sum = fmt.page_file(geo, h, parents[g], tail.tolist(), data, g)
             new_pages.append(NewFile(h, chunks, fmt.nbytes(chunks),
-                                     FileInfo(parents[g], tail, g, True)))
+                                     FileInfo(parents[g], tail, g, True, data_sum,
+                                              fmt.head_digest(chunks[0]))))
         try:
             chunks = fmt.entry_file(geo, key, tokens, hashes, layout, state)
         except FormatError as e:

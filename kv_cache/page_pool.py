@@ -304,8 +304,14 @@ class PagePool:
                       room: int = 0) -> list[tuple[mx.array, mx.array]]:
         """Per layer, keys and values ``[1, kv_heads, num_tokens + room, head_dim]`` holding the
         first ``num_tokens`` positions, then ``room`` zero positions to write into: one copy of
-        the data, straight into each layer's own buffer."""
+        the data, straight into each layer's own buffer. Without room, the copy is one array
+        for all layers and each layer's keys and values are contiguous slices of it (one
+        operation however many pages and layers: a prefix view's read-only data)."""
         pieces = self._pieces(blocks, num_tokens)
+        if not room:
+            every = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=3)
+            return [(every[layer, 0][None], every[layer, 1][None])
+                    for layer in range(every.shape[0])]
         g = self.groups[self._get(blocks[0]).group]
         pad = [mx.zeros((g.num_kv_heads, room, g.head_dim), g.mx_dtype)] if room else []
         out = []

@@ -1,7 +1,10 @@
-"""Reading page files for a restore: every header is read and checked first, then each page's
-bytes go straight into its MLX array and are verified, on a few threads (file reads and xxh3
-release the GIL). The reader threads run no MLX and change no index: they report what they
-found, and the store (under its lock) acts on it."""
+"""Reading page files for a restore. The store's index already holds what each file's header
+said (checked when the store wrote or indexed the file): its size, group, token count and data
+checksum. So a page costs one open, one read of its data straight into its MLX array and one
+xxh3 pass, on a few threads (file reads and xxh3 release the GIL). A file changed since then
+(truncated, replaced, damaged) no longer has the indexed size or checksum: a miss. The reader
+threads run no MLX and change no index: they report what they found, and the store (under its
+lock) acts on it."""
 
 from __future__ import annotations
 
@@ -23,37 +26,28 @@ class PageReader:
         self.geo, self.pages_fd = geo, pages_fd
         self._threads: ThreadPoolExecutor | None = None
 
-    def read(self, hashes: Sequence[bytes]) -> list[tuple[str, object]]:
-        """Per hash: ("ok", page array), ("nodir", None) when its directory is gone, or
-        ("bad", error) when the file is missing, unreadable or not a valid page of ours."""
+    def read(self, pages: Sequence[tuple[bytes, int, object]]) -> list[tuple[str, object]]:
+        """Per ``(hash, indexed file size, indexed FileInfo)``: ("ok", page array),
+        ("nodir", None) when its directory is gone, or ("bad", error) when the file is missing,
+        unreadable or no longer the file the index describes."""
         subs: dict[str, int | None] = {}  # each page folder opened once for the batch
-        for h in hashes:
+        for h, _, _ in pages:
             sub = h.hex()[:2]
             if sub not in subs:
                 try:
                     subs[sub] = afs.open_dir(sub, self.pages_fd, create=False)
                 except OSError:
                     subs[sub] = None
+        dests = fmt.page_dests(self.geo, [info.group for _, _, info in pages])
         try:
-            opened = self._map(lambda h: self._open(h, subs[h.hex()[:2]]), hashes)
+            found = self._map(lambda x: self._fill(subs[x[0][0].hex()[:2]], *x[0], x[1][1]),
+                              list(zip(pages, dests)))
         finally:
             for fd in subs.values():
                 if fd is not None:
                     os.close(fd)
-        made = iter(fmt.page_dests(self.geo, [got[2].group for kind, got in opened
-                                               if kind == "ok"]))
-        dests = [next(made) if kind == "ok" else None for kind, _ in opened]
-        filled = iter(self._map(lambda x: self._fill(*x),
-                                [(got, d[1]) for (kind, got), d in zip(opened, dests)
-                                 if kind == "ok"]))
-        out = []
-        for (kind, got), dest in zip(opened, dests):
-            if kind == "ok":
-                kind, got = next(filled)
-                if kind == "ok":
-                    got = fmt.as_page(dest[0], self.geo, got.group)
-            out.append((kind, got))
-        return out
+        return [(kind, fmt.as_page(dest, self.geo, info.group) if kind == "ok" else got)
+                for (kind, got), (_, _, info), (dest, _) in zip(found, pages, dests)]
 
     def close(self) -> None:
         if self._threads is not None:
@@ -67,31 +61,30 @@ class PageReader:
             self._threads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-read")
         return list(self._threads.map(fn, items))
 
-    def _open(self, h: bytes, sub_fd: int | None):
-        """("ok", (fd, header, page info)), ("nodir", None) or ("bad", error); ``sub_fd``: the
-        page's folder (None: it could not be opened)."""
+    def _fill(self, sub_fd: int | None, h: bytes, size: int, info, dest: memoryview):
+        """("ok", None) once the page's data is in ``dest`` and the file is the one the index
+        describes, ("nodir", None) when its folder could not be opened, else ("bad", error)."""
         if sub_fd is None:
             return "nodir", None
-        name = h.hex() + ".safetensors"
-        fd = None
         try:
-            fd, size = afs.open_regular(name, sub_fd)
-            hdr = fmt.read_header(fd, size)
-            return "ok", (fd, hdr, fmt.parse_page(self.geo, hdr, h))
+            fd, got = afs.open_regular(h.hex() + ".safetensors", sub_fd)
         except (FormatError, OSError) as e:
-            if fd is not None:
-                os.close(fd)
             return "bad", e
-
-    @staticmethod
-    def _fill(opened, dest: memoryview):
-        """("ok", page info) once the page's bytes are in ``dest`` and verified, else ("bad",
-        error); closes the file."""
-        fd, hdr, info = opened
         try:
-            fmt.fill_page(fd, hdr, dest)
-            return "ok", info
+            if got == size and fmt.fill_page(fd, size, dest, info.head_sum, info.checksum):
+                return "ok", None
+            return "bad", self._why(fd, got, h, info)
         except (FormatError, OSError) as e:
             return "bad", e
         finally:
             os.close(fd)
+
+    def _why(self, fd: int, size: int, h: bytes, info) -> Exception:
+        """What is wrong with a page file that changed since it was indexed (a whole check of
+        its header: foreign or malformed), for the log and the counters."""
+        try:
+            fmt.parse_page(self.geo, fmt.read_header(fd, size), h,
+                           fmt.TAIL_FORMAT if info.partial else fmt.PAGE_FORMAT)
+        except (FormatError, OSError) as e:
+            return e
+        return FormatError("changed since it was written or indexed (checksum mismatch)")

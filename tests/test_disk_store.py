@@ -645,6 +645,48 @@ def test_flipped_data_byte_fails_the_checksum_on_a_live_store(tmp_path, stores):
     assert s.stats()["corrupt_files_removed"] == 2 and data_files(tmp_path) == {}
 
 
+def test_a_restore_reads_each_page_once_and_parses_no_header(tmp_path, stores, monkeypatch):
+    """Pages are checked against what the index learnt from their headers (at start-up or
+    when written): a restore reads the file and hashes it, and parses no header again."""
+    toks = list(range(4 * 6 + 1))
+    with stores(tmp_path) as s:
+        assert s.put("k", toks, records(toks))
+    s = stores(tmp_path)  # indexed from the headers at start-up
+    for where in ("parse_header", "parse_page", "read_header"):
+        monkeypatch.setattr(fmt, where, lambda *a, w=where, **k: pytest.fail(f"{w} called"))
+    got = s.load_pages(hashes(toks))
+    for r in records(toks)[:-1]:
+        assert np.array_equal(bits(got[r.hash]), bits(r.data))
+
+
+@pytest.mark.parametrize("change", ["header", "data", "length"])
+def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, change):
+    """A page file whose bytes differ from what the index recorded, even one still well formed
+    with the same data, is a miss and removed; the others load."""
+    toks = list(range(4 * 3))
+    s = stores(tmp_path)
+    assert s.put("k", toks, records(toks))
+    h = hashes(toks)[1]
+    path = page_path(tmp_path, h)
+    raw = bytearray(path.read_bytes())
+    (n,) = struct.unpack("<Q", raw[:8])
+    if change == "header":  # the same JSON with its keys in another order: valid, not ours
+        top = json.loads(raw[8 : 8 + n])
+        again = json.dumps(dict(reversed(list(top.items()))), separators=(",", ":")).encode()
+        again += b" " * (n - len(again))
+        assert len(again) == n and again != bytes(raw[8 : 8 + n])
+        raw[8 : 8 + n] = again
+    elif change == "data":
+        raw[8 + n] ^= 1
+    else:
+        raw += b"\0" * 8
+    path.write_bytes(bytes(raw))
+    got = s.load_pages(hashes(toks))
+    assert got[h] is None and not path.exists()
+    assert all(got[x] is not None for x in hashes(toks) if x != h)
+    assert s.stats()["corrupt_files_removed"] == 1
+
+
 def test_zero_length_files(tmp_path, stores):
     h = hashes(SMALL_TOKS, SMALL)[0]
     install(tmp_path, h, b"", b"")

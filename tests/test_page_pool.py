@@ -571,3 +571,24 @@ def test_s3fifo_pool_finds_the_cached_page_when_main_is_all_held():
     assert pool.allocate(1) == [11]
     assert pool.allocate(1) == [c]
     assert all(pool.ref_count(b) == 1 for b in held)
+
+
+@pytest.mark.parametrize("n", [1, P, 2 * P + 1, 3 * P])
+def test_gather_layers_with_and_without_room_hold_the_same_positions(n):
+    """Per layer, keys and values of the first ``n`` positions, the same whether gathered
+    into buffers with room (one copy per layer) or for a read-only view (one copy for all
+    layers, sliced per layer)."""
+    pool = make_pool(8)
+    blocks, parent = [], None
+    for i in range(-(-n // P)):
+        blocks.append(sealed(pool, list(range(i * P, (i + 1) * P)), parent, base=100.0 * i))
+        parent = pool.hash_of(blocks[-1])
+    whole = np_(pool.gather(blocks, n))  # [layers, 2, heads, n, head_dim]
+    for room in (0, 3):
+        got = pool.gather_layers(blocks, n, room)
+        assert len(got) == L
+        for layer, (k, v) in enumerate(got):
+            assert k.shape == v.shape == (1, H, n + room, D)
+            assert np.array_equal(np_(k)[0, :, :n], whole[layer, 0])
+            assert np.array_equal(np_(v)[0, :, :n], whole[layer, 1])
+            assert not np_(k)[0, :, n:].any() and not np_(v)[0, :, n:].any()
