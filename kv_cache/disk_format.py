@@ -536,12 +536,23 @@ def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, dict[str, mx
     """A whole manifest, every check passed, to its metadata and tensors (its state)."""
     h = parse_header(buf, len(buf))
     info = parse_entry(geo, h)
+    return info, _entry_tensors(geo, h, buf)
+
+
+def _entry_tensors(geo: Geometry, h: Header, buf: bytes) -> dict[str, mx.array]:
     _verified(h, buf)
     st = geo.state_tensors()
-    out = {}
-    for name, t in h.tensors.items():
-        out[name] = from_storage(buf, t.start, t.shape, st[name][1])
-    return info, out
+    return {name: from_storage(buf, t.start, t.shape, st[name][1]) for name, t in h.tensors.items()}
+
+
+def decode_known_entry(geo: Geometry, buf: bytes, head_sum: bytes) -> dict[str, mx.array] | None:
+    """The tensors (recurrent state) of a whole manifest whose header's bytes hash to
+    ``head_sum`` (checked in full when it was written or indexed), their checksum verified;
+    None when the header is not that one."""
+    h = parse_header(buf, len(buf))
+    if head_digest(memoryview(buf)[: h.data_start]) != head_sum:
+        return None
+    return _entry_tensors(geo, h, buf)
 
 
 def read_header(fd: int, size: int) -> Header:

@@ -54,6 +54,7 @@ class IndexedEntry:  # the in-memory index of one manifest
     layout: tuple[tuple[int, int], ...]
     has_state: bool
     tails: tuple[bytes | None, ...] = ()  # per group, the file holding its open tail page
+    head_sum: bytes = b""  # fmt.head_digest of its header: a load parses its metadata once
 
     @property
     def files(self) -> set[bytes]:
@@ -123,13 +124,15 @@ class StoreIndex:
         self._clock = max(time.time_ns(), self._clock + 1)
         return self._clock
 
-    def _add_entry(self, key, name, info: "fmt.EntryMetaInfo", size, at_end=True) -> None:
+    def _add_entry(self, key, name, info: "fmt.EntryMetaInfo", size, at_end=True,
+                   head_sum: bytes = b"") -> None:
         tokens = token_array(info.tokens)
         tail = tokens[len(tokens) - info.tail_tokens:] if info.tail_tokens else tokens[:0]
         holders = tuple(self._holder(g, parent, tail) for g, parent in
                         enumerate(info.tail_parents)) if info.tail_tokens else ()
         e = IndexedEntry(key, name, tuple(info.page_hashes), info.tail_tokens, size,
-                         self._next_id, tokens, tuple(info.layout), info.has_state, holders)
+                         self._next_id, tokens, tuple(info.layout), info.has_state, holders,
+                         head_sum)
         self._next_id += 1
         self._entries[key] = e
         self._entries.move_to_end(key, last=at_end)
@@ -281,18 +284,18 @@ class StoreIndex:
         found = []
         for f in self._scan(self._entries_fd):
             if ENTRY_NAME.fullmatch(f.name):
-                got = self._index_file(self._entries_fd, f.name,
-                                       lambda hdr: fmt.parse_entry(self.geo, hdr), "manifest")
+                got = self._index_file(self._entries_fd, f.name, lambda hdr: (
+                    fmt.parse_entry(self.geo, hdr), hdr.digest), "manifest")
                 if got is None:
                     continue
-                info, size, mtime = got
+                (info, digest), size, mtime = got
                 if entry_name(info.key) != f.name:
                     self._bad_file(FormatError("named for another key"), self._entries_fd,
                                    f.name, "manifest")
                     continue
-                found.append((mtime, f.name, info, size))
-        for mtime, name, info, size in sorted(found, key=lambda x: (x[0], x[1])):
-            self._add_entry(info.key, name, info, size)
+                found.append((mtime, f.name, info, size, digest))
+        for mtime, name, info, size, digest in sorted(found, key=lambda x: (x[0], x[1])):
+            self._add_entry(info.key, name, info, size, head_sum=digest)
             self._clock = max(self._clock, mtime)
         self._gc(list(self._pages))  # orphans: pages no manifest references
         while self._bytes > self.max_bytes and self._evict_one(()):

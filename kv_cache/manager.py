@@ -32,7 +32,7 @@ from .sequence import PagedSequence, Snapshot
 from .spec import SLIDING
 
 log = logging.getLogger("kv_cache.manager")
-PREFETCH_PAGES = 64  # pages read ahead (in parallel) while restoring an entry
+PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
 
 
 @dataclass(slots=True)
@@ -365,7 +365,7 @@ class CacheManager:
                                 parent = chain[i - 1]
                             else:
                                 parent = pool.roots[g]
-                            block = pool.add_sealed(parent, tokens, data, g)
+                            block = pool.add_sealed(parent, tokens, data, g, h)
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
                         if tails.get(g) is None:
@@ -389,6 +389,7 @@ class CacheManager:
         the store reads in parallel (a batch bounds the memory held in flight)."""
         at = {h: i for i, h in enumerate(wanted)}
         batch: dict[bytes, mx.array | None] = {}
+        ahead = max(1, PREFETCH_BYTES // max(self.pool.group_page_bytes, default=1))
 
         def fetch(h: bytes) -> mx.array | None:
             if h not in batch:
@@ -396,7 +397,7 @@ class CacheManager:
                 if i is None:
                     return self.store.load_page(h)
                 batch.clear()
-                batch.update(self.store.load_pages(wanted[i : i + PREFETCH_PAGES]))
+                batch.update(self.store.load_pages(wanted[i : i + ahead]))
             return batch.pop(h)
         return fetch
 

@@ -226,7 +226,7 @@ class PagePool:
         kv = kv.astype(group.mx_dtype)
         old = self._data.get(block)
         self._data[block] = kv if old is None else mx.concatenate([old, kv], axis=3)
-        meta.tokens = meta.tokens + tuple(int(t) for t in tokens)
+        meta.tokens = meta.tokens + tuple(map(int, tokens))
 
     def copy(self, block: int, n_tokens: int | None = None) -> int:
         """A new open page holding the first ``n_tokens`` tokens of ``block`` (copy-on-write)."""
@@ -243,8 +243,9 @@ class PagePool:
         self._meta[new].tokens = meta.tokens[:n]
         return new
 
-    def seal(self, block: int, parent: bytes) -> int:
+    def seal(self, block: int, parent: bytes, h: bytes | None = None) -> int:
         """Seal a full open page under the chain ``parent``; returns the block now holding it.
+        ``h``: the page's hash where the caller has it already (``page_hash(parent, tokens)``).
 
         If an identical page (same hash and tokens) is already indexed, the caller's hold moves
         to that page and ``block`` is freed: pages are stored once.
@@ -254,7 +255,7 @@ class PagePool:
         assert meta.ref_count == 1, f"seal of block {block} held {meta.ref_count} times"
         if len(meta.tokens) != self.page_size:
             raise ValueError(f"only full pages are sealed; block {block} has {len(meta.tokens)}")
-        h = page_hash(parent, meta.tokens)
+        h = page_hash(parent, meta.tokens) if h is None else h
         existing = self._index.get(h)
         if existing is not None and self._meta[existing].tokens == meta.tokens:
             self.hold(existing)
@@ -269,17 +270,17 @@ class PagePool:
         return block
 
     def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array,
-                   group: int = 0) -> int:
+                   group: int = 0, h: bytes | None = None) -> int:
         """A sealed page of ``group`` built from outside data (a disk store); held once by the
-        caller."""
-        h = page_hash(parent, tokens)
+        caller. ``h``: its hash where the caller has it (``page_hash(parent, tokens)``)."""
+        h = page_hash(parent, tokens) if h is None else h
         existing = self._index.get(h)
         if existing is not None and self._meta[existing].tokens == tuple(tokens):
             self.hold(existing)
             return existing
         (block,) = self.allocate(1, group)
         self.write(block, kv, tokens)
-        return self.seal(block, parent)
+        return self.seal(block, parent, h)
 
     def _pieces(self, blocks: Sequence[int], num_tokens: int) -> list[mx.array]:
         P = self.page_size

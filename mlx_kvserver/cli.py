@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -118,6 +119,11 @@ def main(argv: list[str] | None = None) -> None:
     log.info("BLAS: %s", blas.blas_status())
     registry, engine = load_engine(config)
     app = build_app(config, registry, engine)
+    # What start-up made (models, tokenizers, the stores' indexes) lives as long as the server:
+    # kept out of the collector's way, a full collection during a request does not walk it
+    # (one took ~45 ms of a restored turn: docs/BENCHMARKS.md, section 9).
+    gc.collect()
+    gc.freeze()
     url = f"http://{config.host}:{config.port}/v1"
     if config.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("listening on %s: other machines can reach this server%s", config.host,

@@ -6,8 +6,9 @@
               by a whole restore into a page pool (``CacheManager.start``), against the machine's
               own limit: the same files read with plain buffered reads into preallocated memory.
               Page cache warm for all (each is read once first); medians of ``--repeat``.
-  in_process  turn 4's cache step and forward pass with the library alone: warm (resident
-              sequence) against restored (new pool and store on the same directory);
+  in_process  turn 4's cache step and prompt pass without the HTTP server (a manager with prefix
+              views and ``Runner.prefill``, as the engine runs them): warm (resident sequence)
+              against restored (new pool and store on the same directory);
   tiny        (``--tiny``, alone) the in_process step for a tiny random-weight llama model
               (``tests/tiny_model.py``) with ``--tiny-history`` tokens (~16,000) of history;
   ttft        with the real server (``bench_ttft`` helpers): the 4-turn ~2,400-token chat; turn 4
@@ -24,6 +25,7 @@ Usage: python scripts/bench_restore.py [--tokens 2400] [--repeat 5] [--reps 3] [
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -39,11 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ttft import QUESTIONS, Server, ask, conversation, document, free_port  # noqa: E402
 
+from kv_cache.attention import PrefixViews  # noqa: E402
 from kv_cache.disk_store import DiskStore, PageRecord  # noqa: E402
 from kv_cache.hashing import chain_hashes  # noqa: E402
 from kv_cache.manager import CacheManager  # noqa: E402
 from kv_cache.page_pool import PagePool  # noqa: E402
 from mlx_kvserver.models import resolve_and_load  # noqa: E402
+from mlx_kvserver.runner import Runner  # noqa: E402
 
 PAGE = 32  # the server's default page size
 
@@ -121,37 +125,39 @@ def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int =
     hist, new = toks[:history], toks[history:]
     root = work / f"inproc-{history}"
 
-    def manager() -> CacheManager:
+    def manager() -> tuple[CacheManager, Runner]:
+        """A manager and runner set up as the server's engine sets them up (prefix views)."""
         pool = PagePool(spec=lm.cache_spec, page_size=PAGE, max_bytes=1 << 30,
                         fingerprint=lm.fingerprint)
-        return CacheManager(pool, DiskStore(root, fingerprint=lm.fingerprint,
-                                            spec=lm.cache_spec, page_size=PAGE,
-                                            max_bytes=1 << 34))
+        m = CacheManager(pool, DiskStore(root, fingerprint=lm.fingerprint, spec=lm.cache_spec,
+                                         page_size=PAGE, max_bytes=1 << 34))
+        m.views = PrefixViews(pool)
+        return m, Runner(lm.model, m)
 
-    def turn(m: CacheManager) -> tuple[float, float, int]:
+    def turn(m: CacheManager, runner: Runner) -> tuple[float, float, int]:
         t0 = time.perf_counter()
         seq, match = m.start(hist + new, ["h"])
         t1 = time.perf_counter()
-        mx.eval(lm.model(mx.array(new)[None], cache=seq.layers))
+        runner.prefill(seq, new)  # the server's prompt pass (evaluated)
         t2 = time.perf_counter()
-        seq.append_tokens(new)
         m.keep(seq)
         return t1 - t0, t2 - t1, match.tokens
 
-    m = manager()
+    m, runner = manager()
     seq, _ = m.start(hist, [])
     for i in range(0, len(hist), 512):
-        mx.eval(lm.model(mx.array(hist[i : i + 512])[None], cache=seq.layers))
-        seq.append_tokens(hist[i : i + 512])
+        runner.prefill(seq, hist[i : i + 512])
     m.save("h", seq)
     m.keep(seq)
     m.sync()
-    warm = [turn(m) for _ in range(reps)]
+    gc.collect()
+    gc.freeze()  # as the server does after start-up (mlx_kvserver.cli)
+    warm = [turn(m, runner) for _ in range(reps)]
     m.close()
     restored = []
     for _ in range(reps):
-        m = manager()
-        restored.append(turn(m))
+        m, runner = manager()
+        restored.append(turn(m, runner))
         m.close()
     w = statistics.median(a + b for a, b, _ in warm)
     r = statistics.median(a + b for a, b, _ in restored)

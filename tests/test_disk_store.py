@@ -652,11 +652,31 @@ def test_a_restore_reads_each_page_once_and_parses_no_header(tmp_path, stores, m
     with stores(tmp_path) as s:
         assert s.put("k", toks, records(toks))
     s = stores(tmp_path)  # indexed from the headers at start-up
-    for where in ("parse_header", "parse_page", "read_header"):
+    for where in ("parse_header", "parse_page", "read_header", "parse_entry"):
         monkeypatch.setattr(fmt, where, lambda *a, w=where, **k: pytest.fail(f"{w} called"))
     got = s.load_pages(hashes(toks))
     for r in records(toks)[:-1]:
         assert np.array_equal(bits(got[r.hash]), bits(r.data))
+    monkeypatch.undo()
+    # A manifest as indexed: its metadata (tokens, page hashes) is not parsed again.
+    monkeypatch.setattr(fmt, "parse_entry", lambda *a, **k: pytest.fail("parse_entry called"))
+    e = s.load_entry("k")
+    assert e.entry.tokens == tuple(toks) and e.entry.page_hashes == hashes(toks)
+    assert np.array_equal(bits(e.tails[0]), bits(records(toks)[-1].data))
+
+
+def test_a_manifest_replaced_by_another_valid_one_of_its_key_is_indexed_again(tmp_path,
+                                                                               stores):
+    toks, other = list(range(9)), list(range(100, 113))
+    a = stores(tmp_path / "a")
+    assert a.put("k", toks, records(toks)) and a.put("j", other, records(other))
+    with stores(tmp_path / "b") as b:
+        assert b.put("k", other, records(other))
+    os.replace(entry_path(tmp_path / "b", "k"), entry_path(tmp_path / "a", "k"))
+    e = a.load_entry("k")
+    assert e.entry.tokens == tuple(other) and a.get("k").tokens == tuple(other)
+    assert a.load_entry("k").entry.page_hashes == hashes(other)  # and as indexed now
+    check_accounting(a, tmp_path / "a")
 
 
 @pytest.mark.parametrize("change", ["header", "data", "length"])
