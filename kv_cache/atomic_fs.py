@@ -22,6 +22,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+IOV_MAX = 1024  # buffers one preadv may take (Linux and macOS)
 
 
 def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
@@ -71,14 +72,21 @@ def read_at(fd: int, n: int, offset: int) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def read_into(fd: int, buf: memoryview, offset: int) -> None:
-    """Fill ``buf`` (writable bytes) from ``offset``; a short file is truncated."""
-    got, n = 0, buf.nbytes
-    while got < n:
-        k = os.preadv(fd, [buf[got:]], offset + got)
+def read_into(fd: int, buf: memoryview | Sequence[memoryview], offset: int) -> None:
+    """Fill ``buf`` (writable bytes, or several buffers one after another) from ``offset``;
+    a short file is truncated."""
+    bufs = [buf] if isinstance(buf, memoryview) else list(buf)
+    i = 0
+    while i < len(bufs):
+        k = os.preadv(fd, bufs[i : i + IOV_MAX], offset)
         if not k:
             raise FormatError("truncated while reading")
-        got += k
+        offset += k
+        while i < len(bufs) and k >= bufs[i].nbytes:
+            k -= bufs[i].nbytes
+            i += 1
+        if k:
+            bufs[i] = bufs[i][k:]
 
 
 def read_all(fd: int, size: int) -> bytes:

@@ -54,12 +54,18 @@ class PrefixView:
         self.pool, self.tables, self.length, self.groups = pool, tables, length, groups
         self.users = 0
         self.kv: dict[int, tuple[mx.array, mx.array]] = {}  # model layer slot -> (K, V)
+        self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
         for g, blocks in zip(groups, tables):
             for b in blocks:
                 pool.hold(b)
             layers = pool.groups[g].layers
-            for slot, (k, v) in zip(layers, pool.gather_layers(list(blocks), length)):
-                self.kv[slot] = (k[0], v[0])
+            run = pool.run_array(list(blocks), length)
+            if run is not None:  # pages restored together: their array is already contiguous
+                kv = [(run[i, 0], run[i, 1]) for i in range(len(layers))]
+            else:
+                kv = [(k[0], v[0]) for k, v in pool.gather_layers(list(blocks), length)]
+                self.copied += sum(k.nbytes + v.nbytes for k, v in kv)
+            self.kv.update(zip(layers, kv))
         mx.eval([a for kv in self.kv.values() for a in kv])
 
     def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array]:
@@ -70,7 +76,8 @@ class PrefixView:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.kv.values())
+        """The memory the view takes beyond its pages' own."""
+        return self.copied
 
     def close(self) -> None:
         for blocks in self.tables:

@@ -509,16 +509,33 @@ def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
     return arr.view(mx.bfloat16) if geo.group_dtype(group) == "bfloat16" else arr
 
 
-def fill_page(fd: int, size: int, dest: memoryview, head_sum: bytes, data_sum: str) -> bool:
-    """Read a page file of ``size`` bytes into ``dest`` (its data: the file's last
-    ``dest.nbytes`` bytes) and say whether it is still the file a store indexed: its header's
-    bytes hash to ``head_sum`` and its data to ``data_sum`` (the header was checked in full when
-    the store wrote or indexed the file)."""
-    if size <= dest.nbytes:
+def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[list[memoryview]]]:
+    """One array for ``n`` consecutive pages of ``group`` ``[layers, 2, kv_heads, n * page_size,
+    head_dim]`` (storage dtype), and per page the writable pieces its file's data fills, in
+    file order: one ``page_size x head_dim`` block per layer, key/value and head."""
+    dt = geo.group_dtype(group)
+    mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
+    shape = geo.shape(geo.page_size * n, group)
+    arr = mx.zeros(shape, dtype=mdt)
+    mx.eval(arr)
+    block = geo.page_size * shape[-1] * mdt.size
+    rows = np.array(arr, copy=False).view(np.uint8).reshape(-1, n * block)
+    return arr, [[memoryview(r) for r in rows[:, i * block : (i + 1) * block]] for i in range(n)]
+
+
+def fill_page(fd: int, size: int, dest: memoryview | Sequence[memoryview], head_sum: bytes,
+              data_sum: str) -> bool:
+    """Read a page file of ``size`` bytes into ``dest`` (its data: the file's last bytes, into
+    one buffer or several in turn) and say whether it is still the file a store indexed: its
+    header's bytes hash to ``head_sum`` and its data to ``data_sum`` (the header was checked in
+    full when the store wrote or indexed the file)."""
+    parts = [dest] if isinstance(dest, memoryview) else list(dest)
+    nbytes = sum(p.nbytes for p in parts)
+    if size <= nbytes:
         return False
-    head = read_at(fd, size - dest.nbytes, 0)
-    read_into(fd, dest, len(head))
-    return head_digest(head) == head_sum and checksum(dest) == data_sum
+    head = read_at(fd, size - nbytes, 0)
+    read_into(fd, parts, len(head))
+    return head_digest(head) == head_sum and checksum(*parts) == data_sum
 
 
 def to_array(view: np.ndarray, dtype: str) -> mx.array:

@@ -304,14 +304,38 @@ class DiskStore(StoreIndex):
                 and not self._info[h].partial]
         out: dict[bytes, mx.array | None] = {h: None for h in hashes}
         found = self._reader.read([(h, self._pages[h], self._info[h]) for h in todo])
-        for h, (kind, got) in zip(todo, found):
-            if kind == "ok":
-                out[h] = got
-            elif kind == "nodir":
+        for h, (_, got), ok in zip(todo, found, self._settle(todo, found)):
+            out[h] = got if ok else None
+        return out
+
+    @_locked
+    def load_run(self, hashes: Sequence[bytes], group: int) -> tuple[mx.array | None, int]:
+        """Consecutive full pages of ``group`` read into one array (``PageReader.read_run``):
+        the array and how many of the pages, from the first, it holds verified (None, 0 when
+        the first is not here)."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._pages and not self._info[hashes[n]].partial \
+                and self._info[hashes[n]].group == group:
+            n += 1
+        if n == 0:
+            return None, 0
+        todo = list(hashes[:n])
+        arr, found = self._reader.read_run([(h, self._pages[h], self._info[h]) for h in todo],
+                                           group)
+        ok = self._settle(todo, found)
+        return arr, (ok + [False]).index(False)
+
+    def _settle(self, hashes: Sequence[bytes], found: Sequence[tuple[str, object]]) -> list[bool]:
+        """Act on what the reader found (a bad file is logged and removed); per page, whether
+        it was read."""
+        out = []
+        for h, (kind, got) in zip(hashes, found):
+            if kind == "nodir":
                 self._lost_page(h)
-            else:
+            elif kind != "ok":
                 self._on_page_file(h, lambda fd, name, err=got: self._bad_file(err, fd, name,
                                                                                 "page"))
+            out.append(kind == "ok")
         return out
 
     def load_tail(self, key: str) -> mx.array | None:

@@ -338,6 +338,9 @@ class CacheManager:
             return 0, [], None
         hashes = stored.group_hashes()
         tails = loaded.tails
+        for g, spec in enumerate(pool.groups):
+            if spec.kind != SLIDING:
+                self._load_run(stored, hashes[g][: n // P], g)
         fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
                                   for h in hashes[g][spec.first_needed(n) // P : -(-n // P)]
                                   if h is not None and pool.lookup(h) is None])
@@ -383,6 +386,30 @@ class CacheManager:
             covered = 0
         tables = self._cut_loaded(tables, covered)
         return covered, tables, state
+
+    def _load_run(self, stored: StoredEntry, hashes: Sequence[bytes], g: int) -> None:
+        """Where none of a full-attention group's pages ``hashes`` (from the first) is in
+        memory, read them from disk into one array (``kv_cache.page_runs``: a prefix view over
+        them then copies nothing) and cache them in the pool; what cannot be read or placed is
+        left to the page-by-page load."""
+        pool, P = self.pool, self.pool.page_size
+        if len(hashes) < 2 or any(pool.lookup(h) is not None for h in hashes):
+            return
+        arr, k = self.store.load_run(hashes, g)
+        pages = [(h, stored.tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
+        try:
+            if k == len(hashes):
+                pool.add_sealed_run(pool.roots[g], pages, arr, g)
+            else:  # a page could not be read: the ones before it, each in its own storage
+                parent = pool.roots[g]
+                for i, (h, tokens) in enumerate(pages):
+                    pool.release(pool.add_sealed(
+                        parent, tokens, mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :]),
+                        g, h))
+                    parent = h
+        except OutOfBlocksError:
+            return
+        self.stats.pages_read_from_disk += k
 
     def _prefetcher(self, wanted: list[bytes]) -> Callable[[bytes], mx.array | None]:
         """``fetch(h)``: page ``h`` of ``wanted`` from disk, read ahead in batches of pages that

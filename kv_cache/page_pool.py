@@ -23,6 +23,7 @@ from .block_allocator import BlockAllocator
 from .errors import InvalidBlockError, OutOfBlocksError
 from .eviction import EvictionPolicy, make_policy
 from .hashing import chain_hashes, page_hash, root_hash
+from .page_runs import PageRuns
 from .spec import CacheSpec, GroupSpec
 
 Reclaimer = Callable[[int, int], None]  # (pages, group)
@@ -100,6 +101,7 @@ class PagePool:
         self.reclaimer: Reclaimer | None = None  # asked to drop holds when pages run short
         self._meta: dict[int, PageMeta] = {}
         self._data: dict[int, mx.array] = {}
+        self._runs = PageRuns()  # pages restored together into one array
         self._index: dict[bytes, int] = {}  # hash -> sealed block
         self._children: dict[bytes, int] = {}  # hash -> number of indexed pages continuing it
         self._num_cached = 0  # indexed pages with ref_count 0
@@ -282,6 +284,30 @@ class PagePool:
         self.write(block, kv, tokens)
         return self.seal(block, parent, h)
 
+    def add_sealed_run(self, parent: bytes, pages: Sequence[tuple[bytes, Sequence[int]]],
+                       array: mx.array, group: int = 0) -> list[int]:
+        """Consecutive sealed pages of ``group`` (``(hash, tokens)`` each, the first continuing
+        ``parent``) whose data is ``array`` ``[layers, 2, kv_heads, len(pages) * page_size,
+        head_dim]``, one slice a page (``kv_cache.page_runs``): cached, held by nobody. None of
+        them may be in the pool already. All or none (``OutOfBlocksError``)."""
+        P = self.page_size
+        assert all(self._index.get(h) is None for h, _ in pages), "a page of the run is cached"
+        blocks = self.allocate(len(pages), group)
+        for i, (b, (h, tokens)) in enumerate(zip(blocks, pages)):
+            self._data[b] = array[:, :, :, i * P : (i + 1) * P, :]
+            self._meta[b].tokens = tuple(map(int, tokens))
+            self.seal(b, parent, h)
+            parent = h
+        self._runs.add(array, blocks)
+        for b in blocks:
+            self.release(b)
+        return blocks
+
+    def run_array(self, blocks: Sequence[int], num_tokens: int) -> mx.array | None:
+        """The one array holding exactly ``blocks`` (a run restored together), when
+        ``num_tokens`` fills them; else None."""
+        return self._runs.whole(blocks, num_tokens, self.page_size)
+
     def _pieces(self, blocks: Sequence[int], num_tokens: int) -> list[mx.array]:
         P = self.page_size
         if not (len(blocks) - 1) * P < num_tokens <= len(blocks) * P:
@@ -407,8 +433,9 @@ class PagePool:
             if not from_policy:
                 self.policy.remove(block)
         self._data.pop(block, None)
-        self._used_bytes -= self.group_page_bytes[meta.group]
-        self.allocator.free(block)
+        for b in self._runs.free(block):  # a run's storage goes with its last page
+            self._used_bytes -= self.group_page_bytes[meta.group]
+            self.allocator.free(b)
 
     # -- reports --------------------------------------------------------------------------------
 

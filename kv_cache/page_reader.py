@@ -12,6 +12,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
+import mlx.core as mx
+
 from . import atomic_fs as afs
 from . import disk_format as fmt
 from .disk_format import FormatError, Geometry
@@ -34,6 +36,22 @@ class PageReader:
         """Per ``(hash, indexed file size, indexed FileInfo)``: ("ok", page array),
         ("nodir", None) when its directory is gone, or ("bad", error) when the file is missing,
         unreadable or no longer the file the index describes."""
+        dests = fmt.page_dests(self.geo, [info.group for _, _, info in pages])
+        found = self._fill_all(pages, [d for _, d in dests], [d.nbytes for _, d in dests])
+        return [(kind, fmt.as_page(dest, self.geo, info.group) if kind == "ok" else got)
+                for (kind, got), (_, _, info), (dest, _) in zip(found, pages, dests)]
+
+    def read_run(self, pages: Sequence[tuple[bytes, int, object]],
+                 group: int) -> tuple[mx.array, list[tuple[str, object]]]:
+        """Consecutive pages of ``group`` into one array ``[layers, 2, kv_heads, len(pages) *
+        page_size, head_dim]`` (``kv_cache.page_runs``), and per page what ``read`` says (its
+        data is its slice of the array)."""
+        arr, parts = fmt.run_dest(self.geo, group, len(pages))
+        size = sum(p.nbytes for p in parts[0]) if parts else 0
+        return fmt.as_page(arr, self.geo, group), self._fill_all(pages, parts,
+                                                                 [size] * len(pages))
+
+    def _fill_all(self, pages, dests: list, sizes: list[int]) -> list[tuple[str, object]]:
         subs: dict[str, int | None] = {}  # each page folder opened once for the batch
         for h, _, _ in pages:
             sub = h.hex()[:2]
@@ -42,17 +60,14 @@ class PageReader:
                     subs[sub] = afs.open_dir(sub, self.pages_fd, create=False)
                 except OSError:
                     subs[sub] = None
-        dests = fmt.page_dests(self.geo, [info.group for _, _, info in pages])
-        parallel = sum(d.nbytes for _, d in dests) >= PARALLEL_PAGE_BYTES * len(dests)
+        parallel = sum(sizes) >= PARALLEL_PAGE_BYTES * len(sizes)
         try:
-            found = self._map(lambda x: self._fill(subs[x[0][0].hex()[:2]], *x[0], x[1][1]),
-                              list(zip(pages, dests)), parallel)
+            return self._map(lambda x: self._fill(subs[x[0][0].hex()[:2]], *x[0], x[1]),
+                             list(zip(pages, dests)), parallel)
         finally:
             for fd in subs.values():
                 if fd is not None:
                     os.close(fd)
-        return [(kind, fmt.as_page(dest, self.geo, info.group) if kind == "ok" else got)
-                for (kind, got), (_, _, info), (dest, _) in zip(found, pages, dests)]
 
     def close(self) -> None:
         if self._threads is not None:
@@ -70,7 +85,7 @@ class PageReader:
         runs = [items[i : i + k] for i in range(0, len(items), k)]
         return [y for run in self._threads.map(lambda r: [fn(x) for x in r], runs) for y in run]
 
-    def _fill(self, sub_fd: int | None, h: bytes, size: int, info, dest: memoryview):
+    def _fill(self, sub_fd: int | None, h: bytes, size: int, info, dest):
         """("ok", None) once the page's data is in ``dest`` and the file is the one the index
         describes, ("nodir", None) when its folder could not be opened, else ("bad", error)."""
         if sub_fd is None:

@@ -231,3 +231,63 @@ def test_a_turns_prompt_and_answer_share_pages_on_disk_and_restore_exactly(model
     assert mx.allclose(run(model, seq, tokens[22:]), reference(model, tokens), atol=1e-4).item()
     seq.close()
     m.close()
+
+
+def restored_with_views(model, root, tokens, key):
+    """A restart: a new pool (with prefix views and the attention that reads them, as the
+    engine sets up) restoring ``key``."""
+    from kv_cache.attention import PrefixViews, install
+
+    assert install(model)
+    pool = pool_for(model)
+    m = CacheManager(pool, store_for(pool, root))
+    m.views = PrefixViews(pool)
+    seq, match = m.start(tokens, [key])
+    return m, pool, seq, match
+
+
+def test_pages_restored_together_are_one_array_that_the_view_reads_without_a_copy(model,
+                                                                                 tmp_path):
+    tokens = list(range(40, 70))  # 7 full pages of 4 and 2 tokens
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
+    seq, _ = m.start(tokens[:26], [])
+    run(model, seq, tokens[:26])
+    m.save("k", seq)
+    seq.close()
+    m.close()
+    m, pool, seq, match = restored_with_views(model, tmp_path, tokens, "k")
+    assert match.tokens == 26 and m.stats.pages_read_from_disk == 6
+    blocks = list(seq.tables[0].blocks[:6])
+    run_array = pool.run_array(blocks, 24)
+    assert run_array is not None and run_array.shape[3] == 24
+    assert seq.view is not None and seq.view.length == 24 and seq.view.nbytes == 0
+    for i, b in enumerate(blocks):  # each page's data is its slice of the run
+        assert mx.array_equal(pool.data(b), run_array[:, :, :, 4 * i : 4 * i + 4, :]).item()
+    logits = run(model, seq, tokens[26:])
+    assert mx.allclose(logits, reference(model, tokens), atol=1e-4).item()
+    seq.close()
+    m.close()
+
+
+def test_a_bad_page_in_a_run_keeps_the_pages_before_it(model, tmp_path):
+    tokens = list(range(40, 70))
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
+    seq, _ = m.start(tokens[:26], [])
+    run(model, seq, tokens[:26])
+    m.save("k", seq)
+    fourth = m.pool.hash_of(seq.tables[0].blocks[3])
+    seq.close()
+    m.close()
+    path = tmp_path / "pages" / fourth.hex()[:2] / (fourth.hex() + ".safetensors")
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 1
+    path.write_bytes(bytes(raw))
+    m, pool, seq, match = restored_with_views(model, tmp_path, tokens, "k")
+    assert match.tokens == 12  # the pages before the damaged one
+    blocks = list(seq.tables[0].blocks)
+    assert len(blocks) == 3 and pool.run_array(blocks, 12) is None  # each in its own storage
+    assert not path.exists()
+    logits = run(model, seq, tokens[12:])
+    assert mx.allclose(logits, reference(model, tokens), atol=1e-4).item()
+    seq.close()
+    m.close()

@@ -1,0 +1,63 @@
+"""Runs: consecutive sealed pages whose storage is one array (pages restored from disk together).
+
+A restore reads a run of page files straight into one array ``[group layers, 2, kv_heads,
+pages * page_size, head_dim]``; each page's data is a slice of it, and a prefix view over
+exactly those pages uses the array itself (no second copy of the run). The array lives while
+any page of the run does, so the page pool keeps a freed page's bytes counted (and its block id
+taken) until the last page of its run goes: what the pool counts is what it holds.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+
+
+class Run:
+    __slots__ = ("array", "blocks", "live", "pending")
+
+    def __init__(self, array: mx.array, blocks: Sequence[int]):
+        self.array = array
+        self.blocks = tuple(blocks)
+        self.live = set(blocks)
+        self.pending: list[int] = []  # freed pages whose bytes the array still holds
+
+
+class PageRuns:
+    """Which pages share a run array (a part of ``PagePool``, used under its rules)."""
+
+    def __init__(self):
+        self._of: dict[int, Run] = {}
+
+    def add(self, array: mx.array, blocks: Sequence[int]) -> None:
+        run = Run(array, blocks)
+        for b in blocks:
+            self._of[b] = run
+
+    def whole(self, blocks: Sequence[int], num_tokens: int, page_size: int) -> mx.array | None:
+        """The run array when ``blocks`` are exactly one run's pages, in order, all live, and
+        ``num_tokens`` fills them; else None."""
+        run = self._of.get(blocks[0]) if blocks else None
+        if run is None or tuple(blocks) != run.blocks or len(run.live) != len(blocks) \
+                or num_tokens != len(blocks) * page_size:
+            return None
+        return run.array
+
+    def free(self, block: int) -> list[int]:
+        """The blocks whose storage goes now that ``block`` is freed: itself when in no run,
+        none while other pages of its run live (it waits), or its run's all when it was the
+        last."""
+        run = self._of.pop(block, None)
+        if run is None:
+            return [block]
+        run.live.discard(block)
+        run.pending.append(block)
+        if run.live:
+            return []
+        return run.pending
+
+    @property
+    def pending(self) -> int:
+        """Freed pages whose run array is still held by other pages."""
+        return sum(len(r.pending) for r in {id(r): r for r in self._of.values()}.values())
