@@ -2,10 +2,13 @@
 
   throughput  an entry of ``--tokens`` tokens of the default model's KV geometry (random data)
               is saved, the store reopened (a restart), and the entry's files read back: by the
-              store (``load_entry`` + ``load_pages``: parallel reads, checksums, MLX arrays) and
-              by a whole restore into a page pool (``CacheManager.start``), against the machine's
-              own limit: the same files read with plain buffered reads into preallocated memory.
-              Page cache warm for all (each is read once first); medians of ``--repeat``.
+              store page by page (``load_entry`` + ``load_pages``) and by a whole restore as a
+              turn needs it (``CacheManager.start`` with prefix views, as the engine runs it:
+              manifest, pages into one run array, the view), against the machine's own limit:
+              the same files read with plain buffered reads into preallocated memory, and into
+              new memory (``np.empty`` each time: the first touch of new memory included, as a
+              restore into new memory pays it). Page cache warm for all (each is read once
+              first); medians of ``--repeat``.
   in_process  turn 4's cache step and prompt pass without the HTTP server (a manager with prefix
               views and ``Runner.prefill``, as the engine runs them): warm (resident sequence)
               against restored (new pool and store on the same directory);
@@ -85,9 +88,10 @@ def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
     total = sum(f.stat().st_size for f in files)
     buf = np.empty(total, dtype=np.uint8)
     plain_read(files, buf)  # warm the page cache
-    plain, store_t, restore_t = [], [], []
+    plain, fresh, store_t, restore_t, paged_t, views = [], [], [], [], [], []
     for _ in range(repeat):
         plain.append(plain_read(files, buf))
+        fresh.append(plain_read(files, np.empty(total, dtype=np.uint8)))
         with DiskStore(root, fingerprint=fp, spec=spec, page_size=PAGE, max_bytes=1 << 36) as s:
             t0 = time.perf_counter()
             e = s.load_entry("e")
@@ -95,26 +99,45 @@ def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
             mx.eval(list(pages.values()) + list(e.tails.values()))
             store_t.append(time.perf_counter() - t0)
             assert all(v is not None for v in pages.values())
-        pool = PagePool(spec=spec, page_size=PAGE, max_bytes=2 * total + (64 << 20),
-                        fingerprint=fp)
-        m = CacheManager(pool, DiskStore(root, fingerprint=fp, spec=spec, page_size=PAGE,
-                                         max_bytes=1 << 36), max_resident=0)
-        t0 = time.perf_counter()
-        seq, match = m.start(toks + [1], ["e"])
-        mx.eval([pool.data(b) for t in match.tables for b in t if b is not None])
-        restore_t.append(time.perf_counter() - t0)
-        assert match.tokens == tokens, match
-        seq.close()
-        m.close()
+            del pages, e
+        for runs, times in ((True, restore_t), (False, paged_t)):
+            pool = PagePool(spec=spec, page_size=PAGE, max_bytes=2 * total + (64 << 20),
+                            fingerprint=fp)
+            m = CacheManager(pool, DiskStore(root, fingerprint=fp, spec=spec, page_size=PAGE,
+                                             max_bytes=1 << 36), max_resident=0)
+            m.views = PrefixViews(pool)  # as the engine sets it up
+            if not runs:  # as before runs: page by page, then the view copies the pages
+                m._load_run = lambda *a: None
+            t0 = time.perf_counter()
+            seq, match = m.start(toks + [1], ["e"])
+            mx.eval([pool.data(b) for t in match.tables for b in t if b is not None])
+            times.append(time.perf_counter() - t0)
+            assert match.tokens == tokens, match
+            if runs:
+                views.append(seq.view is not None and seq.view.nbytes == 0)
+            seq.close()
+            m.close()
+    t0 = time.perf_counter()
+    for _ in range(repeat):  # MLX's first touch of new memory, the run's size
+        mx.eval(mx.zeros((total // 4,), dtype=mx.float32))
+    touch = (time.perf_counter() - t0) / repeat
     mb = total / 2**20
     med = {k: statistics.median(v) for k, v in
-           (("plain", plain), ("store", store_t), ("restore", restore_t))}
+           (("plain", plain), ("fresh", fresh), ("store", store_t), ("restore", restore_t),
+            ("paged", paged_t))}
     return {"tokens": tokens, "files": len(files), "mb": round(mb, 1),
             "plain_read_mb_s": round(mb / med["plain"]),
+            "plain_read_new_memory_mb_s": round(mb / med["fresh"]),
             "store_read_mb_s": round(mb / med["store"]),
-            "restore_into_pool_mb_s": round(mb / med["restore"]),
+            "restore_with_view_mb_s": round(mb / med["restore"]),
+            "restore_with_view_ms": [round(1e3 * t, 1) for t in restore_t],
+            "view_without_copy": all(views),
+            "page_by_page_then_view_copy_mb_s": round(mb / med["paged"]),
+            "page_by_page_then_view_copy_ms": [round(1e3 * t, 1) for t in paged_t],
+            "mlx_new_memory_mb_s": round(mb / touch),
             "store_over_plain": round(med["plain"] / med["store"], 2),
-            "restore_over_plain": round(med["plain"] / med["restore"], 2)}
+            "restore_over_plain": round(med["plain"] / med["restore"], 2),
+            "restore_over_plain_new_memory": round(med["fresh"] / med["restore"], 2)}
 
 
 def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int = 25) -> dict:
@@ -170,31 +193,38 @@ def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int =
 
 
 def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
-    doc, cache_dir, port = document(), work / "kv", free_port()
-    qs = [f"{QUESTIONS[3]} (Version {k + 1}.)" for k in range(reps)]
+    """Turn 4 warm (right after turn 3, the history in memory) and restored (after a restart),
+    ``reps`` times each. Rep ``k`` is its own conversation on its own copy of the document (it
+    differs from the first token), so a warm turn reuses its own history and nothing of
+    another rep's turn 4: warm and restored turns compute the same new tokens."""
+    cache_dir, port, q = work / "kv", free_port(), QUESTIONS[3]
+    docs = [f"(Copy {k + 1}) {document()}" for k in range(reps)]
     server = Server(cache_dir, port, [])
+    warm, hists = [], []
     try:
-        _, warm_hist = conversation(server.url, "w", True, max_tokens, doc, QUESTIONS[:3])
-        warm = []
-        for k, q in enumerate(qs):
-            msgs = warm_hist + [{"role": "user", "content": q, "message_id": f"w-u3-{k}"}]
+        for k in range(reps):
+            _, hist = conversation(server.url, f"w{k}", True, max_tokens, docs[k], QUESTIONS[:3])
+            msgs = hist + [{"role": "user", "content": q, "message_id": f"w{k}-u3"}]
             warm.append(ask(server.url, msgs, True, max_tokens))
-        _, hist = conversation(server.url, "r", True, max_tokens, doc, QUESTIONS[:3])
+        for k in range(reps):
+            hists.append(conversation(server.url, f"r{k}", True, max_tokens, docs[k],
+                                      QUESTIONS[:3])[1])
     finally:
         server.stop()
     restored = []
-    for k, q in enumerate(qs):
+    for k in range(reps):
         server = Server(cache_dir, port, [])
         try:
             if warmup:  # the new process's first forward pass, apart from the restore
                 ask(server.url, [{"role": "user", "content": "Hi."}], False, 1)
-            msgs = hist + [{"role": "user", "content": q, "message_id": f"r-u3-{k}"}]
+            msgs = hists[k] + [{"role": "user", "content": q, "message_id": f"r{k}-u3"}]
             restored.append(ask(server.url, msgs, True, max_tokens))
         finally:
             server.stop()
     w = statistics.median(r["ttft"] for r in warm)
     r = statistics.median(r["ttft"] for r in restored)
-    return {"process_warmup": warmup, "prompt_tokens": restored[0]["prompt_tokens"],
+    return {"process_warmup": warmup, "prompt_tokens": [x["prompt_tokens"] for x in restored],
+            "cached_tokens_warm": [x["cached_tokens"] for x in warm],
             "cached_tokens_restored": [x["cached_tokens"] for x in restored],
             "warm_ttft_s": [round(x["ttft"], 3) for x in warm],
             "restored_ttft_s": [round(x["ttft"], 3) for x in restored],
