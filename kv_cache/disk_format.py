@@ -509,7 +509,7 @@ def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
     return arr.view(mx.bfloat16) if geo.group_dtype(group) == "bfloat16" else arr
 
 
-def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[list[memoryview]]]:
+def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[list[np.ndarray]]]:
     """One array for ``n`` consecutive pages of ``group`` ``[layers, 2, kv_heads, n * page_size,
     head_dim]`` (storage dtype), and per page the writable pieces its file's data fills, in
     file order: one ``page_size x head_dim`` block per layer, key/value and head."""
@@ -520,7 +520,7 @@ def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[list[mem
     mx.eval(arr)
     block = geo.page_size * shape[-1] * mdt.size
     rows = np.array(arr, copy=False).view(np.uint8).reshape(-1, n * block)
-    return arr, [[memoryview(r) for r in rows[:, i * block : (i + 1) * block]] for i in range(n)]
+    return arr, [list(rows[:, i * block : (i + 1) * block]) for i in range(n)]
 
 
 def fill_page(fd: int, size: int, dest: memoryview | Sequence[memoryview], head_sum: bytes,
@@ -533,8 +533,8 @@ def fill_page(fd: int, size: int, dest: memoryview | Sequence[memoryview], head_
     nbytes = sum(p.nbytes for p in parts)
     if size <= nbytes:
         return False
-    head = read_at(fd, size - nbytes, 0)
-    read_into(fd, parts, len(head))
+    head = bytearray(size - nbytes)
+    read_into(fd, [memoryview(head), *parts], 0)  # one read: header and data
     return head_digest(head) == head_sum and checksum(*parts) == data_sum
 
 

@@ -52,18 +52,18 @@ class PageReader:
                                                                  [size] * len(pages))
 
     def _fill_all(self, pages, dests: list, sizes: list[int]) -> list[tuple[str, object]]:
+        names = [h.hex() for h, _, _ in pages]
         subs: dict[str, int | None] = {}  # each page folder opened once for the batch
-        for h, _, _ in pages:
-            sub = h.hex()[:2]
-            if sub not in subs:
+        for name in names:
+            if name[:2] not in subs:
                 try:
-                    subs[sub] = afs.open_dir(sub, self.pages_fd, create=False)
+                    subs[name[:2]] = afs.open_dir(name[:2], self.pages_fd, create=False)
                 except OSError:
-                    subs[sub] = None
+                    subs[name[:2]] = None
         parallel = sum(sizes) >= PARALLEL_PAGE_BYTES * len(sizes)
         try:
-            return self._map(lambda x: self._fill(subs[x[0][0].hex()[:2]], *x[0], x[1]),
-                             list(zip(pages, dests)), parallel)
+            return self._map(lambda x: self._fill(subs[x[0][:2]], x[0], *x[1], x[2]),
+                             list(zip(names, pages, dests)), parallel)
         finally:
             for fd in subs.values():
                 if fd is not None:
@@ -85,13 +85,13 @@ class PageReader:
         runs = [items[i : i + k] for i in range(0, len(items), k)]
         return [y for run in self._threads.map(lambda r: [fn(x) for x in r], runs) for y in run]
 
-    def _fill(self, sub_fd: int | None, h: bytes, size: int, info, dest):
+    def _fill(self, sub_fd: int | None, name: str, h: bytes, size: int, info, dest):
         """("ok", None) once the page's data is in ``dest`` and the file is the one the index
         describes, ("nodir", None) when its folder could not be opened, else ("bad", error)."""
         if sub_fd is None:
             return "nodir", None
         try:
-            fd, got = afs.open_regular(h.hex() + ".safetensors", sub_fd)
+            fd, got = afs.open_regular(name + ".safetensors", sub_fd)
         except (FormatError, OSError) as e:
             return "bad", e
         try:

@@ -1177,7 +1177,9 @@ def test_a_transient_read_error_is_a_miss_that_keeps_the_file(tmp_path, stores, 
     toks = list(range(6))
     assert s.put("k", toks, records(toks))
     h = hashes(toks)[0]
-    monkeypatch.setattr(os, "pread", failing(0, OSError(errno.EIO, "I/O error"), os.pread))
+    for read in ("pread", "preadv"):  # every read of a file fails
+        monkeypatch.setattr(os, read, failing(0, OSError(errno.EIO, "I/O error"),
+                                              getattr(os, read)))
     assert s.load_page(h) is None and s.load_tail("k") is None and s.load_entry("k") is None
     assert s.get("k").tokens == tuple(toks)  # a transient error keeps the entry indexed
     monkeypatch.undo()
