@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import shlex
 import sys
 from collections.abc import Iterable, Mapping, Sequence
@@ -126,13 +127,28 @@ def _prepend(path: str, current: str | None) -> str:
 
 
 def candidate_env(c: Candidate, environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment additions that preload ``c``."""
+    """The environment additions that preload ``c`` (and, riding on the same re-exec, the
+    malloc setting of :func:`malloc_tunables`)."""
     add = {"LD_PRELOAD": _prepend(str(c.preload), environ.get("LD_PRELOAD")), MARKER_VAR: c.name}
     if c.library_path is not None:
         add["LD_LIBRARY_PATH"] = _prepend(str(c.library_path), environ.get("LD_LIBRARY_PATH"))
     if (threads := _threads(environ, c.threads_var)) is not None:
         add[c.threads_var] = threads
+    if (tunables := malloc_tunables(environ)) is not None:
+        add["GLIBC_TUNABLES"] = tunables
     return add
+
+
+def malloc_tunables(environ: Mapping[str, str]) -> str | None:
+    """``GLIBC_TUNABLES`` with ``glibc.malloc.hugetlb=1`` (glibc asks for transparent huge pages
+    on the memory it maps for large blocks), or None when the user set that tunable or this is
+    not glibc. MLX's CPU arrays come from malloc: a restored run of pages (~100 MB for the
+    default model at 2,400 tokens) is first touched in ~700 faults of 2 MiB instead of ~25,000
+    of 4 KiB (docs/BENCHMARKS.md, section 9)."""
+    current = environ.get("GLIBC_TUNABLES", "")
+    if "glibc.malloc.hugetlb" in current or platform.libc_ver()[0] != "glibc":
+        return None
+    return ":".join(x for x in (current, "glibc.malloc.hugetlb=1") if x)
 
 
 @dataclass
