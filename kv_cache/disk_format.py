@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import re
 import struct
 from dataclasses import dataclass
@@ -437,11 +436,6 @@ def page_file(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
     data_sum = checksum(arr)
     meta = page_metadata(geo, h, parent, tokens, data_sum, group, kind)
     return encode({"kv": arr}, DTYPES[dt][1], meta), data_sum
-
-
-def page_data_bytes(geo: Geometry, n: int, group: int) -> int:
-    """The size of the data of a page (or tail) of ``n`` positions: the file's last bytes."""
-    return math.prod(geo.shape(n, group)) * DTYPES[geo.group_dtype(group)][2].itemsize
 
 
 def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],

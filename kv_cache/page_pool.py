@@ -340,7 +340,7 @@ class PagePool:
             return [(every[layer, 0][None], every[layer, 1][None])
                     for layer in range(every.shape[0])]
         g = self.groups[self._get(blocks[0]).group]
-        pad = [mx.zeros((g.num_kv_heads, room, g.head_dim), g.mx_dtype)] if room else []
+        pad = [mx.zeros((g.num_kv_heads, room, g.head_dim), g.mx_dtype)]
         out = []
         for layer in range(len(g.layers)):
             k = mx.concatenate([p[layer, 0] for p in pieces] + pad, axis=1)

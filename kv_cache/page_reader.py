@@ -1,8 +1,9 @@
 """Reading page files for a restore. The store's index already holds what each file's header
-said (checked when the store wrote or indexed the file): its size, group, token count and data
-checksum. So a page costs one open, one read of its data straight into its MLX array and one
-xxh3 pass, on a few threads (file reads and xxh3 release the GIL). A file changed since then
-(truncated, replaced, damaged) no longer has the indexed size or checksum: a miss. The reader
+said (checked when the store wrote or indexed the file): its size, group, token count, a digest
+of the header's bytes and the data's checksum. So a page costs one open, one read (header and
+data, the data straight into its MLX array) and xxh3 passes, on a few threads when pages are
+large (file reads and xxh3 release the GIL). A file changed since then (truncated, replaced,
+damaged) no longer has the indexed size or digests: a miss. The reader
 threads run no MLX and change no index: they report what they found, and the store (under its
 lock) acts on it."""
 

@@ -56,8 +56,3 @@ class PageRuns:
         if run.live:
             return []
         return run.pending
-
-    @property
-    def pending(self) -> int:
-        """Freed pages whose run array is still held by other pages."""
-        return sum(len(r.pending) for r in {id(r): r for r in self._of.values()}.values())
