@@ -48,9 +48,8 @@ class PageReader:
         page_size, head_dim]`` (``kv_cache.page_runs``), and per page what ``read`` says (its
         data is its slice of the array)."""
         arr, parts = fmt.run_dest(self.geo, group, len(pages))
-        size = sum(p.nbytes for p in parts[0]) if parts else 0
         return fmt.as_page(arr, self.geo, group), self._fill_all(pages, parts,
-                                                                 [size] * len(pages))
+                                                                 [p.nbytes for p in parts])
 
     def _fill_all(self, pages, dests: list, sizes: list[int]) -> list[tuple[str, object]]:
         names = [h.hex() for h, _, _ in pages]

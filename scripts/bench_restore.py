@@ -108,6 +108,7 @@ def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
             m.views = PrefixViews(pool)  # as the engine sets it up
             if not runs:  # as before runs: page by page, then the view copies the pages
                 m._load_run = lambda *a: None
+            gc.collect()  # the previous rep's arrays are gone (a server collects them too)
             t0 = time.perf_counter()
             seq, match = m.start(toks + [1], ["e"])
             mx.eval([pool.data(b) for t in match.tables for b in t if b is not None])

@@ -246,8 +246,16 @@ def restored_with_views(model, root, tokens, key):
     return m, pool, seq, match
 
 
-def test_pages_restored_together_are_one_array_that_the_view_reads_without_a_copy(model,
-                                                                                 tmp_path):
+# A run's array comes from mx.zeros when small, else unfilled (``kv_cache.mx_memory.empty``):
+# tiny runs take both ways when the size from which it is unfilled is set to 0.
+RUN_ALLOCATION = pytest.mark.parametrize("empty_from", [None, 0], ids=["zeros", "unfilled"])
+
+
+@RUN_ALLOCATION
+def test_pages_restored_together_are_one_array_that_the_view_reads_without_a_copy(
+        model, tmp_path, monkeypatch, empty_from):
+    if empty_from is not None:
+        monkeypatch.setattr("kv_cache.mx_memory.EMPTY_MIN_BYTES", empty_from)
     tokens = list(range(40, 70))  # 7 full pages of 4 and 2 tokens
     m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
     seq, _ = m.start(tokens[:26], [])
@@ -269,7 +277,10 @@ def test_pages_restored_together_are_one_array_that_the_view_reads_without_a_cop
     m.close()
 
 
-def test_a_bad_page_in_a_run_keeps_the_pages_before_it(model, tmp_path):
+@RUN_ALLOCATION
+def test_a_bad_page_in_a_run_keeps_the_pages_before_it(model, tmp_path, monkeypatch, empty_from):
+    if empty_from is not None:
+        monkeypatch.setattr("kv_cache.mx_memory.EMPTY_MIN_BYTES", empty_from)
     tokens = list(range(40, 70))
     m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
     seq, _ = m.start(tokens[:26], [])
