@@ -7,24 +7,15 @@ and check the files). MLX has no ``empty``; its ``load`` does what one needs: it
 array and reads the file's data straight into it. ``empty`` hands ``mx.load`` a file-like object
 that serves an ``.npy`` header and leaves the data bytes as the allocator gave them, so the
 caller's reads are the memory's first writes. Never expose such an array before every byte of
-it has been written.
-
-On Linux the new memory is also advised to use transparent huge pages (``madvise``), so its
-first touch takes one fault per 2 MiB instead of one per 4 KiB (measured: 55 MB in 2.7 ms
-against 17 ms). glibc's own ``glibc.malloc.hugetlb=1`` (which the server's launch sets) asks
-for that only in some processes here: in 5 of 8 runs glibc 2.36 read the kernel's THP mode and
-made no ``madvise`` call at all."""
+it has been written."""
 
 from __future__ import annotations
 
-import ctypes
 import io
-import mmap
 import sys
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
 
 _ORDER = "<" if sys.byteorder == "little" else ">"  # native: MLX swaps no bytes
 _DESCR = {mx.uint8: "|u1", mx.int8: "|i1", mx.uint16: _ORDER + "u2", mx.int16: _ORDER + "i2",
@@ -61,40 +52,7 @@ def empty(shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
     shape = tuple(int(d) for d in shape)
     arr = mx.load(_Unwritten(shape, _DESCR[dtype], dtype.size), format="npy")
     mx.eval(arr)
-    _advise_huge_pages(arr)
     return arr
-
-
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)  # Linux only
-_PAGE = mmap.PAGESIZE
-_HUGE = 2 << 20
-
-
-def _madvise():
-    if _MADV_HUGEPAGE is None:
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise_fn = _madvise()
-
-
-def _advise_huge_pages(arr: mx.array) -> None:
-    """Ask the kernel for huge pages over the whole 4 KiB pages of ``arr``'s memory (Linux;
-    nothing elsewhere, and nothing when the kernel says no: it is only advice)."""
-    if _madvise_fn is None or arr.nbytes < _HUGE:
-        return
-    start = np.array(arr, copy=False).__array_interface__["data"][0]
-    first = -(-start // _PAGE) * _PAGE
-    last = (start + arr.nbytes) // _PAGE * _PAGE
-    if last > first:
-        _madvise_fn(first, last - first, _MADV_HUGEPAGE)
 
 
 class _Unwritten(io.RawIOBase):

@@ -183,6 +183,8 @@ def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int =
         m, runner = manager()
         restored.append(turn(m, runner))
         m.close()
+        del m, runner
+        gc.collect()  # the rep's run freed (its objects hold cycles) before the next allocates
     w = statistics.median(a + b for a, b, _ in warm)
     r = statistics.median(a + b for a, b, _ in restored)
     return {"history_tokens": len(hist), "new_tokens": len(new),

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -57,25 +55,3 @@ def test_new_array_fills_nothing_from_the_threshold_on(monkeypatch):
     monkeypatch.undo()
     small = new_array((16,), mx.uint16)
     assert small.sum().item() == 0
-
-
-def _vm_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding ``address`` (Linux's /proc/self/smaps)."""
-    inside = False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and line.startswith("VmFlags:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
-@pytest.mark.skipif(not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"),
-                    reason="transparent huge pages are a Linux kernel feature")
-def test_a_large_empty_array_asks_linux_for_huge_pages():
-    a = empty((8 << 20,), mx.uint8)
-    address = np.array(a, copy=False).__array_interface__["data"][0]
-    assert "hg" in _vm_flags(address + (4 << 20))  # MADV_HUGEPAGE on its memory
