@@ -492,13 +492,16 @@ def page_dest(geo: Geometry, group: int) -> tuple[mx.array, memoryview]:
 
 def page_dests(geo: Geometry, groups: Sequence[int]) -> list[tuple[mx.array, memoryview]]:
     """``page_dest`` for several pages at once (one evaluation for all: cheaper per page)."""
-    arrs = []
-    for group in groups:
-        dt = geo.group_dtype(group)
-        mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
-        arrs.append(mx.zeros(geo.shape(geo.page_size, group), dtype=mdt))
+    arrs = [mx.zeros(geo.shape(geo.page_size, g), dtype=storage_dtype(geo, g)) for g in groups]
     mx.eval(arrs)
     return [(a, memoryview(np.array(a, copy=False)).cast("B")) for a in arrs]
+
+
+def storage_dtype(geo: Geometry, group: int) -> mx.Dtype:
+    """The dtype a page of ``group`` is read into: its own, bfloat16 as raw 16-bit words
+    (numpy, through which files are read, has no bfloat16; ``as_page`` views it back)."""
+    dt = DTYPES[geo.group_dtype(group)][0]
+    return mx.uint16 if dt == mx.bfloat16 else dt
 
 
 def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
@@ -509,8 +512,7 @@ def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[np.ndarr
     """One array for ``n`` consecutive pages of ``group`` ``[layers, 2, kv_heads, n * page_size,
     head_dim]`` (storage dtype), and per page the writable byte view its file's data fills: one
     row per layer, key/value and head, of ``page_size x head_dim`` items (the file's order)."""
-    dt = geo.group_dtype(group)
-    mdt = mx.uint16 if DTYPES[dt][0] == mx.bfloat16 else DTYPES[dt][0]
+    mdt = storage_dtype(geo, group)
     shape = geo.shape(geo.page_size * n, group)
     arr = new_array(shape, mdt)
     block = geo.page_size * shape[-1] * mdt.size

@@ -12,6 +12,7 @@ it has been written."""
 from __future__ import annotations
 
 import io
+import math
 import sys
 from typing import Sequence
 
@@ -32,10 +33,7 @@ EMPTY_MIN_BYTES = 32 << 20
 
 def new_array(shape: Sequence[int], dtype: mx.Dtype) -> mx.array:
     """An evaluated array to be written in full by the caller: ``empty`` when large, else zeros."""
-    n = dtype.size
-    for d in shape:
-        n *= int(d)
-    if n >= EMPTY_MIN_BYTES:
+    if math.prod(int(d) for d in shape) * dtype.size >= EMPTY_MIN_BYTES:
         return empty(shape, dtype)
     arr = mx.zeros(shape, dtype=dtype)
     mx.eval(arr)
@@ -65,10 +63,7 @@ class _Unwritten(io.RawIOBase):
         pad = -(10 + len(text) + 1) % 64  # the format's alignment: header ends on 64 bytes
         text = text + " " * pad + "\n"
         self._head = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text.encode()
-        n = 1
-        for d in shape:
-            n *= d
-        self._size = len(self._head) + n * itemsize
+        self._size = len(self._head) + math.prod(shape) * itemsize
         self._pos = 0
 
     def readable(self) -> bool:
