@@ -18,9 +18,9 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 TMP_PREFIX = ".tmp."
-_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
-_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
-_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 IOV_MAX = 1024  # buffers one preadv may take (Linux and macOS)
 
@@ -28,7 +28,7 @@ IOV_MAX = 1024  # buffers one preadv may take (Linux and macOS)
 def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
     """A directory fd, never through a symlink. With ``create``, a missing directory is made and
     a symlink or file planted in its place is removed first (it is inside our tree)."""
-    flags = os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC
+    flags = os.O_RDONLY | _DIRECTORY | NOFOLLOW | CLOEXEC
     try:
         return os.open(name, flags, dir_fd=dir_fd)
     except FileNotFoundError:
@@ -48,7 +48,7 @@ def open_dir(name: str, dir_fd: int | None, create: bool) -> int:
 def open_regular(name: str, dir_fd: int) -> tuple[int, int]:
     """(fd, size) of a regular file opened without following a symlink (nor blocking on a FIFO)."""
     try:
-        fd = os.open(name, os.O_RDONLY | _NOFOLLOW | _NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
+        fd = os.open(name, os.O_RDONLY | NOFOLLOW | NONBLOCK | CLOEXEC, dir_fd=dir_fd)
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.EMLINK, errno.ENXIO):
             raise FormatError("a symlink or special file, not followed") from None
@@ -128,7 +128,7 @@ def atomic_write_many(files: Sequence[tuple[int, str, Sequence, int | None]],
     try:
         for i, (dir_fd, name, chunks, mtime_ns) in enumerate(files):
             tmp = f"{TMP_PREFIX}{os.getpid()}.{secrets.token_hex(6)}.{name}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC,
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | NOFOLLOW | CLOEXEC,
                          0o600, dir_fd=dir_fd)
             pending.append((dir_fd, tmp, name, 0))
             size = 0

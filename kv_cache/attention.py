@@ -56,8 +56,7 @@ class PrefixView:
         self.kv: dict[int, tuple[mx.array, mx.array]] = {}  # model layer slot -> (K, V)
         self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
         for g, blocks in zip(groups, tables):
-            for b in blocks:
-                pool.hold(b)
+            pool.hold_all(blocks)
             layers = pool.groups[g].layers
             run = pool.run_array(list(blocks), length)
             if run is not None:  # pages restored together: their array is already contiguous
@@ -81,8 +80,7 @@ class PrefixView:
 
     def close(self) -> None:
         for blocks in self.tables:
-            for b in blocks:
-                self.pool.release(b)
+            self.pool.release_all(blocks)
         self.kv.clear()
         self.tables = []
 

@@ -101,11 +101,16 @@ def dtype_name(dtype: mx.Dtype) -> str:
     raise ValueError(f"the disk store keeps float16, bfloat16 or float32 pages, not {dtype}")
 
 
+CHECKSUM_PREFIX = "xxh3-128:"
+
+
 def checksum(*chunks) -> str:
+    if len(chunks) == 1:
+        return CHECKSUM_PREFIX + xxhash.xxh3_128_hexdigest(chunks[0])
     h = xxhash.xxh3_128()
     for c in chunks:
         h.update(c)
-    return "xxh3-128:" + h.hexdigest()
+    return CHECKSUM_PREFIX + h.hexdigest()
 
 
 @dataclass(frozen=True, slots=True)

@@ -30,6 +30,7 @@ from .errors import OutOfBlocksError
 from .page_pool import PagePool
 from .sequence import PagedSequence, Snapshot
 from .spec import SLIDING
+from .tokens import common_prefix
 
 log = logging.getLogger("kv_cache.manager")
 PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
@@ -103,14 +104,6 @@ class DiskWriter:
             finally:
                 self._tasks.task_done()
         self._tasks.task_done()
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 class CacheManager:
@@ -312,9 +305,7 @@ class CacheManager:
         seq = PagedSequence(self.pool, prompt[: match.tokens],
                             match.tables if match.tokens else [], match.state, self.views)
         for t in loaded:  # the sequence holds them now
-            for b in t:
-                if b is not None:
-                    self.pool.release(b)
+            self.pool.release_all(t)
         return seq, match
 
     def new_sequence(self) -> PagedSequence:
@@ -447,9 +438,7 @@ class CacheManager:
         n = len(seq.tokens) if n_tokens is None else n_tokens
         tables = seq.prefix_tables(n)
         for t in tables:
-            for b in t:
-                if b is not None:
-                    self.pool.hold(b)
+            self.pool.hold_all(t)
         self.drop(key, from_disk=False)
         state = seq.state_snapshot() if n == len(seq.tokens) else None
         entry = Entry(key, tuple(seq.tokens[:n]), tables, state)

@@ -15,7 +15,7 @@ The pool grows on demand: storage exists only for pages that hold data.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import mlx.core as mx
 
@@ -101,7 +101,7 @@ class PagePool:
         self.reclaimer: Reclaimer | None = None  # asked to drop holds when pages run short
         self._meta: dict[int, PageMeta] = {}
         self._data: dict[int, mx.array] = {}
-        self._runs = PageRuns()  # pages restored together into one array
+        self._runs = PageRuns(page_size)  # pages restored together into one array
         self._index: dict[bytes, int] = {}  # hash -> sealed block
         self._children: dict[bytes, int] = {}  # hash -> number of indexed pages continuing it
         self._num_cached = 0  # indexed pages with ref_count 0
@@ -162,25 +162,46 @@ class PagePool:
 
     def hold(self, block: int) -> None:
         """One more holder of ``block`` (a sequence, a stored entry)."""
-        meta = self._get(block)
-        if meta.ref_count == 0:
-            self._num_cached -= 1
-            self._cached_bytes -= self.group_page_bytes[meta.group]
-        meta.ref_count += 1
-        if meta.indexed:
-            self.policy.access(block)
+        self.hold_all((block,))
+
+    def hold_all(self, blocks: Iterable[int | None]) -> None:
+        """``hold`` each of ``blocks`` (None: a page a table does not hold, skipped). One pass:
+        a long chat holds hundreds of pages at once."""
+        metas, access, sizes = self._meta, self.policy.access, self.group_page_bytes
+        for block in blocks:
+            if block is None:
+                continue
+            meta = metas.get(block)
+            if meta is None:
+                raise InvalidBlockError(f"block {block!r} is not allocated")
+            if meta.ref_count == 0:
+                self._num_cached -= 1
+                self._cached_bytes -= sizes[meta.group]
+            meta.ref_count += 1
+            if meta.indexed:
+                access(block)
 
     def release(self, block: int) -> None:
         """One holder fewer; at zero a sealed page stays cached, an open page is freed."""
-        meta = self._get(block)
-        assert meta.ref_count > 0, f"release of block {block}, which nothing holds"
-        meta.ref_count -= 1
-        if meta.ref_count == 0:
-            if meta.indexed:
-                self._num_cached += 1
-                self._cached_bytes += self.group_page_bytes[meta.group]
-            else:
-                self._free(block)
+        self.release_all((block,))
+
+    def release_all(self, blocks: Iterable[int | None]) -> None:
+        """``release`` each of ``blocks`` (None skipped), in one pass."""
+        metas, sizes = self._meta, self.group_page_bytes
+        for block in blocks:
+            if block is None:
+                continue
+            meta = metas.get(block)
+            if meta is None:
+                raise InvalidBlockError(f"block {block!r} is not allocated")
+            assert meta.ref_count > 0, f"release of block {block}, which nothing holds"
+            meta.ref_count -= 1
+            if meta.ref_count == 0:
+                if meta.indexed:
+                    self._num_cached += 1
+                    self._cached_bytes += sizes[meta.group]
+                else:
+                    self._free(block)
 
     def ref_count(self, block: int) -> int:
         return self._get(block).ref_count
@@ -205,7 +226,11 @@ class PagePool:
     def data(self, block: int) -> mx.array:
         """The page's storage, ``[group layers, 2, kv_heads, n, head_dim]``. Read only."""
         self._get(block)
-        return self._data[block]
+        return self._page_data(block)
+
+    def _page_data(self, block: int) -> mx.array:
+        d = self._data.get(block)
+        return self._runs.page(block) if d is None else d
 
     def is_writable(self, block: int, at: int) -> bool:
         """Whether the caller may append at position ``at`` of ``block`` in place: the page is
@@ -241,7 +266,7 @@ class PagePool:
             (new,) = self.allocate(1, meta.group)
         finally:
             self.release(block)
-        self._data[new] = mx.contiguous(self._data[block][:, :, :, :n, :])
+        self._data[new] = mx.contiguous(self._page_data(block)[:, :, :, :n, :])
         self._meta[new].tokens = meta.tokens[:n]
         return new
 
@@ -290,23 +315,31 @@ class PagePool:
         ``parent``) whose data is ``array`` ``[layers, 2, kv_heads, len(pages) * page_size,
         head_dim]``, one slice a page (``kv_cache.page_runs``): cached, held by nobody. None of
         them may be in the pool already. All or none (``OutOfBlocksError``)."""
-        P = self.page_size
         assert all(self._index.get(h) is None for h, _ in pages), "a page of the run is cached"
+        if any(len(tokens) != self.page_size for _, tokens in pages):
+            raise ValueError("only full pages are sealed, and a run holds only sealed pages")
         blocks = self.allocate(len(pages), group)
-        for i, (b, (h, tokens)) in enumerate(zip(blocks, pages)):
-            self._data[b] = array[:, :, :, i * P : (i + 1) * P, :]
-            self._meta[b].tokens = tuple(map(int, tokens))
-            self.seal(b, parent, h)
+        # NOTE: ``seal`` and ``release`` for each page, in one pass: a restore of a long chat
+        # of a small model adds hundreds of pages, and this is per-page interpreter work.
+        index, children, metas, insert = self._index, self._children, self._meta, self.policy.insert
+        for b, (h, tokens) in zip(blocks, pages):
+            meta = metas[b]
+            meta.tokens = tuple(map(int, tokens))
+            meta.sealed, meta.hash, meta.parent, meta.indexed = True, h, parent, True
+            meta.ref_count = 0
+            index[h] = b
+            children[parent] = children.get(parent, 0) + 1
+            insert(b, ident=h)
             parent = h
         self._runs.add(array, blocks)
-        for b in blocks:
-            self.release(b)
+        self._num_cached += len(blocks)
+        self._cached_bytes += len(blocks) * self.group_page_bytes[group]
         return blocks
 
     def run_array(self, blocks: Sequence[int], num_tokens: int) -> mx.array | None:
         """The one array holding exactly ``blocks`` (a run restored together), when
         ``num_tokens`` fills them; else None."""
-        return self._runs.whole(blocks, num_tokens, self.page_size)
+        return self._runs.whole(blocks, num_tokens)
 
     def _pieces(self, blocks: Sequence[int], num_tokens: int) -> list[mx.array]:
         P = self.page_size
@@ -317,7 +350,7 @@ class PagePool:
             n = min(P, num_tokens - i * P)
             if self.num_tokens(b) < n:
                 raise ValueError(f"block {b} holds {self.num_tokens(b)} tokens, {n} needed")
-            d = self._data[b]
+            d = self._page_data(b)
             pieces.append(d if d.shape[3] == n else d[:, :, :, :n, :])
         return pieces
 

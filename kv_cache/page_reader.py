@@ -1,19 +1,23 @@
 """Reading page files for a restore. The store's index already holds what each file's header
 said (checked when the store wrote or indexed the file): its size, group, token count, a digest
 of the header's bytes and the data's checksum. So a page costs one open, one read (header and
-data, the data straight into its MLX array) and xxh3 passes, on a few threads when pages are
-large (file reads and xxh3 release the GIL). A file changed since then (truncated, replaced,
-damaged) no longer has the indexed size or digests: a miss. The reader
-threads run no MLX and change no index: they report what they found, and the store (under its
-lock) acts on it."""
+data together) and two xxh3 passes, in a tight loop (a restore of a small model reads many small
+pages: per page, the interpreter's work is the cost), on a few threads when pages are large
+(file reads and copies release the GIL). A file changed since then (truncated, grown, replaced,
+damaged) no longer has the indexed size or digests: it is read again on the careful path
+(``_fill``), which says what is wrong, and is a miss. The reader threads run no MLX and change
+no index: they report what they found, and the store (under its lock) acts on it."""
 
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import mlx.core as mx
+import numpy as np
+import xxhash
 
 from . import atomic_fs as afs
 from . import disk_format as fmt
@@ -24,6 +28,11 @@ READ_THREADS = 4  # NOTE: pages are read and verified in parallel; more adds lit
 # and hashing: one thread reads them all (measured: 500 pages of 16 KiB, 11 ms on one thread
 # against 14 ms on two; 75 pages of 1.4 MiB, 24 ms against 12 ms).
 PARALLEL_PAGE_BYTES = 256 << 10
+# A page file opened without following a symlink, never blocking (a FIFO planted in its place
+# reads nothing); no fstat: a read of one byte more than the indexed size says whether the file
+# still has that size, and anything but a regular file of it fails the checks.
+_OPEN = os.O_RDONLY | afs.NOFOLLOW | afs.NONBLOCK | afs.CLOEXEC
+_SUM = fmt.CHECKSUM_PREFIX
 
 
 class PageReader:
@@ -32,6 +41,7 @@ class PageReader:
     def __init__(self, geo: Geometry, pages_fd: int):
         self.geo, self.pages_fd = geo, pages_fd
         self._threads: ThreadPoolExecutor | None = None
+        self._local = threading.local()  # per thread: a buffer a page file is read into
 
     def read(self, pages: Sequence[tuple[bytes, int, object]]) -> list[tuple[str, object]]:
         """Per ``(hash, indexed file size, indexed FileInfo)``: ("ok", page array),
@@ -60,10 +70,11 @@ class PageReader:
                     subs[name[:2]] = afs.open_dir(name[:2], self.pages_fd, create=False)
                 except OSError:
                     subs[name[:2]] = None
+        items = [(subs[name[:2]], name, page, dest)
+                 for name, page, dest in zip(names, pages, dests)]
         parallel = sum(sizes) >= PARALLEL_PAGE_BYTES * len(sizes)
         try:
-            return self._map(lambda x: self._fill(subs[x[0][:2]], x[0], *x[1], x[2]),
-                             list(zip(names, pages, dests)), parallel)
+            return self._map(self._fill_many, items, parallel)
         finally:
             for fd in subs.values():
                 if fd is not None:
@@ -75,21 +86,60 @@ class PageReader:
             self._threads = None
 
     def _map(self, fn, items: Sequence, parallel: bool = True) -> list:
-        """``[fn(x) for x in items]``, in READ_THREADS runs of consecutive items (one task a
-        run: a page costs less than handing it to a thread), or here when not ``parallel``."""
+        """``fn(items)``, in READ_THREADS runs of consecutive items (one task a run: a page
+        costs less than handing it to a thread), or here in one when not ``parallel``."""
         if len(items) < 2 or not parallel:
-            return [fn(x) for x in items]
+            return fn(items)
         if self._threads is None:
             self._threads = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="kv-read")
         k = -(-len(items) // READ_THREADS)
         runs = [items[i : i + k] for i in range(0, len(items), k)]
-        return [y for run in self._threads.map(lambda r: [fn(x) for x in r], runs) for y in run]
+        return [y for run in self._threads.map(fn, runs) for y in run]
 
-    def _fill(self, sub_fd: int | None, name: str, h: bytes, size: int, info, dest):
-        """("ok", None) once the page's data is in ``dest`` and the file is the one the index
-        describes, ("nodir", None) when its folder could not be opened, else ("bad", error)."""
-        if sub_fd is None:
-            return "nodir", None
+    def _stage(self, size: int) -> memoryview:
+        """This thread's read buffer, of at least ``size`` bytes."""
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.nbytes < size:
+            buf = self._local.buf = memoryview(np.empty(size, dtype=np.uint8))
+        return buf
+
+    def _fill_many(self, items: Sequence) -> list[tuple[str, object]]:
+        """What ``read`` says per item ``(folder fd, name, (hash, size, info), dest)``. The fast
+        path: the file read whole into this thread's buffer (one byte more than the indexed
+        size: a grown file shows), its two digests compared, its data copied into ``dest``;
+        anything else goes to ``_fill``."""
+        stage = self._stage(max((size for _, _, (_, size, _), _ in items), default=0) + 1)
+        out: list[tuple[str, object]] = []
+        for sub, name, (h, size, info), dest in items:
+            if sub is None:
+                out.append(("nodir", None))
+                continue
+            start = size - dest.nbytes  # the header's bytes; the data follows
+            whole = not isinstance(dest, memoryview)  # a run's strided rows: read, then copied
+            got = -1
+            if start > 0:
+                try:
+                    fd = os.open(name + ".safetensors", _OPEN, dir_fd=sub)
+                    try:
+                        got = os.readv(fd, [stage[: size + 1]] if whole
+                                       else [stage[:start], dest, stage[start : start + 1]])
+                    finally:
+                        os.close(fd)
+                except OSError:
+                    pass
+            data = stage[start:size] if whole else dest
+            if got == size and xxhash.xxh3_128_digest(stage[:start]) == info.head_sum \
+                    and _SUM + xxhash.xxh3_128_hexdigest(data) == info.checksum:
+                if whole:
+                    dest[...] = np.frombuffer(data, np.uint8).reshape(dest.shape)
+                out.append(("ok", None))
+            else:
+                out.append(self._fill(sub, name, h, size, info, dest))
+        return out
+
+    def _fill(self, sub_fd: int, name: str, h: bytes, size: int, info, dest):
+        """The careful path: ("ok", None) once the page's data is in ``dest`` and the file is
+        the one the index describes, else ("bad", error) saying what is wrong with it."""
         try:
             fd, got = afs.open_regular(name + ".safetensors", sub_fd)
         except (FormatError, OSError) as e:

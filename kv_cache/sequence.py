@@ -14,6 +14,7 @@ from .layer_cache import PagedLayerCache, PagedWindowCache
 from .page_pool import PagePool
 from .page_table import PageTable
 from .spec import SLIDING
+from .tokens import token_list
 
 if TYPE_CHECKING:
     from .attention import PrefixView, PrefixViews
@@ -71,10 +72,8 @@ class PagedSequence:
         assert len(tables) == len(spec.groups), f"{len(tables)} tables for {len(spec.groups)} groups"
         self.tables = [PageTable(P, list(t), n) for t in tables]
         for t in self.tables:
-            for b in t.blocks:
-                if b is not None:
-                    pool.hold(b)
-        self.tokens: list[int] = [int(t) for t in tokens]
+            pool.hold_all(t.blocks)
+        self.tokens: list[int] = token_list(tokens)
         self.committed = n
         self._chains: list[list[bytes]] = [[] for _ in spec.groups]
         if spec.has_state and n and state is None:
@@ -371,9 +370,7 @@ class PagedSequence:
             return
         self.closed = True
         for t in self.tables:
-            for b in t.free_all():
-                if b is not None:
-                    self.pool.release(b)
+            self.pool.release_all(t.free_all())
         for layer in self.paged_layers:
             layer.drop_buffer()
             layer.offset = 0

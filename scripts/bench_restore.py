@@ -164,7 +164,8 @@ def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int =
         t1 = time.perf_counter()
         runner.prefill(seq, new)  # the server's prompt pass (evaluated)
         t2 = time.perf_counter()
-        m.keep(seq)
+        seq.trim(len(new))  # a warm turn's sequence goes back to the history (untimed), so
+        m.keep(seq)  # every warm turn starts from exactly what a restored one starts from
         return t1 - t0, t2 - t1, match.tokens
 
     m, runner = manager()
@@ -191,6 +192,7 @@ def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int =
             "warm_s": round(w, 4), "restored_s": round(r, 4),
             "warm_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in warm],
             "restored_start_forward_s": [[round(a, 3), round(b, 3)] for a, b, _ in restored],
+            "warm_tokens": [n for _, _, n in warm],
             "restored_tokens": [n for _, _, n in restored],
             "restored_over_warm": round(r / w, 2)}
 

@@ -679,10 +679,12 @@ def test_a_manifest_replaced_by_another_valid_one_of_its_key_is_indexed_again(tm
     check_accounting(a, tmp_path / "a")
 
 
-@pytest.mark.parametrize("change", ["header", "data", "length"])
-def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, change):
+@pytest.mark.parametrize("via", ["pages", "run"])
+@pytest.mark.parametrize("change", ["header", "data", "length", "shorter", "fifo"])
+def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, change, via):
     """A page file whose bytes differ from what the index recorded, even one still well formed
-    with the same data, is a miss and removed; the others load."""
+    with the same data, is a miss and removed; the others load (page by page, or as a run: the
+    pages before it)."""
     toks = list(range(4 * 3))
     s = stores(tmp_path)
     assert s.put("k", toks, records(toks))
@@ -698,13 +700,23 @@ def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, change)
         raw[8 : 8 + n] = again
     elif change == "data":
         raw[8 + n] ^= 1
-    else:
+    elif change == "length":
         raw += b"\0" * 8
-    path.write_bytes(bytes(raw))
-    got = s.load_pages(hashes(toks))
-    assert got[h] is None and not path.exists()
-    assert all(got[x] is not None for x in hashes(toks) if x != h)
-    assert s.stats()["corrupt_files_removed"] == 1
+    elif change == "shorter":
+        del raw[-1]
+    path.unlink()
+    if change == "fifo":  # not a regular file now: read without blocking, then refused
+        os.mkfifo(path)
+    else:
+        path.write_bytes(bytes(raw))
+    if via == "pages":
+        got = s.load_pages(hashes(toks))
+        assert got[h] is None and all(got[x] is not None for x in hashes(toks) if x != h)
+    else:
+        arr, k = s.load_run(hashes(toks), 0)
+        assert k == 1 and arr is not None
+        assert mx.array_equal(arr[:, :, :, :4, :], s.load_page(hashes(toks)[0]), equal_nan=True).item()
+    assert not path.exists() and s.stats()["corrupt_files_removed"] == 1
 
 
 def test_zero_length_files(tmp_path, stores):
@@ -1177,7 +1189,7 @@ def test_a_transient_read_error_is_a_miss_that_keeps_the_file(tmp_path, stores, 
     toks = list(range(6))
     assert s.put("k", toks, records(toks))
     h = hashes(toks)[0]
-    for read in ("pread", "preadv"):  # every read of a file fails
+    for read in ("pread", "preadv", "readv"):  # every read of a file fails
         monkeypatch.setattr(os, read, failing(0, OSError(errno.EIO, "I/O error"),
                                               getattr(os, read)))
     assert s.load_page(h) is None and s.load_tail("k") is None and s.load_entry("k") is None

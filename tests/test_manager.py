@@ -182,7 +182,7 @@ def test_lookup_reads_no_file_for_keys_the_store_does_not_hold(model, tmp_path, 
     m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))  # a restart
     keys = [f"new-{i}" for i in range(250)] + ["stored"] + [f"old-{i}" for i in range(249)]
     reads = []
-    for name in ("open", "pread", "preadv", "read", "stat"):
+    for name in ("open", "pread", "preadv", "read", "readv", "stat"):
         real = getattr(os, name)
         monkeypatch.setattr(os, name, lambda *a, _f=real, _n=name, **k: reads.append((_n, a[0]))
                             or _f(*a, **k))

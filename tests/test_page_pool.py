@@ -117,6 +117,20 @@ def test_hold_and_release_count_holders():
     assert pool.stats().held_pages == 1
 
 
+def test_hold_all_and_release_all_are_hold_and_release_per_page():
+    pool = make_pool(4)
+    a, b = pool.allocate(2)
+    c = cached(pool, (1, 2))
+    pool.hold_all([a, None, c, a])
+    assert (pool.ref_count(a), pool.ref_count(b), pool.ref_count(c)) == (3, 1, 1)
+    assert pool.stats().cached_pages == 0
+    pool.release_all([c, None, a, a, b])
+    assert pool.ref_count(a) == 1 and pool.ref_count(c) == 0 and pool.stats().cached_pages == 1
+    assert not pool.allocator.is_allocated(b)  # an open page nothing holds is freed
+    with pytest.raises(InvalidBlockError):
+        pool.hold_all([a, b])
+
+
 def test_a_released_open_page_is_freed():
     pool = make_pool(2)
     a, b = pool.allocate(2)
