@@ -11,7 +11,11 @@ for a group of sequences on one view is computed as
     one row max across both, exp once, sums, and the two weighted sums of values
 
 which is ordinary softmax attention split in two and merged by its log-sum-exp (the shared max
-and the two sums), so no sequence needs a contiguous copy of the shared prefix.
+and the two sums), so no sequence needs a contiguous copy of the shared prefix. One sequence
+alone on a view with a long prompt piece is the exception where it pays (``_copy_pays``: the
+CPU backend in float32): its layer copies the view's keys and values once before its own and
+runs the fused kernel, which computes bit for bit what a sequence holding its whole context in
+its own buffers does.
 
 NOTE: on MLX's CPU backend ``exp`` dominates attention: it is computed once per score here (row
 max, exp, sum), not through ``logsumexp`` and then ``exp`` again. ``mx.fast.scaled_dot_product_
@@ -133,7 +137,7 @@ class PrefixViews:
         view, c = self.best(tables, n)
         if c < self.min_pages * P:
             full_pages = self._full_pages(tables, n)
-            if any(b is None or not self.pool.is_sealed(b) for t in full_pages for b in t):
+            if not all(self.pool.all_sealed(t) for t in full_pages):
                 return None, 0
             view, c = PrefixView(self.pool, full_pages, n // P * P, self.groups), n // P * P
             self.views.append(view)
@@ -208,7 +212,32 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
     rs = reads()
     if rs is None:  # one sequence, nothing shared: the fused kernel, the model's mask
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    if len(rs) == 1 and _copy_pays(queries, rs[0], mask):
+        # one sequence reading a view: its keys and values after the view's, one copy
+        k, v = rs[0].prefix
+        k = mx.concatenate([k[None], rs[0].keys], axis=2)
+        v = mx.concatenate([v[None], rs[0].values], axis=2)
+        return _ORIGINAL(queries, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
     return split_attention(queries, rs, scale, sinks)
+
+
+def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
+    """Whether one sequence's prompt piece costs less through the fused kernel over one copy of
+    the view's keys and values than through the split path. Measured on the CPU backend, per
+    layer (docs/BENCHMARKS.md): in float32 the split path's passes over its scores cost more
+    than the copy once the scores outnumber the keys and values about 1.5 to 1 (repeats of a
+    key's head x queries >= 3 x head_dim; 16,000 positions, 76 queries of 4 heads over 2:
+    75 against 82 ms); in float16 and bfloat16 MLX's fused fallback is the slower one (158
+    against 127 ms), and a decode step (one query) is always cheaper split. Elsewhere (Metal,
+    CUDA) the split path is kept: not measured there."""
+    _, Hq, T, D = queries.shape
+    rep = Hq // r.keys.shape[1]
+    return (T > 1 and r.prefix is not None and r.own_start == r.prefix[0].shape[1]
+            and r.q_start + T == r.own_start + r.keys.shape[2]
+            and r.keys.dtype == mx.float32 and rep * T >= 3 * D
+            and (mask is None or isinstance(mask, str)
+                 or mask.shape[-1] == r.own_start + r.keys.shape[2])
+            and mx.default_device().type == mx.DeviceType.cpu)
 
 
 # Inside ``forward()``: id of what update_and_fetch returned -> (that array, the cache). The array

@@ -341,7 +341,13 @@ class CacheManager:
                 table: list[int | None] = [None] * skip
                 tables.append(table)
                 chain: list[bytes] | None = None
-                for i in range(skip, -(-n // P)):
+                for h in hashes[g][skip : -(-n // P)]:  # what the pool has (a run just read)
+                    block = None if h is None else pool.lookup(h)
+                    if block is None:
+                        break
+                    table.append(block)
+                pool.hold_all(table)
+                for i in range(len(table), -(-n // P)):
                     tokens = stored.tokens[i * P : (i + 1) * P]
                     if i < len(hashes[g]):
                         h = hashes[g][i]

@@ -217,6 +217,15 @@ class PagePool:
     def is_sealed(self, block: int) -> bool:
         return self._get(block).sealed
 
+    def all_sealed(self, blocks: Sequence[int | None]) -> bool:
+        """Whether every one of ``blocks`` is a sealed page (None: no page, so not)."""
+        metas = self._meta
+        for block in blocks:
+            meta = metas.get(block) if block is not None else None
+            if meta is None or not meta.sealed:
+                return False
+        return True
+
     def hash_of(self, block: int) -> bytes | None:
         return self._get(block).hash
 

@@ -70,7 +70,7 @@ class PageReader:
                     subs[name[:2]] = afs.open_dir(name[:2], self.pages_fd, create=False)
                 except OSError:
                     subs[name[:2]] = None
-        items = [(subs[name[:2]], name, page, dest)
+        items = [(subs[name[:2]], name + ".safetensors", page, dest)
                  for name, page, dest in zip(names, pages, dests)]
         parallel = sum(sizes) >= PARALLEL_PAGE_BYTES * len(sizes)
         try:
@@ -104,7 +104,7 @@ class PageReader:
         return buf
 
     def _fill_many(self, items: Sequence) -> list[tuple[str, object]]:
-        """What ``read`` says per item ``(folder fd, name, (hash, size, info), dest)``. The fast
+        """What ``read`` says per item ``(folder fd, file name, (hash, size, info), dest)``. The fast
         path: the file read whole into this thread's buffer (one byte more than the indexed
         size: a grown file shows), its two digests compared, its data copied into ``dest``;
         anything else goes to ``_fill``."""
@@ -119,7 +119,7 @@ class PageReader:
             got = -1
             if start > 0:
                 try:
-                    fd = os.open(name + ".safetensors", _OPEN, dir_fd=sub)
+                    fd = os.open(name, _OPEN, dir_fd=sub)
                     try:
                         got = os.readv(fd, [stage[: size + 1]] if whole
                                        else [stage[:start], dest, stage[start : start + 1]])
@@ -141,7 +141,7 @@ class PageReader:
         """The careful path: ("ok", None) once the page's data is in ``dest`` and the file is
         the one the index describes, else ("bad", error) saying what is wrong with it."""
         try:
-            fd, got = afs.open_regular(name + ".safetensors", sub_fd)
+            fd, got = afs.open_regular(name, sub_fd)
         except (FormatError, OSError) as e:
             return "bad", e
         try:

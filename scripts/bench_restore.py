@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -197,14 +198,17 @@ def in_process(lm, reps: int, work: Path, history: int = 2266, new_tokens: int =
             "restored_over_warm": round(r / w, 2)}
 
 
-def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
+def ttft(reps: int, max_tokens: int, work: Path, warmup: bool, extra: Sequence[str] = (),
+         sentences: int = 112, tag: str = "kv") -> dict:
     """Turn 4 warm (right after turn 3, the history in memory) and restored (after a restart),
     ``reps`` times each. Rep ``k`` is its own conversation on its own copy of the document (it
     differs from the first token), so a warm turn reuses its own history and nothing of
-    another rep's turn 4: warm and restored turns compute the same new tokens."""
-    cache_dir, port, q = work / "kv", free_port(), QUESTIONS[3]
-    docs = [f"(Copy {k + 1}) {document()}" for k in range(reps)]
-    server = Server(cache_dir, port, [])
+    another rep's turn 4: warm and restored turns compute the same new tokens. ``extra``: more
+    server flags (another model); ``sentences``: the document's length; ``tag``: the cache's
+    folder in ``work``."""
+    cache_dir, port, q = work / tag, free_port(), QUESTIONS[3]
+    docs = [f"(Copy {k + 1}) {document(sentences)}" for k in range(reps)]
+    server = Server(cache_dir, port, list(extra))
     warm, hists = [], []
     try:
         for k in range(reps):
@@ -218,7 +222,7 @@ def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
         server.stop()
     restored = []
     for k in range(reps):
-        server = Server(cache_dir, port, [])
+        server = Server(cache_dir, port, list(extra))
         try:
             if warmup:  # the new process's first forward pass, apart from the restore
                 ask(server.url, [{"role": "user", "content": "Hi."}], False, 1)
@@ -237,18 +241,30 @@ def ttft(reps: int, max_tokens: int, work: Path, warmup: bool) -> dict:
             "same_answers": [a["text"] == b["text"] for a, b in zip(warm, restored)]}
 
 
-def tiny(history: int, reps: int, work: Path) -> dict:
-    """``in_process`` for a tiny random-weight llama model written to ``work``."""
+def tiny(history: int, reps: int, work: Path, server: bool) -> dict:
+    """``in_process`` for a tiny random-weight llama model written to ``work``, and with
+    ``server`` the ``ttft`` chat with that model and a document long enough for ``history``
+    tokens before turn 4."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from tests.tiny_model import make_tiny_model_dir
 
-    lm = resolve_and_load(str(make_tiny_model_dir(work / "tiny-model", seed=0)))
+    path = make_tiny_model_dir(work / "tiny-model", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    config["max_position_embeddings"] = 4 * history  # the server's context limit
+    (path / "config.json").write_text(json.dumps(config))
+    lm = resolve_and_load(str(path))
     spec = lm.cache_spec
     per_token = sum(2 * len(g.layers) * g.num_kv_heads * g.head_dim * g.mx_dtype.size
                     for g in spec.groups)
-    return {"model": "tiny llama (tests/tiny_model.py: 2 layers, 2 KV heads of 16, float32)",
-            "kv_bytes_per_token": per_token,
-            "in_process": in_process(lm, reps, work, history=history)}
+    out = {"model": "tiny llama (tests/tiny_model.py: 2 layers, 2 KV heads of 16, float32)",
+           "kv_bytes_per_token": per_token,
+           "in_process": in_process(lm, reps, work, history=history)}
+    if server:
+        per_sentence = len(lm.tokenizer.encode(document(100))) / 100
+        sentences = int((history - 250) / per_sentence)  # the rest: questions, answers, template
+        del lm
+        out["ttft"] = ttft(reps, 16, work, True, ["--model", str(path)], sentences, "kv-tiny")
+    return out
 
 
 def main():
@@ -261,13 +277,15 @@ def main():
     ap.add_argument("--no-warmup", action="store_true",
                     help="send turn 4 as the restarted server's very first request")
     ap.add_argument("--tiny", action="store_true",
-                    help="only the in-process warm / restored step, tiny model, long history")
+                    help="only the in-process warm / restored step, tiny model, long history "
+                         "(with --tiny-server, the server's TTFT too)")
+    ap.add_argument("--tiny-server", action="store_true")
     ap.add_argument("--tiny-history", type=int, default=16000)
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-restore-"))
     if args.tiny:
-        out = tiny(args.tiny_history, args.reps, work)
+        out = tiny(args.tiny_history, args.reps, work, args.tiny_server)
         print(json.dumps(out, indent=1))
         if args.json:
             args.json.write_text(json.dumps(out, indent=1))

@@ -57,3 +57,37 @@ def test_returned_keys_are_found_only_inside_a_forward_pass():
         attention.fetched(keys, owner)
         assert attention._FETCHED[id(keys)] == (keys, owner)
     assert attention._FETCHED == {}
+
+
+class _OneRead:
+    """A cache whose queries read one view and own positions (what PagedLayerCache gives)."""
+
+    def __init__(self, read: Reads):
+        self.read = read
+
+    def reads(self) -> list[Reads]:
+        return [self.read]
+
+
+@pytest.mark.parametrize("T, dtype, copied", [(32, mx.float32, True), (1, mx.float32, False),
+                                              (4, mx.float32, False), (32, mx.bfloat16, False)])
+def test_one_sequence_over_a_view_is_the_fused_kernel_where_a_copy_pays(T, dtype, copied):
+    """One sequence's prompt piece over a view: in float32 with many queries, the view's keys
+    and values are copied once and the fused kernel runs (bit for bit what a sequence with its
+    whole context in its own buffer computes); otherwise the split path, equal within rounding."""
+    mx.random.seed(2)
+    H, Hkv, D, C, n = 4, 2, 16, 64, T + 3  # own: 3 earlier positions, then the T queries
+    kp, vp = mx.random.normal((Hkv, C, D)).astype(dtype), mx.random.normal((Hkv, C, D)).astype(dtype)
+    k, v = mx.random.normal((1, Hkv, n, D)).astype(dtype), mx.random.normal((1, Hkv, n, D)).astype(dtype)
+    q = mx.random.normal((1, H, T, D)).astype(dtype)
+    read = Reads((kp, vp), "view", k, v, C, C + n - T, 0)
+    assert attention._copy_pays(q, read, "causal" if T > 1 else None) == copied
+    K, V = mx.concatenate([kp[None], k], axis=2), mx.concatenate([vp[None], v], axis=2)
+    mask = "causal" if T > 1 else None
+    want = fused(q, K, V, mask=mask)
+    got = attention.attention(q, k, v, _OneRead(read), 0.3, mask)
+    if copied:
+        assert mx.array_equal(got, want).item()
+    else:
+        tol = 2e-5 if dtype == mx.float32 else 3e-2
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol).item()

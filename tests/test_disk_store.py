@@ -679,12 +679,16 @@ def test_a_manifest_replaced_by_another_valid_one_of_its_key_is_indexed_again(tm
     check_accounting(a, tmp_path / "a")
 
 
+@pytest.mark.parametrize("threads", [False, True])
 @pytest.mark.parametrize("via", ["pages", "run"])
 @pytest.mark.parametrize("change", ["header", "data", "length", "shorter", "fifo"])
-def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, change, via):
+def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, monkeypatch, change,
+                                                       via, threads):
     """A page file whose bytes differ from what the index recorded, even one still well formed
     with the same data, is a miss and removed; the others load (page by page, or as a run: the
-    pages before it)."""
+    pages before it), read on one thread or on several (as large pages are)."""
+    if threads:
+        monkeypatch.setattr("kv_cache.page_reader.PARALLEL_PAGE_BYTES", 0)
     toks = list(range(4 * 3))
     s = stores(tmp_path)
     assert s.put("k", toks, records(toks))
@@ -717,6 +721,7 @@ def test_a_page_changed_since_it_was_indexed_is_a_miss(tmp_path, stores, change,
         assert k == 1 and arr is not None
         assert mx.array_equal(arr[:, :, :, :4, :], s.load_page(hashes(toks)[0]), equal_nan=True).item()
     assert not path.exists() and s.stats()["corrupt_files_removed"] == 1
+    assert (s._reader._threads is not None) == threads
 
 
 def test_zero_length_files(tmp_path, stores):
