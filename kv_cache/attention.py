@@ -224,12 +224,13 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
     """Whether one sequence's prompt piece costs less through the fused kernel over one copy of
     the view's keys and values than through the split path. Measured on the CPU backend, per
-    layer (docs/BENCHMARKS.md): in float32 the split path's passes over its scores cost more
-    than the copy once the scores outnumber the keys and values about 1.5 to 1 (repeats of a
-    key's head x queries >= 3 x head_dim; 16,000 positions, 76 queries of 4 heads over 2:
-    75 against 82 ms); in float16 and bfloat16 MLX's fused fallback is the slower one (158
-    against 127 ms), and a decode step (one query) is always cheaper split. Elsewhere (Metal,
-    CUDA) the split path is kept: not measured there."""
+    layer (``scripts/bench_split_attention.py``, docs/BENCHMARKS.md section 9): in float32 the
+    split path's passes over its scores cost more than the copy once the scores outnumber the
+    keys and values about 1.5 to 1 (repeats of a key's head x queries >= 3 x head_dim; 76
+    queries of 4 heads over 2 and 16,000 positions: 78.7 against 84.4 ms); in float16 and
+    bfloat16 MLX's fused fallback is the slower one (143.5 split against 188.0 ms), and a decode
+    step (one query) is cheaper split. Elsewhere (Metal, CUDA) the split path is kept: not
+    measured there."""
     _, Hq, T, D = queries.shape
     rep = Hq // r.keys.shape[1]
     return (T > 1 and r.prefix is not None and r.own_start == r.prefix[0].shape[1]
