@@ -528,6 +528,14 @@ def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[np.ndarr
 _staging = threading.local()  # per reader thread: a page file's bytes, for a page in a run
 
 
+def staging(size: int) -> np.ndarray:
+    """This thread's buffer that page files are read whole into, of at least ``size`` bytes."""
+    stage = getattr(_staging, "buf", None)
+    if stage is None or stage.nbytes < size:
+        stage = _staging.buf = np.empty(size, dtype=np.uint8)
+    return stage
+
+
 def fill_page(fd: int, size: int, dest: memoryview | np.ndarray, head_sum: bytes,
               data_sum: str) -> bool:
     """Read a page file of ``size`` bytes into ``dest`` (its data: the file's last bytes) and say
@@ -543,9 +551,7 @@ def fill_page(fd: int, size: int, dest: memoryview | np.ndarray, head_sum: bytes
         head = bytearray(size - nbytes)
         read_into(fd, [memoryview(head), dest], 0)  # one read: header and data
         return head_digest(head) == head_sum and checksum(dest) == data_sum
-    stage = getattr(_staging, "buf", None)
-    if stage is None or stage.nbytes < size:
-        stage = _staging.buf = np.empty(size, dtype=np.uint8)
+    stage = staging(size)
     whole = memoryview(stage)[:size]
     read_into(fd, whole, 0)
     if head_digest(whole[: size - nbytes]) != head_sum or checksum(whole[size - nbytes :]) != data_sum:

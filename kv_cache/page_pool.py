@@ -167,13 +167,11 @@ class PagePool:
     def hold_all(self, blocks: Iterable[int | None]) -> None:
         """``hold`` each of ``blocks`` (None: a page a table does not hold, skipped). One pass:
         a long chat holds hundreds of pages at once."""
-        metas, access, sizes = self._meta, self.policy.access, self.group_page_bytes
+        access, sizes = self.policy.access, self.group_page_bytes
         for block in blocks:
             if block is None:
                 continue
-            meta = metas.get(block)
-            if meta is None:
-                raise InvalidBlockError(f"block {block!r} is not allocated")
+            meta = self._get(block)
             if meta.ref_count == 0:
                 self._num_cached -= 1
                 self._cached_bytes -= sizes[meta.group]
@@ -187,13 +185,11 @@ class PagePool:
 
     def release_all(self, blocks: Iterable[int | None]) -> None:
         """``release`` each of ``blocks`` (None skipped), in one pass."""
-        metas, sizes = self._meta, self.group_page_bytes
+        sizes = self.group_page_bytes
         for block in blocks:
             if block is None:
                 continue
-            meta = metas.get(block)
-            if meta is None:
-                raise InvalidBlockError(f"block {block!r} is not allocated")
+            meta = self._get(block)
             assert meta.ref_count > 0, f"release of block {block}, which nothing holds"
             meta.ref_count -= 1
             if meta.ref_count == 0:
@@ -299,11 +295,15 @@ class PagePool:
             return existing
         meta.sealed, meta.hash, meta.parent = True, h, parent
         if existing is None:
-            meta.indexed = True
-            self._index[h] = block
-            self._children[parent] = self._children.get(parent, 0) + 1
-            self.policy.insert(block, ident=h)
+            self._enter(block, meta)
         return block
+
+    def _enter(self, block: int, meta: PageMeta) -> None:
+        """Enter a sealed page (its hash and parent set) in the prefix index and the policy."""
+        meta.indexed = True
+        self._index[meta.hash] = block
+        self._children[meta.parent] = self._children.get(meta.parent, 0) + 1
+        self.policy.insert(block, ident=meta.hash)
 
     def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array,
                    group: int = 0, h: bytes | None = None) -> int:
@@ -330,15 +330,11 @@ class PagePool:
         blocks = self.allocate(len(pages), group)
         # NOTE: ``seal`` and ``release`` for each page, in one pass: a restore of a long chat
         # of a small model adds hundreds of pages, and this is per-page interpreter work.
-        index, children, metas, insert = self._index, self._children, self._meta, self.policy.insert
         for b, (h, tokens) in zip(blocks, pages):
-            meta = metas[b]
+            meta = self._meta[b]
             meta.tokens = tuple(map(int, tokens))
-            meta.sealed, meta.hash, meta.parent, meta.indexed = True, h, parent, True
-            meta.ref_count = 0
-            index[h] = b
-            children[parent] = children.get(parent, 0) + 1
-            insert(b, ident=h)
+            meta.sealed, meta.hash, meta.parent, meta.ref_count = True, h, parent, 0
+            self._enter(b, meta)
             parent = h
         self._runs.add(array, blocks)
         self._num_cached += len(blocks)

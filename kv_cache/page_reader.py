@@ -11,13 +11,10 @@ no index: they report what they found, and the store (under its lock) acts on it
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import mlx.core as mx
-import numpy as np
-import xxhash
 
 from . import atomic_fs as afs
 from . import disk_format as fmt
@@ -32,7 +29,6 @@ PARALLEL_PAGE_BYTES = 256 << 10
 # reads nothing); no fstat: a read of one byte more than the indexed size says whether the file
 # still has that size, and anything but a regular file of it fails the checks.
 _OPEN = os.O_RDONLY | afs.NOFOLLOW | afs.NONBLOCK | afs.CLOEXEC
-_SUM = fmt.CHECKSUM_PREFIX
 
 
 class PageReader:
@@ -41,7 +37,6 @@ class PageReader:
     def __init__(self, geo: Geometry, pages_fd: int):
         self.geo, self.pages_fd = geo, pages_fd
         self._threads: ThreadPoolExecutor | None = None
-        self._local = threading.local()  # per thread: a buffer a page file is read into
 
     def read(self, pages: Sequence[tuple[bytes, int, object]]) -> list[tuple[str, object]]:
         """Per ``(hash, indexed file size, indexed FileInfo)``: ("ok", page array),
@@ -96,19 +91,12 @@ class PageReader:
         runs = [items[i : i + k] for i in range(0, len(items), k)]
         return [y for run in self._threads.map(fn, runs) for y in run]
 
-    def _stage(self, size: int) -> memoryview:
-        """This thread's read buffer, of at least ``size`` bytes."""
-        buf = getattr(self._local, "buf", None)
-        if buf is None or buf.nbytes < size:
-            buf = self._local.buf = memoryview(np.empty(size, dtype=np.uint8))
-        return buf
-
     def _fill_many(self, items: Sequence) -> list[tuple[str, object]]:
         """What ``read`` says per item ``(folder fd, file name, (hash, size, info), dest)``. The fast
         path: the file read whole into this thread's buffer (one byte more than the indexed
         size: a grown file shows), its two digests compared, its data copied into ``dest``;
         anything else goes to ``_fill``."""
-        stage = self._stage(max((size for _, _, (_, size, _), _ in items), default=0) + 1)
+        stage = fmt.staging(max((size for _, _, (_, size, _), _ in items), default=0) + 1)
         out: list[tuple[str, object]] = []
         for sub, name, (h, size, info), dest in items:
             if sub is None:
@@ -128,10 +116,10 @@ class PageReader:
                 except OSError:
                     pass
             data = stage[start:size] if whole else dest
-            if got == size and xxhash.xxh3_128_digest(stage[:start]) == info.head_sum \
-                    and _SUM + xxhash.xxh3_128_hexdigest(data) == info.checksum:
+            if got == size and fmt.head_digest(stage[:start]) == info.head_sum \
+                    and fmt.checksum(data) == info.checksum:
                 if whole:
-                    dest[...] = np.frombuffer(data, np.uint8).reshape(dest.shape)
+                    dest[...] = data.reshape(dest.shape)
                 out.append(("ok", None))
             else:
                 out.append(self._fill(sub, name, h, size, info, dest))
