@@ -277,6 +277,41 @@ def test_pages_restored_together_are_one_array_that_the_view_reads_without_a_cop
     m.close()
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["copied", "split"])
+def test_a_restored_turn_with_a_long_prompt_piece_is_what_a_warm_one_computes(
+        model, tmp_path, monkeypatch, copy):
+    """A restored turn reading its history through a view, with 30 new tokens: in float32 on
+    the CPU the view is copied in front of the new positions and the fused kernel runs, and the
+    logits are bit for bit the warm sequence's; through the split path they agree within
+    rounding. Greedy picks the same token either way."""
+    from kv_cache import attention
+
+    tokens = list(range(40, 96))  # 26 tokens of history (6 full pages of 4), then 30 new
+    m = CacheManager(pool_for(model), store_for(pool_for(model), tmp_path))
+    seq, _ = m.start(tokens[:26], [])
+    run(model, seq, tokens[:26])
+    m.save("k", seq)
+    warm = run(model, seq, tokens[26:])  # the warm turn: the whole context in its own buffers
+    seq.close()
+    m.close()
+    chosen = []
+    real = attention._copy_pays
+    monkeypatch.setattr(attention, "_copy_pays",
+                        lambda *a: chosen.append(real(*a) and copy) or chosen[-1])
+    m, pool, seq, match = restored_with_views(model, tmp_path, tokens, "k")
+    assert match.tokens == 26 and seq.view is not None and seq.view.length == 24
+    logits = run(model, seq, tokens[26:])
+    assert chosen and all(c == copy for c in chosen)  # every layer took the same path
+    if copy:
+        assert mx.array_equal(logits, warm).item()
+    else:
+        assert mx.allclose(logits, warm, atol=1e-4).item()
+    assert mx.argmax(logits).item() == mx.argmax(warm).item() == mx.argmax(
+        reference(model, tokens)).item()
+    seq.close()
+    m.close()
+
+
 @RUN_ALLOCATION
 def test_a_bad_page_in_a_run_keeps_the_pages_before_it(model, tmp_path, monkeypatch, empty_from):
     if empty_from is not None:

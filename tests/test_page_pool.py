@@ -643,6 +643,10 @@ def test_a_run_must_fit_and_must_be_new():
     with pytest.raises(OutOfBlocksError):
         pool.add_sealed_run(pool.root, list(zip(hashes, tokens)), kv(3 * P))
     assert pool.stats().used_bytes == 0 and pool.allocator.num_free == 2
+    with pytest.raises(ValueError, match="only full pages"):  # checked before anything moves
+        pool.add_sealed_run(pool.root, [(hashes[0], tokens[0][:-1])], kv(P))
+    assert pool.stats().used_bytes == 0 and pool.allocator.num_free == 2
+    assert pool.lookup(hashes[0]) is None
     sealed(pool, tokens[0])
     with pytest.raises(AssertionError):
         pool.add_sealed_run(pool.root, list(zip(hashes[:2], tokens[:2])), kv(2 * P))
