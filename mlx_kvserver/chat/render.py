@@ -1,0 +1,238 @@
+"""A :class:`Conversation` rendered to prompt text through the model's own chat template.
+
+Messages go to the template in Hugging Face's shapes: tools as
+``{"type": "function", "function": {"name", "description", "parameters"}}``, an assistant's
+calls as ``tool_calls: [{"id", "type": "function", "function": {"name", "arguments": {...}}}]``,
+its reasoning as ``reasoning_content``, results as ``{"role": "tool", "tool_call_id", "name",
+"content"}``; ``developer`` renders as ``system``. Tools reach the prompt whatever the tool
+choice, so changing ``tool_choice`` between turns keeps the prompt (and its cache) the same.
+
+The fallback, for a template that cannot render tools (``ChatFormat.native_tools`` False, e.g.
+SmolLM2's ChatML) or whose call format we cannot parse:
+
+- the tool list goes at the START of the first message when it is a system message (a new
+  system message otherwise): :data:`TOOLS_INTRO`, then one line per tool,
+  ``{"name": ..., "description": ..., "parameters": {...}}``, then :data:`TOOLS_HOW`. At the start,
+  because agents end their system prompts with what changes (dates, folders, git status);
+- an assistant's calls become its text followed by ``<tool_call>{"name": ..., "arguments":
+  {...}}</tool_call>``, one per line (what the parser reads back);
+- results become ``<tool_response>\\n...\\n</tool_response>`` blocks in a *user* message
+  (consecutive results share one): every template renders ``user``, templates that enforce
+  user/assistant alternation keep it, and the models were trained on user turns, not on a
+  ``tool`` role that only some templates would print.
+
+System messages after the first stay where they are. A template that raises on them gets them as
+user messages whose text starts with :data:`SYSTEM_PREFIX`; if it still raises (templates that
+enforce alternation), that text is joined to the user message just before it (or after it).
+
+Rendering is a function of the conversation's content alone (invariant 9): the same messages
+render to the same text every turn. Whether turn N's prompt is a prefix of turn N+1's is the
+template's doing: ChatML, Qwen2.5 and Qwen3 inside a tool loop keep it; Qwen3 drops the reasoning
+of turns before the last user message; Mistral v0.3 moves the tools and the system prompt to the
+last user message; Llama 3.1 prints today's date.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RequestError
+from .conversation import Conversation, Message, Text, Tool, ToolCall, ToolResult
+from .formats import ChatFormat
+
+TOOLS_INTRO = ("# Tools\n\nYou can call these tools. Each line is one tool: its name, what it "
+               "does and the JSON schema of its arguments.")
+TOOLS_HOW = ('To call a tool, answer with <tool_call>{"name": <tool name>, "arguments": '
+             '<the arguments as a JSON object>}</tool_call>, one such block per call. Each '
+             "result comes back in <tool_response></tool_response>.")
+SYSTEM_PREFIX = "[System message]\n"
+_RESERVED = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
+             "continue_final_message", "tokenize", "return_dict"}
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A rendered prompt: ``text``, and ``in_reasoning`` when it ends inside an open think block
+    (a template whose generation prompt ends with ``<think>\\n``)."""
+
+    text: str
+    in_reasoning: bool = False
+
+
+def render(tok: Any, fmt: ChatFormat, conv: Conversation) -> Rendered:
+    """``conv`` rendered with ``tok``'s chat template (a ``ChatTokenizer``). A template error,
+    or ``template_kwargs`` that name the template's own arguments, are a ``RequestError`` 400."""
+    bad = sorted(_RESERVED & set(conv.template_kwargs))
+    if bad:
+        raise RequestError(400, f"template_kwargs may not set {', '.join(bad)}",
+                           param="chat_template_kwargs")
+    kwargs = dict(conv.template_kwargs)
+    if conv.thinking is not None and fmt.thinking_kwarg:
+        kwargs.setdefault(fmt.thinking_kwarg, conv.thinking)
+    msgs = _messages(fmt, conv.messages)
+    tools = [hf_tool(t) for t in conv.tools] if conv.tools and fmt.native_tools else None
+    if not fmt.native_tools:
+        msgs = _with_tool_block(_merge_results(msgs), conv.tools)
+
+    def apply(ms: list[dict]) -> str:
+        out = tok.hf.apply_chat_template(
+            ms, chat_template=tok.chat_template, tools=tools, tokenize=False,
+            add_generation_prompt=not conv.continue_final,
+            continue_final_message=conv.continue_final, **kwargs)
+        return out if isinstance(out, str) else str(out)
+
+    mid = [i for i, m in enumerate(msgs) if m["role"] == "system" and i > 0]
+    attempts = [msgs] + ([_as_user(msgs, mid), _folded(msgs, mid)] if mid else [])
+    error: Exception | None = None
+    for ms in attempts:
+        try:
+            text = apply(ms)
+            break
+        except Exception as e:  # noqa: BLE001 - templates raise anything (TemplateError, ...)
+            error = error or e
+    else:
+        raise RequestError(400, f"the model's chat template cannot render this conversation: "
+                           f"{error}", param="messages") from error
+    return Rendered(text, _in_reasoning(fmt, text, conv.continue_final))
+
+
+def tools_block(tools: list[Tool]) -> str:
+    """The fallback's description of ``tools`` (what goes at the start of the system prompt)."""
+    lines = [json.dumps({"name": t.name, **({"description": t.description} if t.description
+                                            else {}), "parameters": t.parameters},
+                        ensure_ascii=False) for t in tools]
+    return "\n".join([TOOLS_INTRO, *lines, "", TOOLS_HOW])
+
+
+def fallback_call(call: ToolCall) -> str:
+    """One call in the fallback format: ``<tool_call>{"name", "arguments"}</tool_call>``."""
+    body = json.dumps({"name": call.name, "arguments": call.arguments_object()},
+                      ensure_ascii=False)
+    return f"<tool_call>{body}</tool_call>"
+
+
+def hf_tool(t: Tool) -> dict:
+    """``t`` in Hugging Face's shape (what templates and mlx-lm's parsers take)."""
+    fn: dict[str, Any] = {"name": t.name}
+    if t.description:
+        fn["description"] = t.description
+    fn["parameters"] = t.parameters
+    return {"type": "function", "function": fn}
+
+
+def _messages(fmt: ChatFormat, messages: list[Message]) -> list[dict]:
+    names = {c.id: c.name for m in messages for c in m.tool_calls}
+    ident = _mistral_id if fmt.tool_parser == "mistral" else (lambda s: s)
+    out: list[dict] = []
+    for m in messages:
+        role = "system" if m.role == "developer" else m.role
+        if role == "assistant":
+            out.append(_assistant(fmt, m, ident))
+            continue
+        if role not in ("user", "tool"):
+            out.append({"role": role, "content": m.text})
+            continue
+        parts = m.parts if role == "user" or m.tool_results else [ToolResult("", m.text)]
+        texts: list[str] = []
+        for p in parts:  # results and text, in their order
+            if isinstance(p, ToolResult):
+                if texts:
+                    out.append({"role": "user", "content": "".join(texts)})
+                    texts = []
+                out.append(_result(fmt, p, p.name or names.get(p.call_id), ident))
+            elif isinstance(p, Text) and role == "user":
+                texts.append(p.text)
+        if texts or (role == "user" and not m.tool_results):
+            out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+def _assistant(fmt: ChatFormat, m: Message, ident: Any) -> dict:
+    msg: dict[str, Any] = {"role": "assistant", "content": m.text}
+    if m.reasoning:
+        msg["reasoning_content"] = m.reasoning
+    calls = m.tool_calls
+    if calls and fmt.native_tools:
+        msg["tool_calls"] = [{"id": ident(c.id), "type": "function", "function": {
+            "name": c.name, "arguments": c.arguments_object()}} for c in calls]
+    elif calls:
+        text = "\n".join(fallback_call(c) for c in calls)
+        msg["content"] = f"{m.text}\n{text}" if m.text else text
+    return msg
+
+
+def _result(fmt: ChatFormat, r: ToolResult, name: str | None, ident: Any) -> dict:
+    if not fmt.native_tools:
+        return {"role": "user", "content": f"<tool_response>\n{r.content}\n</tool_response>",
+                "_result": True}
+    msg = {"role": "tool", "tool_call_id": ident(r.call_id), "content": r.content}
+    if name:
+        msg["name"] = name
+    return msg
+
+
+def _with_tool_block(msgs: list[dict], tools: list[Tool]) -> list[dict]:
+    if not tools:
+        return msgs
+    block = tools_block(tools)
+    if msgs and msgs[0]["role"] == "system":
+        first = msgs[0]["content"]
+        return [{**msgs[0], "content": f"{block}\n\n{first}" if first else block}, *msgs[1:]]
+    return [{"role": "system", "content": block}, *msgs]
+
+
+def _merge_results(msgs: list[dict]) -> list[dict]:
+    """Fallback: consecutive results share one user message, user text after them joins it."""
+    out: list[dict] = []
+    for m in msgs:
+        prev = out[-1] if out else None
+        if prev is not None and prev.get("_result") and m["role"] == "user":
+            out[-1] = {**prev, "content": prev["content"] + "\n" + m["content"],
+                       "_result": m.get("_result", False)}
+        else:
+            out.append(m)
+    return [{k: v for k, v in m.items() if k != "_result"} for m in out]
+
+
+def _as_user(msgs: list[dict], mid: list[int]) -> list[dict]:
+    return [{"role": "user", "content": SYSTEM_PREFIX + m["content"]} if i in mid else m
+            for i, m in enumerate(msgs)]
+
+
+def _folded(msgs: list[dict], mid: list[int]) -> list[dict]:
+    """Each mid-conversation system text joined to the user message before it (else after)."""
+    out = [dict(m) for m in _as_user(msgs, mid)]
+    gone: set[int] = set()
+    for i in mid:
+        text = out[i]["content"]
+        j = next((k for k in range(i - 1, -1, -1) if k not in gone), None)
+        if j is not None and out[j]["role"] == "user" and j not in mid:
+            out[j]["content"] += "\n\n" + text
+        elif i + 1 < len(out) and out[i + 1]["role"] == "user":
+            out[i + 1]["content"] = text + "\n\n" + out[i + 1]["content"]
+        else:
+            continue
+        gone.add(i)
+    return [m for i, m in enumerate(out) if i not in gone]
+
+
+def _mistral_id(call_id: str) -> str:
+    """Mistral's templates take only 9-character alphanumeric ids: a stable one from ``call_id``
+    (the same on the call and on its result, and on every turn)."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    n = int.from_bytes(hashlib.sha256(call_id.encode()).digest()[:8], "big")
+    chars = "0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return "".join(chars[(n >> (6 * k)) % 62] for k in range(9))
+
+
+def _in_reasoning(fmt: ChatFormat, text: str, continued: bool) -> bool:
+    if not fmt.think_start or not fmt.think_end:
+        return False
+    i = text.rfind(fmt.think_start)
+    if i < 0 or fmt.think_end in text[i:]:
+        return False
+    return continued or not text[i + len(fmt.think_start):].strip()

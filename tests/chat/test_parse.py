@@ -1,0 +1,208 @@
+"""OutputParser on recorded outputs of each format, fed whole, by character and in random
+chunks (the result must not depend on the chunking)."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from mlx_kvserver.chat.conversation import Tool, ToolCall
+from mlx_kvserver.chat.formats import ChatFormat, detect
+from mlx_kvserver.chat.output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart
+from mlx_kvserver.chat.parse import OutputParser
+from mlx_kvserver.chat.render import fallback_call
+from tests.chat.templates import make_chat_tokenizer
+
+TOOLS = [Tool("get_weather", "Weather", {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}}}),
+    Tool("get_time", "Time", {"type": "object", "properties": {"zone": {"type": "string"}}})]
+_FORMATS: dict[str, ChatFormat] = {}
+
+
+def fmt(family: str) -> ChatFormat:
+    if family not in _FORMATS:
+        _FORMATS[family] = detect(make_chat_tokenizer(family))
+    return _FORMATS[family]
+
+
+def run(family: str, text: str, chunks: list[str], tools=TOOLS, in_reasoning=False):
+    p = OutputParser(fmt(family), 3, tools, in_reasoning=in_reasoning)
+    deltas = [d for c in chunks for d in p.feed(c)] + p.finish()
+    assert "".join(chunks) == text
+    assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == p.text
+    assert "".join(d.text for d in deltas if isinstance(d, ReasoningDelta)) == p.reasoning
+    starts = [d for d in deltas if isinstance(d, ToolCallStart)]
+    assert [(s.call, s.id, s.name) for s in starts] == \
+        [(i, c.id, c.name) for i, c in enumerate(p.tool_calls)]
+    for c in starts:
+        assert "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
+                       and d.call == c.call) == p.tool_calls[c.call].arguments
+    assert all(d.index == 3 for d in deltas)
+    return p.text, p.reasoning, [(c.name, json.loads(c.arguments)) for c in p.tool_calls]
+
+
+def chunkings(text: str, seed: int = 0):
+    yield [text]
+    yield list(text)
+    rng = random.Random(seed)
+    for _ in range(25):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 12))))
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def parse(family: str, text: str, **kw):
+    results = {repr(run(family, text, c, **kw)) for c in chunkings(text)}
+    assert len(results) == 1, results
+    return run(family, text, [text], **kw)
+
+
+PARIS = {"city": "Paris"}
+CASES = [
+    # hermes / json_tools (Qwen2.5): text, then two calls
+    ("qwen25", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": '
+     '"Paris"}}\n</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}'
+     '\n</tool_call>', False,
+     ("Let me check.", "", [("get_weather", PARIS), ("get_time", {"zone": "UTC"})])),
+    # Qwen3: a think block, then a call
+    ("qwen3", '<think>\nThe user wants weather.\n</think>\n\n<tool_call>\n{"name": '
+     '"get_weather", "arguments": {"city": "Paris"}}\n</tool_call>', False,
+     ("", "The user wants weather.", [("get_weather", PARIS)])),
+    # Qwen3: thinking and an answer
+    ("qwen3", "<think>\nShort.\n\n</think>\n\nIt is **18C**.\n\nEnjoy!", False,
+     ("It is **18C**.\n\nEnjoy!", "Short.", [])),
+    # a prompt that ended inside <think>
+    ("qwen3", "Hmm, easy.\n</think>\n\nParis.", True, ("Paris.", "Hmm, easy.", [])),
+    # qwen3_coder XML, typed by the tool's schema
+    ("qwen3_coder", "I'll look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"
+     "\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", False,
+     ("I'll look.", "", [("get_weather", {"city": "Paris", "days": 3})])),
+    # mistral v0.3: a JSON list after [TOOL_CALLS] (no end marker)
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+     '{"name": "get_time", "arguments": {"zone": "CET"}}]', False,
+     ("", "", [("get_weather", PARIS), ("get_time", {"zone": "CET"})])),
+    # mistral (newer): name[ARGS]{...}, one marker per call
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     False, ("", "", [("get_weather", PARIS), ("get_time", {})])),
+    # pythonic (LFM2)
+    ("lfm2", "<|tool_call_start|>[get_weather(city=\"Paris\", days=2), get_time(zone='UTC')]"
+     "<|tool_call_end|>Checking both.", False,
+     ("Checking both.", "", [("get_weather", {"city": "Paris", "days": 2}),
+                             ("get_time", {"zone": "UTC"})])),
+    # our fallback
+    ("smollm2", 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}'
+     '</tool_call>', False, ("Sure.", "", [("get_weather", PARIS)])),
+    ("smollm2", '<tool_call>{"name": "get_time", "arguments": "{\\"zone\\": \\"UTC\\"}"}'
+     '</tool_call>', False, ("", "", [("get_time", {"zone": "UTC"})])),
+    # Llama 3.1: bare JSON at the start, or after <|python_tag|>, several split by ';'
+    ("llama31", ' {"name": "get_weather", "parameters": {"city": "Paris"}}', False,
+     ("", "", [("get_weather", PARIS)])),
+    ("llama31", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+     '{"name": "get_time", "parameters": {}}', False,
+     ("", "", [("get_weather", PARIS), ("get_time", {})])),
+    ("llama31", '{"answer": 42}', False, ('{"answer": 42}', "", [])),
+    ("llama31", 'The JSON is {"name": "x", "parameters": {}}', False,
+     ('The JSON is {"name": "x", "parameters": {}}', "", [])),
+    # unicode arguments stay unescaped
+    ("qwen25", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🙂"}}\n'
+     '</tool_call>', False, ("", "", [("get_weather", {"city": "Zürich 🙂"})])),
+    # a call inside the think block (mlx-lm's server does the same): parsed
+    ("qwen3", '<think>\nCall it.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n'
+     '</tool_call>\nDone.', False, ("Done.", "Call it.", [("get_time", {})])),
+]
+
+
+@pytest.mark.parametrize("family,text,in_reasoning,expected", CASES,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_recorded_outputs(family, text, in_reasoning, expected) -> None:
+    assert parse(family, text, in_reasoning=in_reasoning) == expected
+
+
+MALFORMED = [
+    ("qwen25", 'Before <tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
+     " after", 'Before <tool_call>\n{"name": "get_weather", "arguments": {"city": }\n'
+     "</tool_call> after"),
+    ("qwen25", '<tool_call>["not", "a call"]</tool_call>',
+     '<tool_call>["not", "a call"]</tool_call>'),
+    ("qwen25", '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
+     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>'),
+    ("qwen25", '<tool_call>\n{"name": "get_time", "argu',
+     '<tool_call>\n{"name": "get_time", "argu'),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "argum', '[TOOL_CALLS] [{"name": '
+     '"get_weather", "argum'),
+    ("lfm2", "<|tool_call_start|>[get_weather(city=<|tool_call_end|>",
+     "<|tool_call_start|>[get_weather(city=<|tool_call_end|>"),
+    ("smollm2", "<tool_call>{}</tool_call>", "<tool_call>{}</tool_call>"),
+    ("llama31", '{"name": "get_weather", "parameters": {"ci', '{"name": "get_weather", '
+     '"parameters": {"ci'),
+]
+
+
+@pytest.mark.parametrize("family,text,back", MALFORMED)
+def test_malformed_calls_are_given_back_as_text(family, text, back) -> None:
+    assert parse(family, text) == (back, "", [])
+
+
+def test_an_unterminated_but_complete_call_is_parsed() -> None:
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    assert parse("qwen25", text) == ("", "", [("get_weather", PARIS)])
+
+
+def test_without_tools_markers_are_text() -> None:
+    text = '<tool_call>{"name": "get_time", "arguments": {}}</tool_call>'
+    assert parse("qwen25", text, tools=[]) == (text, "", [])
+
+
+def test_only_what_could_start_a_marker_is_held_back() -> None:
+    p = OutputParser(fmt("qwen3"), 0, TOOLS)
+    assert p.feed("Hello <tool") == [TextDelta(0, "Hello")]  # " <tool" could be "<tool_call>"
+    assert p.feed("box") == [TextDelta(0, " <toolbox")]
+    assert p.feed(" and <thi") == [TextDelta(0, " and")]
+    assert p.feed("s>") == [TextDelta(0, " <this>")]
+    assert p.finish() == [] and p.text == "Hello <toolbox and <this>"
+
+
+def test_deltas_stream_as_they_come() -> None:
+    p = OutputParser(fmt("qwen3"), 1, TOOLS)
+    assert p.feed("<think>\nLet") == [ReasoningDelta(1, "Let")]
+    assert p.feed(" me see.\n</think>\n\nIt") == [ReasoningDelta(1, " me see."),
+                                                  TextDelta(1, "It")]
+    out = p.feed(' is.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
+                 "</tool_call>")
+    assert out[0] == TextDelta(1, " is.")
+    start, delta = out[1:]
+    assert isinstance(start, ToolCallStart) and (start.index, start.call, start.name) == \
+        (1, 0, "get_time")
+    assert delta == ToolCallDelta(1, 0, '{"zone": "UTC"}')
+    assert re.fullmatch(r"call_[0-9a-f]{24}", start.id)
+    assert p.tool_calls == [ToolCall(start.id, "get_time", '{"zone": "UTC"}')]
+
+
+def test_call_ids_are_unique() -> None:
+    text = "".join(f'<tool_call>{{"name": "get_time", "arguments": {{"zone": "{i}"}}}}'
+                   "</tool_call>" for i in range(20))
+    p = OutputParser(fmt("qwen25"), 0, TOOLS)
+    p.feed(text)
+    p.finish()
+    assert len({c.id for c in p.tool_calls}) == 20
+
+
+def test_the_fallback_format_parses_back_what_render_writes() -> None:
+    calls = [ToolCall("a", "get_weather", '{"city": "Zürich", "days": 2}'),
+             ToolCall("b", "get_time", "{}")]
+    text = "Checking.\n" + "\n".join(fallback_call(c) for c in calls)
+    _, _, got = parse("smollm2", text)
+    assert got == [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+def test_in_reasoning_without_think_markers_is_plain_text() -> None:
+    assert parse("qwen25", "Just text.", in_reasoning=True) == ("Just text.", "", [])
+
+
+def test_unknown_tool_names_pass_through() -> None:
+    text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
+    assert parse("qwen25", text) == ("", "", [("rm_rf", {})])

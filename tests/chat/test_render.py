@@ -1,0 +1,230 @@
+"""Rendering conversations through real chat templates (tests/chat/templates.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, Tool,
+                                            ToolCall, ToolResult)
+from mlx_kvserver.chat.formats import detect
+from mlx_kvserver.chat.render import SYSTEM_PREFIX, TOOLS_HOW, TOOLS_INTRO, render
+from mlx_kvserver.errors import RequestError
+from tests.chat.templates import make_chat_tokenizer
+
+WEATHER = Tool("get_weather", "Weather of a city",
+               {"type": "object", "properties": {"city": {"type": "string"}},
+                "required": ["city"]})
+TIME = Tool("get_time", parameters={"type": "object", "properties": {}})
+
+
+def msg(role: str, *parts, mid: str | None = None) -> Message:
+    return Message(role, [Text(p) if isinstance(p, str) else p for p in parts], mid)
+
+
+def call(cid: str = "call_1", city: str = "Paris") -> ToolCall:
+    return ToolCall(cid, "get_weather", f'{{"city": "{city}"}}')
+
+
+def render_family(family: str, messages: list[Message], **kw):
+    tok = make_chat_tokenizer(family)
+    return render(tok, detect(tok), Conversation(messages=messages, **kw))
+
+
+def tool_loop() -> list[Message]:
+    return [msg("system", "Be brief."), msg("user", "Weather in Paris?"),
+            msg("assistant", Reasoning("I need the tool."), call()),
+            msg("tool", ToolResult("call_1", "18C"))]
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3", "llama31", "mistral", "smollm2"])
+def test_tools_reach_the_prompt(family: str) -> None:
+    text = render_family(family, tool_loop(), tools=[WEATHER, TIME]).text
+    assert "get_weather" in text and "Weather of a city" in text and "get_time" in text
+    assert "18C" in text
+
+
+def test_qwen25_calls_and_results_in_the_templates_own_shapes() -> None:
+    text = render_family("qwen25", tool_loop(), tools=[WEATHER]).text
+    assert ('<|im_start|>assistant\n<tool_call>\n{"name": "get_weather", "arguments": '
+            '{"city": "Paris"}}\n</tool_call><|im_end|>\n') in text
+    assert "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n" in text
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_llama31_call_and_ipython_result() -> None:
+    text = render_family("llama31", tool_loop(), tools=[WEATHER]).text
+    assert '{"name": "get_weather", "parameters": {"city": "Paris"}}<|eot_id|>' in text
+    assert '<|start_header_id|>ipython<|end_header_id|>\n\n"18C"<|eot_id|>' in text
+
+
+def test_mistral_ids_are_nine_characters_the_same_on_call_and_result() -> None:
+    text = render_family("mistral", tool_loop(), tools=[WEATHER]).text
+    ids = re.findall(r'"id": "(\w+)"', text) + re.findall(r'"call_id": "(\w+)"', text)
+    assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum()
+    assert ids[0] == re.findall(r'"id": "(\w+)"', render_family(
+        "mistral", tool_loop(), tools=[WEATHER]).text)[0]  # stable
+
+
+def test_fallback_format_exactly() -> None:
+    msgs = tool_loop() + [msg("assistant", "It is 18C.")]
+    text = render_family("smollm2", msgs + [msg("user", "Thanks")], tools=[WEATHER]).text
+    tools = ('{"name": "get_weather", "description": "Weather of a city", "parameters": '
+             '{"type": "object", "properties": {"city": {"type": "string"}}, '
+             '"required": ["city"]}}')
+    assert text == (
+        f"<|im_start|>system\n{TOOLS_INTRO}\n{tools}\n\n{TOOLS_HOW}\n\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\nIt is 18C.<|im_end|>\n"
+        "<|im_start|>user\nThanks<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_fallback_without_a_system_message_adds_one_first() -> None:
+    text = render_family("smollm2", [msg("user", "Hi")], tools=[TIME]).text
+    assert text.startswith(f"<|im_start|>system\n{TOOLS_INTRO}\n")
+    assert "SmolLM" not in text  # the template's default system prompt gave way
+    assert "SmolLM" in render_family("smollm2", [msg("user", "Hi")]).text
+
+
+def test_fallback_results_share_one_user_message_with_the_text_after_them() -> None:
+    msgs = [msg("user", "Both?"),
+            msg("assistant", "Checking.", call("c1"), call("c2", "Rome")),
+            msg("tool", ToolResult("c1", "18C")), msg("tool", ToolResult("c2", "25C")),
+            msg("user", "And?")]
+    anthropic = msgs[:2] + [msg("user", ToolResult("c1", "18C"), ToolResult("c2", "25C"),
+                                "And?")]
+    text = render_family("smollm2", msgs, tools=[WEATHER]).text
+    assert text == render_family("smollm2", anthropic, tools=[WEATHER]).text
+    assert ('<|im_start|>assistant\nChecking.\n<tool_call>{"name": "get_weather", "arguments":'
+            ' {"city": "Paris"}}</tool_call>\n<tool_call>') in text
+    assert ("<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n25C\n"
+            "</tool_response>\nAnd?<|im_end|>\n<|im_start|>assistant\n") in text
+
+
+def _turns(family: str, tools: list[Tool], **kw) -> None:
+    """Each turn's prompt is a prefix of the next turn's rendering of the same history."""
+    hist = [msg("system", "Be brief."), msg("user", "Weather in Paris?")]
+    answers = [msg("assistant", Reasoning("Tool."), call()),
+               msg("tool", ToolResult("call_1", "18C")),
+               msg("assistant", "It is 18C."), msg("user", "And Rome?"),
+               msg("assistant", call("call_2", "Rome")), msg("tool", ToolResult("call_2", "25C"))]
+    prompts = []
+    for m in [None, *answers]:
+        hist = hist + ([m] if m else [])
+        if hist[-1].role != "assistant":
+            prompts.append(render_family(family, hist, tools=tools, **kw).text)
+    for a, b in zip(prompts, prompts[1:]):
+        assert b.startswith(a), (family, a[-200:], b[len(a) - 200:])
+
+
+@pytest.mark.parametrize("family", ["qwen25", "llama31", "smollm2"])
+@pytest.mark.parametrize("tools", [[], [WEATHER]])
+def test_turn_n_prompt_is_a_prefix_of_turn_n_plus_1(family: str, tools: list[Tool]) -> None:
+    _turns(family, tools)
+
+
+def test_qwen3_prefix_holds_in_a_tool_loop_but_old_reasoning_is_dropped() -> None:
+    loop = tool_loop()
+    turn1 = render_family("qwen3", loop[:2], tools=[WEATHER]).text
+    turn2 = render_family("qwen3", loop, tools=[WEATHER]).text
+    assert turn2.startswith(turn1)
+    assert "<think>\nI need the tool.\n</think>\n\n<tool_call>" in turn2
+    # after the next user message the template leaves the earlier reasoning out (its design)
+    turn3 = render_family("qwen3", loop + [msg("assistant", "18C."), msg("user", "Rome?")],
+                          tools=[WEATHER]).text
+    assert "I need the tool." not in turn3
+
+
+def test_rendering_is_deterministic_and_ignores_ids() -> None:
+    a = render_family("qwen3", tool_loop(), tools=[WEATHER]).text
+    ided = [Message(m.role, m.parts, f"msg-{i}") for i, m in enumerate(tool_loop())]
+    assert render_family("qwen3", ided, tools=[WEATHER]).text == a
+
+
+@pytest.mark.parametrize("family", ["qwen25", "qwen3", "llama31", "smollm2"])
+def test_developer_renders_as_system(family: str) -> None:
+    dev = render_family(family, [msg("developer", "Rules."), msg("user", "Hi")]).text
+    assert dev == render_family(family, [msg("system", "Rules."), msg("user", "Hi")]).text
+    assert "developer" not in dev
+
+
+def test_thinking_switch() -> None:
+    msgs = [msg("user", "Hi")]
+    on, off, default = (render_family("qwen3", msgs, thinking=t) for t in (True, False, None))
+    assert on.text == default.text and on.text.endswith("<|im_start|>assistant\n")
+    assert off.text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not on.in_reasoning and not off.in_reasoning
+    # a template whose generation prompt opens the think block
+    strict_on = render_family("qwen3_strict", msgs)
+    assert strict_on.text.endswith("<think>\n") and strict_on.in_reasoning
+    assert not render_family("qwen3_strict", msgs, thinking=False).in_reasoning
+    # explicit template_kwargs win; a template without the switch ignores it
+    assert render_family("qwen3", msgs, thinking=True,
+                         template_kwargs={"enable_thinking": False}).text == off.text
+    assert render_family("qwen25", msgs, thinking=False).text == \
+        render_family("qwen25", msgs).text
+
+
+def test_template_kwargs_pass_through_and_reserved_names_are_refused() -> None:
+    text = render_family("llama31", [msg("user", "Hi")],
+                         template_kwargs={"date_string": "01 Jan 2030"}).text
+    assert "Today Date: 01 Jan 2030" in text
+    with pytest.raises(RequestError) as e:
+        render_family("llama31", [msg("user", "Hi")], template_kwargs={"tools": []})
+    assert e.value.status == 400 and "tools" in e.value.message
+
+
+def test_mid_conversation_system_stays_in_place() -> None:
+    msgs = [msg("system", "Main."), msg("user", "Hi"), msg("system", "Reminder."),
+            msg("assistant", "Hello"), msg("user", "Bye")]
+    text = render_family("qwen25", msgs).text
+    assert ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>system\nReminder.<|im_end|>\n"
+            "<|im_start|>assistant\nHello<|im_end|>") in text
+    assert text.startswith("<|im_start|>system\nMain.<|im_end|>")
+    # a template that refuses it: a user message with a clear prefix, in the same place
+    text = render_family("qwen3_strict", msgs).text
+    assert (f"<|im_start|>user\nHi<|im_end|>\n<|im_start|>user\n{SYSTEM_PREFIX}Reminder."
+            "<|im_end|>\n<|im_start|>assistant\n") in text
+    # a template that also enforces alternation: joined to the user message before it
+    text = render_family("mistral", msgs).text
+    assert f"[INST] Hi\n\n{SYSTEM_PREFIX}Reminder.[/INST] Hello</s>" in text
+
+
+@pytest.mark.parametrize("template", ["{{ raise_exception('no tools for you') }}",
+                                      "{% for m in messages %}{{ m.content ",
+                                      "{{ messages[0].content + none }}"])
+def test_template_errors_are_400(template: str) -> None:
+    tok = make_chat_tokenizer("smollm2", template=template)
+    with pytest.raises(RequestError) as e:
+        render(tok, detect(tok), Conversation(messages=[msg("user", "Hi")]))
+    assert e.value.status == 400 and "chat template" in e.value.message
+
+
+def test_alternation_errors_are_400() -> None:
+    with pytest.raises(RequestError) as e:
+        render_family("mistral", [msg("user", "a"), msg("user", "b")])
+    assert e.value.status == 400 and "alternate" in e.value.message
+
+
+def test_continue_final_prefills_the_answer() -> None:
+    r = render_family("qwen25", [msg("user", "Hi"), msg("assistant", "Hello, I am")],
+                      continue_final=True)
+    assert r.text.endswith("<|im_start|>assistant\nHello, I am") and not r.in_reasoning
+    r = render_family("qwen3_strict", [msg("user", "Hi"), msg("assistant", "<think>\nHmm")],
+                      continue_final=True)
+    assert r.in_reasoning
+
+
+def test_result_names_come_from_their_calls() -> None:
+    from mlx_kvserver.chat.render import _messages
+    fmt = detect(make_chat_tokenizer("qwen25"))
+    out = _messages(fmt, tool_loop())
+    assert out[-1] == {"role": "tool", "tool_call_id": "call_1", "content": "18C",
+                       "name": "get_weather"}
+    assert out[2]["tool_calls"] == [{"id": "call_1", "type": "function", "function": {
+        "name": "get_weather", "arguments": {"city": "Paris"}}}]
+    assert out[2]["reasoning_content"] == "I need the tool."
