@@ -1,0 +1,410 @@
+"""``POST /v1/messages`` and ``POST /v1/messages/count_tokens``: Anthropic's Messages API,
+translated into and out of the one conversation model (``chat/conversation.py``).
+
+What a body becomes:
+
+- ``system`` (a string or text blocks): one system message first; the blocks' texts are joined
+  by ``"\\n\\n"`` in order. A ``system`` message inside ``messages`` (the mid-conversation
+  system beta) stays a system message where it is: never merged, never moved.
+- content blocks: ``text`` -> text, ``thinking`` -> reasoning (``redacted_thinking`` dropped),
+  ``tool_use`` -> a tool call (its ``input`` as JSON text), ``tool_result`` -> one ``tool``
+  message per result, in order; text after results in the same user message becomes a user
+  message after them. Images, documents and Anthropic's server tools are refused (400).
+- a history that ends with an assistant message is a prefill: the answer continues it and its
+  content is only the continuation.
+- ``temperature`` absent: the server's default (``--temperature``), as on every API.
+
+NOTE (invariant 9): ``cache_control``, ``metadata``, ``context_management``, signatures, beta
+headers, ``service_tier``, ``container`` and unknown top-level fields never reach the model:
+the same history renders to the same tokens on every turn.
+
+Usage: this server caches every prompt and answer itself, with no separate cache write, so
+``input_tokens`` = prompt tokens computed now, ``cache_read_input_tokens`` = prompt tokens
+reused from the KV cache, ``cache_creation_input_tokens`` = 0; their sum is the whole prompt
+(what ``count_tokens`` returns). The response's ``id`` (``msg_<hex>``) is the ``message_id``
+the answer's KV cache is saved under; ``message_id`` on a message (this server's extension)
+names it on later turns.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
+                                 Text, ToolCall, ToolChoice, ToolResult)
+from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
+                           Usage)
+from ..errors import RequestError, bad_request
+from .http import SSE_HEADERS, anthropic_error_body, job_events, read_object, sse
+from .validate import (boolean, check_history, check_message_id, json_schema, model_name,
+                       number, obj, stop_list, string, tool, tool_list)
+
+ROLES = ("user", "assistant", "system")
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+UNSERVED = ("image", "document", "search_result", "container_upload")
+
+
+def _unserved(kind: str, where: str) -> RequestError:
+    what = "images" if kind == "image" else f"{kind} blocks"
+    return bad_request(f"{where}: {what} are not served (this server serves text models)",
+                       where, code="unsupported_content")
+
+
+def _block(raw: Any, where: str) -> dict:
+    block = obj(raw, where)
+    if not isinstance(block.get("type"), str):
+        raise bad_request(f"{where}.type must be a string", where)
+    if block["type"] in UNSERVED:
+        raise _unserved(block["type"], where)
+    return block
+
+
+def _text_of(block: dict, where: str) -> str:
+    return string(block.get("text"), f"{where}.text", empty=True)
+
+
+def _texts(content: Any, where: str, sep: str = "\n\n") -> str:
+    """A string, or text blocks joined by ``sep`` (system prompts, tool results)."""
+    if isinstance(content, str):
+        return string(content, where, empty=True)
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of text blocks", where)
+    out = []
+    for k, raw in enumerate(content):
+        block = _block(raw, f"{where}[{k}]")
+        if block["type"] != "text":
+            raise bad_request(f"{where}[{k}] must be a text block, not {block['type']!r}",
+                              where)
+        out.append(_text_of(block, f"{where}[{k}]"))
+    return sep.join(out)
+
+
+def _messages(raw: Any, role: str, i: int, names: dict[str, str]) -> list[Message]:
+    """One Anthropic message as one or more internal messages (tool results apart)."""
+    where = f"messages[{i}]"
+    m = obj(raw, where)
+    content = m.get("content")
+    if content is None:
+        raise bad_request(f"{where}.content is required", f"{where}.content")
+    if role == "system":
+        text = _texts(content, f"{where}.content")
+        return [Message("system", [Text(text)] if text else [],
+                        check_message_id(m.get("message_id"), f"{where}.message_id"))]
+    if isinstance(content, str):
+        content = [{"type": "text", "text": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content blocks",
+                          f"{where}.content")
+    out: list[Message] = []
+    parts: list = []
+    for k, b in enumerate(content):
+        w = f"{where}.content[{k}]"
+        block = _block(b, w)
+        kind = block["type"]
+        if kind == "text":
+            text = _text_of(block, w)
+            if text:
+                parts.append(Text(text))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            if kind == "thinking":
+                parts.append(Reasoning(string(block.get("thinking"), f"{w}.thinking",
+                                              empty=True)))
+        elif kind == "tool_use" and role == "assistant":
+            call_id, name = string(block.get("id"), f"{w}.id"), string(block.get("name"),
+                                                                     f"{w}.name")
+            args = obj(block.get("input", {}), f"{w}.input")
+            parts.append(ToolCall(call_id, name, json.dumps(args, ensure_ascii=False)))
+            names[call_id] = name
+        elif kind == "tool_result" and role == "user":
+            if parts:
+                out.append(Message(role, parts))
+                parts = []
+            call_id = string(block.get("tool_use_id"), f"{w}.tool_use_id")
+            result = block.get("content")
+            text = "" if result is None else _texts(result, f"{w}.content")
+            is_error = boolean(block, "is_error", False)
+            out.append(Message("tool", [ToolResult(call_id, text, names.get(call_id),
+                                                   is_error)]))
+        else:
+            raise bad_request(f"{w}: a {kind!r} block is not supported in a {role} message",
+                              w, code="unsupported_content")
+    if parts or not out:
+        out.append(Message(role, parts))
+    out[-1].message_id = check_message_id(m.get("message_id"), f"{where}.message_id")
+    return out
+
+
+def _tools(raw: Any) -> list:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_request("'tools' must be a list of tools", "tools")
+    out = []
+    for i, t in enumerate(raw):
+        t = obj(t, f"tools[{i}]", "tools")
+        if t.get("type", "custom") not in ("custom", None):
+            raise bad_request(f"tools[{i}]: {t.get('type')!r} is one of Anthropic's server "
+                              "tools, which this server does not run; only custom tools "
+                              "(name, description, input_schema) are served", "tools",
+                              code="unsupported_tool")
+        if "input_schema" not in t:
+            raise bad_request(f"tools[{i}].input_schema is required", "tools")
+        out.append(tool(t.get("name"), t.get("description"), t.get("input_schema"),
+                        t.get("strict"), f"tools[{i}]"))
+    return tool_list(out, "tools")
+
+
+def _tool_choice(raw: Any, tools: list) -> tuple[ToolChoice, bool]:
+    """``tool_choice`` as (choice, parallel tool calls)."""
+    if raw is None:
+        return ToolChoice(), True
+    raw = obj(raw, "'tool_choice'", "tool_choice")
+    kind = raw.get("type")
+    modes = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
+    if kind not in modes:
+        raise bad_request("'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'",
+                          "tool_choice")
+    name = string(raw.get("name"), "tool_choice.name", "tool_choice") if kind == "tool" \
+        else None
+    if kind in ("any", "tool") and not tools:
+        raise bad_request("'tool_choice' asks for a tool call but 'tools' is empty",
+                          "tool_choice")
+    if name is not None and name not in {t.name for t in tools}:
+        raise bad_request(f"'tool_choice' names {name!r}, which is not in 'tools'",
+                          "tool_choice")
+    parallel = not boolean(raw, "disable_parallel_tool_use", False)
+    return ToolChoice(modes[kind], name), parallel  # type: ignore[arg-type]
+
+
+def _thinking(raw: Any) -> bool | None:
+    if raw is None:
+        return None
+    raw = obj(raw, "'thinking'", "thinking")
+    kind = raw.get("type")
+    if kind == "enabled":
+        budget = raw.get("budget_tokens")
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                   or budget < 0):
+            raise bad_request("'thinking.budget_tokens' must be a non-negative integer",
+                              "thinking")
+        return True
+    if kind in ("disabled", "adaptive"):
+        return False if kind == "disabled" else None
+    raise bad_request("'thinking.type' must be 'enabled', 'disabled' or 'adaptive'", "thinking")
+
+
+def _output_format(body: dict) -> ResponseFormat:
+    config = obj(body.get("output_config") or {}, "'output_config'", "output_config")
+    effort = config.get("effort")
+    if effort is not None and not isinstance(effort, str):
+        raise bad_request("'output_config.effort' must be a string", "output_config")
+    fmt, param = config.get("format"), "output_config.format"
+    if fmt is None and body.get("output_format") is not None:  # the older beta's field
+        fmt, param = body["output_format"], "output_format"
+    if fmt is None:
+        return ResponseFormat()
+    fmt = obj(fmt, f"'{param}'", param)
+    if fmt.get("type") != "json_schema":
+        raise bad_request(f"'{param}.type' must be 'json_schema'", param)
+    return ResponseFormat("json_schema", json_schema(fmt.get("schema"), f"{param}.schema"))
+
+
+def parse(body: dict, config, count_only: bool = False) -> Conversation:
+    """A checked Messages body as a :class:`Conversation` (``count_only``: a count_tokens
+    body, which needs no ``max_tokens``)."""
+    model = model_name(body)
+    if model is None:
+        raise bad_request("'model' is required", "model")
+    if not count_only and body.get("max_tokens") is None:
+        raise bad_request("'max_tokens' is required", "max_tokens")
+    if body.get("mcp_servers"):
+        raise bad_request("'mcp_servers': MCP connectors are not served here; run the MCP "
+                          "servers in your client", "mcp_servers")
+    obj(body.get("metadata") or {}, "'metadata'", "metadata")  # accepted, never reaches the model
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    messages: list[Message] = []
+    system = body.get("system")
+    if system is not None:
+        text = _texts(system, "system")
+        if text:
+            messages.append(Message("system", [Text(text)]))
+    names: dict[str, str] = {}
+    for i, m in enumerate(raw):
+        role = obj(m, f"messages[{i}]").get("role")
+        if role not in ROLES:
+            raise bad_request(f"messages[{i}].role must be 'user', 'assistant' or 'system'; "
+                              f"got {role!r}", f"messages[{i}].role")
+        messages += _messages(m, role, i, names)
+    check_history(messages)
+    tools = _tools(body.get("tools"))
+    choice, parallel = _tool_choice(body.get("tool_choice"), tools)
+    last = messages[-1]
+    continue_final = last.role == "assistant"
+    if continue_final and last.tool_calls:
+        raise bad_request("the last message is an assistant message with tool_use blocks: "
+                          "send their tool_result blocks in a user message", "messages")
+    temperature = number(body, "temperature", config.temperature)
+    if temperature > 1.0 and body.get("temperature") is not None:
+        raise bad_request(f"'temperature' must be between 0 and 1, got {temperature}",
+                          "temperature")
+    sampling = Sampling(max_tokens=None if count_only else number(body, "max_tokens", None),
+                        temperature=temperature, top_p=number(body, "top_p", 1.0),
+                        top_k=number(body, "top_k", 0), stop=stop_list(body, "stop_sequences"))
+    return Conversation(
+        messages=messages, sampling=sampling, tools=tools, tool_choice=choice,
+        parallel_tool_calls=parallel, response_format=_output_format(body),
+        thinking=_thinking(body.get("thinking")), continue_final=continue_final, model=model,
+        n=1, stream=boolean(body, "stream", False),
+        use_kv_cache=boolean(body, "use_kv_cache", True))
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+def usage_body(prompt: int, cached: int, output: int) -> dict:
+    """Anthropic's usage (see the module's docstring): input + cache read = the prompt."""
+    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": cached, "output_tokens": output}
+
+
+def tool_input(call: ToolCall) -> dict:
+    """A call's ``input`` object (arguments that are not a JSON object come back under
+    ``"arguments"`` as their raw text, never dropped)."""
+    value = call.arguments_object()
+    return value if isinstance(value, dict) else {"arguments": call.arguments}
+
+
+def stop_of(f: Finish) -> tuple[str, str | None]:
+    if f.stop_sequence is not None:
+        return "stop_sequence", f.stop_sequence
+    return STOP_REASONS.get(f.reason, "end_turn"), None
+
+
+def message_body(msg_id: str, model: str, f: Finish | None, usage: Usage) -> dict:
+    content: list[dict] = []
+    if f is not None:
+        if f.reasoning:
+            content.append({"type": "thinking", "thinking": f.reasoning, "signature": ""})
+        if f.text:
+            content.append({"type": "text", "text": f.text})
+        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c)}
+                    for c in f.tool_calls]
+    reason, sequence = stop_of(f) if f is not None else (None, None)
+    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
+                                usage.completion_tokens)}
+
+
+async def handle(served, request: Request) -> Response:
+    body = await read_object(request, served.config.max_body_bytes)
+    conv = parse(body, served.config)
+    msg_id = f"msg_{uuid.uuid4().hex}"
+    # NOTE: the response id is the answer's message_id: the key its KV cache is saved under.
+    job, accepted, watch = await served.start(request, conv, job_id=msg_id, answer_ids=[msg_id])
+    usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
+    if conv.stream:
+        return StreamingResponse(_stream(job, watch, msg_id, conv.model or "", usage),
+                                 media_type="text/event-stream", headers=SSE_HEADERS)
+    finish = None
+    async for ev in job_events(job, watch):
+        if isinstance(ev, RequestError):
+            raise ev  # the app's guard renders it in Anthropic's shape
+        if isinstance(ev, Finish):
+            finish = ev
+        elif isinstance(ev, Usage):
+            usage = ev
+    return JSONResponse(message_body(msg_id, conv.model or "", finish, usage))
+
+
+async def _stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIterator[str]:
+    """Anthropic's event sequence: message_start, ping, per block content_block_start /
+    _delta / _stop (thinking, then text, then tool_use blocks, indexed in order),
+    message_delta, message_stop; an ``error`` event in place of the rest on failure."""
+    start = message_body(msg_id, model, None, usage)
+    yield sse({"type": "message_start", "message": start}, event="message_start")
+    yield sse({"type": "ping"}, event="ping")
+    index, kind = -1, None  # the open block: its index and type (None: none open)
+    calls: dict[int, int] = {}  # call number -> block index
+    finish = None
+
+    def delta(i: int, d: dict) -> str:
+        return sse({"type": "content_block_delta", "index": i, "delta": d},
+                   event="content_block_delta")
+
+    def close() -> list[str]:
+        nonlocal kind
+        out = []
+        if kind == "thinking":
+            out.append(delta(index, {"type": "signature_delta", "signature": ""}))
+        if kind is not None:
+            out.append(sse({"type": "content_block_stop", "index": index},
+                           event="content_block_stop"))
+        kind = None
+        return out
+
+    def open_(block: dict) -> list[str]:
+        nonlocal index, kind
+        out = close()
+        index, kind = index + 1, block["type"]
+        out.append(sse({"type": "content_block_start", "index": index, "content_block": block},
+                       event="content_block_start"))
+        return out
+
+    async for ev in job_events(job, watch):
+        out: list[str] = []
+        if isinstance(ev, ReasoningDelta) and ev.text:
+            if kind != "thinking":
+                out += open_({"type": "thinking", "thinking": "", "signature": ""})
+            out.append(delta(index, {"type": "thinking_delta", "thinking": ev.text}))
+        elif isinstance(ev, TextDelta) and ev.text:
+            if kind != "text":
+                out += open_({"type": "text", "text": ""})
+            out.append(delta(index, {"type": "text_delta", "text": ev.text}))
+        elif isinstance(ev, ToolCallStart):
+            out += open_({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
+            calls[ev.call] = index
+        elif isinstance(ev, ToolCallDelta) and ev.arguments:
+            out.append(delta(calls.get(ev.call, index),
+                             {"type": "input_json_delta", "partial_json": ev.arguments}))
+        elif isinstance(ev, Finish):
+            finish = ev
+            out += close()
+        elif isinstance(ev, Usage):
+            usage = ev
+        elif isinstance(ev, RequestError):
+            yield sse(anthropic_error_body(ev), event="error")
+            return
+        for s in out:
+            yield s
+    reason, sequence = stop_of(finish) if finish is not None else ("end_turn", None)
+    yield sse({"type": "message_delta",
+               "delta": {"stop_reason": reason, "stop_sequence": sequence},
+               "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
+                                   usage.completion_tokens)}, event="message_delta")
+    yield sse({"type": "message_stop"}, event="message_stop")
+
+
+def prompt_tokens(lm, conv: Conversation) -> int:
+    """The rendered prompt's token count, through the engine's own rendering path."""
+    from ..chat.render import render
+    from ..chat.support import chat_support
+
+    tok = lm.tokenizer
+    return len(tok.encode(render(tok, chat_support(lm).format, conv).text))
+
+
+async def count_tokens(served, request: Request) -> Response:
+    """``{"input_tokens": N}``: what ``/v1/messages`` would report as input + cache read for
+    the same body (no job is submitted)."""
+    body = await read_object(request, served.config.max_body_bytes)
+    conv = parse(body, served.config, count_only=True)
+    lm = served.model_for(request, conv.model)
+    return JSONResponse({"input_tokens": await run_in_threadpool(prompt_tokens, lm, conv)})
