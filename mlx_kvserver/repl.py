@@ -4,7 +4,9 @@ With ``--url`` it talks to a running server; without, it loads the model(s) and 
 in-process on a loopback port (same model and cache flags as ``mlx-kvserver``). Every turn sends
 the whole conversation with the ``message_id`` of each message, so the server answers from its
 KV cache; a status line after each answer shows time to first token, tokens/s and how many prompt
-tokens came from the cache. Type ``/help`` for the commands.
+tokens came from the cache. A thinking model's reasoning folds to a one-line summary (``/reasoning``
+shows it in full) and tool calls print as ``[tool call] name({...})``; both go back to the server
+as it sent them. Type ``/help`` for the commands.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
-from urllib.parse import urlparse
+from typing import Callable
 
 import httpx
 
+from .client import ChatError, Client, Streamed, describe_error
+from .repl_render import TurnPrinter, dim, reasoning_summary
 from .stats_table import stats_table
 
 HELP = """commands:
@@ -30,100 +33,12 @@ HELP = """commands:
   /fork          branch from here: keeps the history (and its server cache); /back returns here
   /back          leave the current branch: back to the point of the last /fork
   /system [TEXT] set the system prompt (no TEXT: clear it)
+  /reasoning     show a thinking model's reasoning in full (dimmed), or fold it to a one-line
+                 summary (the default); showing it prints the last answer's reasoning too
   /stats         the server's KV cache (hits, tokens from cache, RAM and disk against their
                  budgets, evictions) and this session's totals; /stats --json: the raw stats
   /help          this help
   /quit          leave (also Ctrl-D); Ctrl-C stops an answer"""
-
-# C0/C1 control characters except tab and newline: never let model output drive the terminal.
-_CONTROL = {c: "\ufffd" for c in (*range(0, 9), *range(11, 32), *range(127, 160))}
-
-
-class ChatError(Exception):
-    """Something the user should read: an HTTP error from the server or a broken stream."""
-
-
-def parse_sse(lines: Iterable[str]) -> Iterator[dict]:
-    """JSON payloads of the ``data:`` events in SSE lines; stops at ``[DONE]``. An event that
-    carries ``{"error": ...}`` raises :class:`ChatError`."""
-    data: list[str] = []
-
-    def dispatch() -> Any:
-        payload = "\n".join(data)
-        data.clear()
-        if payload.strip() == "[DONE]":
-            return None
-        try:
-            event = json.loads(payload)
-        except ValueError:
-            raise ChatError(f"the server sent a malformed event: {payload[:200]!r}")
-        if isinstance(event, dict) and "error" in event:
-            raise ChatError(describe_error(event))
-        return event
-
-    for line in lines:
-        if line == "":
-            if data:
-                if (event := dispatch()) is None:
-                    return
-                yield event
-        elif not line.startswith(":"):  # ':' starts a comment (keep-alive)
-            name, _, value = line.partition(":")
-            if name == "data":
-                data.append(value[1:] if value.startswith(" ") else value)
-    if data and (event := dispatch()) is not None:
-        yield event
-
-
-def describe_error(body: Any, status: int | None = None) -> str:
-    err = body.get("error") if isinstance(body, dict) else None
-    head = f"HTTP {status}" if status else "server error"
-    if isinstance(err, dict):
-        kind = f" {err['type']}" if err.get("type") else ""
-        return f"{head}{kind}: {err.get('message', err)}"
-    return f"{head}: {str(body)[:500]}"
-
-
-class Client:
-    """A small OpenAI-style client over httpx for the chat server (base URL ends with /v1)."""
-
-    def __init__(self, base_url: str, api_key: str | None = None, model: str | None = None):
-        base = base_url.rstrip("/")
-        if urlparse(base).path in ("", "/"):
-            base += "/v1"
-        self.base_url, self.model = base, model
-        self.root = base.removesuffix("/v1")
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(headers=headers,
-                                 timeout=httpx.Timeout(30.0, read=600.0, write=60.0))
-
-    def close(self) -> None:
-        self.http.close()
-
-    def get(self, url: str) -> tuple[int, Any]:
-        r = self.http.get(url)
-        try:
-            return r.status_code, r.json()
-        except ValueError:
-            return r.status_code, r.text
-
-    def chat_stream(self, messages: list[dict], **params: Any) -> Iterator[dict]:
-        """Stream a chat completion: yields the chunks; raises :class:`ChatError` on an HTTP
-        error. Closing the generator closes the connection (the server cancels generation)."""
-        body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True},
-                **{k: v for k, v in params.items() if v is not None}}
-        if self.model:
-            body["model"] = self.model
-        with self.http.stream("POST", f"{self.base_url}/chat/completions", json=body) as r:
-            if r.status_code >= 400:
-                r.read()
-                try:
-                    body = r.json()
-                except ValueError:
-                    body = r.text
-                raise ChatError(describe_error(body, r.status_code))
-            yield from parse_sse(r.iter_lines())
-
 
 class Conversation:
     """The messages of the current branch, each with its ``message_id``, and a stack of forks."""
@@ -177,7 +92,7 @@ class Conversation:
 
 @dataclass
 class Reply:
-    text: str = ""
+    answer: Streamed = field(default_factory=Streamed)
     message_id: str | None = None
     usage: dict = field(default_factory=dict)
     ttft: float | None = None
@@ -192,13 +107,12 @@ class Repl:
         self.conv = Conversation()
         self.totals = {"turns": 0, "prompt": 0, "cached": 0, "completion": 0}
         self.ttfts: list[float] = []
+        self.show_reasoning = False
         self.color = self.out.isatty() and os.environ.get("TERM") != "dumb" \
             and "NO_COLOR" not in os.environ
 
-    def say(self, text: str, dim: bool = False) -> None:
-        if dim and self.color:
-            text = f"\x1b[2m{text}\x1b[0m"
-        self.out.write(text + "\n")
+    def say(self, text: str, dimmed: bool = False) -> None:
+        self.out.write(dim(text, self.color and dimmed) + "\n")
         self.out.flush()
 
     def prompt(self) -> str:
@@ -206,28 +120,23 @@ class Repl:
 
     def generate(self) -> Reply:
         """Stream an answer to the current messages; Ctrl-C stops it (partial answer kept)."""
-        reply, t0 = Reply(), time.perf_counter()
-        t_first = None
+        t0 = time.perf_counter()
+        printer = TurnPrinter(self.out, self.color, self.show_reasoning)
+        reply = Reply(printer.answer)
         stream = self.client.chat_stream(self.conv.messages, **self.params)
         try:
             for chunk in stream:
                 reply.message_id = chunk.get("message_id") or reply.message_id
                 reply.usage = chunk.get("usage") or reply.usage
                 for choice in chunk.get("choices") or []:
-                    text = (choice.get("delta") or {}).get("content")
-                    if text:
-                        t_first = t_first or time.perf_counter()
-                        reply.text += text
-                        self.out.write(text.translate(_CONTROL))
-                        self.out.flush()
+                    printer.feed(choice.get("delta") or {})
         except KeyboardInterrupt:
             reply.interrupted = True
         finally:
             stream.close()
             t_end = time.perf_counter()
-            if reply.text and not reply.text.endswith("\n"):
-                self.out.write("\n")
-        n = reply.usage.get("completion_tokens", 0)
+            printer.finish()
+        n, t_first = reply.usage.get("completion_tokens", 0), printer.t_first
         if t_first is not None:  # decode rate: tokens after the first over the time they took
             reply.ttft = t_first - t0
             reply.rate = (n - 1) / (t_end - t_first) if n > 1 else None
@@ -243,12 +152,14 @@ class Repl:
             self.say(f"error: {e}" if isinstance(e, ChatError)
                      else f"error: cannot talk to {self.client.base_url}: {e}")
             return
+        answer = reply.answer
         if reply.interrupted:
-            self.say("[stopped]", dim=True)
-            if not reply.text:
+            self.say("[stopped]", dimmed=True)
+            if not (answer.text or answer.tool_calls):
                 self.conv.messages = restore
                 return
-        self.conv.add("assistant", reply.text, reply.message_id)
+        # as the server sent it: the next turn renders the same tokens (and hits the cache)
+        self.conv.messages.append(answer.message(reply.message_id))
         if reply.usage:
             self.status(reply)
 
@@ -263,7 +174,7 @@ class Repl:
         ttft = f"{reply.ttft:.3f}s" if reply.ttft is not None else "-"
         rate = f"{reply.rate:.1f}" if reply.rate is not None else "-"
         self.say(f"[ttft {ttft} | {rate} tok/s | {done} tokens | "
-                 f"cached {cached}/{prompt} prompt tokens]", dim=True)
+                 f"cached {cached}/{prompt} prompt tokens]", dimmed=True)
 
     def stats(self, raw: bool = False) -> None:
         try:
@@ -284,6 +195,18 @@ class Repl:
         ttft = f", median ttft {statistics.median(self.ttfts):.3f}s" if self.ttfts else ""
         self.say(f"session: {t['turns']} turns, {t['prompt']} prompt tokens, {t['cached']} "
                  f"from cache{share}, {t['completion']} completion tokens{ttft}")
+
+    def reasoning_toggle(self) -> None:
+        self.show_reasoning = not self.show_reasoning
+        self.say("reasoning: shown in full" if self.show_reasoning
+                 else "reasoning: folded to a summary", dimmed=True)
+        last = next((m for m in reversed(self.conv.messages) if m["role"] == "assistant"), None)
+        if self.show_reasoning and last and last.get("reasoning_content"):
+            thought = last["reasoning_content"]
+            self.say(f"{reasoning_summary(thought, None)} of the last answer:", dimmed=True)
+            printer = TurnPrinter(self.out, self.color, True)
+            printer.write(thought, dimmed=True)
+            printer.newline()
 
     def command(self, line: str) -> bool:
         """Run one /command; False means quit."""
@@ -310,6 +233,8 @@ class Repl:
         elif name == "/system":
             conv.set_system(arg.strip())
             self.say("system prompt set" if arg.strip() else "system prompt cleared")
+        elif name == "/reasoning":
+            self.reasoning_toggle()
         elif name == "/stats":
             if arg.strip() in ("", "--json"):
                 self.stats(raw=arg.strip() == "--json")
@@ -338,7 +263,7 @@ class Repl:
                     self.conv.add("user", line)
                     self.turn(restore=before)
             except KeyboardInterrupt:  # e.g. during /stats; answers handle their own
-                self.say("[stopped]", dim=True)
+                self.say("[stopped]", dimmed=True)
 
 
 def line_reader(args) -> Callable[[str], str]:
@@ -454,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             else f"{client.base_url} - {describe_error(body, code)}"
     except (httpx.HTTPError, KeyError, TypeError) as e:
         where = f"{client.base_url} - not reachable yet: {e}"
-    repl.say(f"mlx-kvchat: {where}. /help for commands, /quit or Ctrl-D to leave.", dim=True)
+    repl.say(f"mlx-kvchat: {where}. /help for commands, /quit or Ctrl-D to leave.", dimmed=True)
     try:
         repl.run(line_reader(args))
     except BrokenPipeError:  # piped into `head` and the like

@@ -20,7 +20,9 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.repl import _CONTROL, ChatError, Conversation, Repl, parse_sse
+from mlx_kvserver.client import ChatError, Streamed, parse_sse
+from mlx_kvserver.repl import Conversation, Repl
+from mlx_kvserver.repl_render import _CONTROL
 from tests.server_utils import running_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,8 +102,8 @@ def answer(text, mid, prompt=10, cached=0):
                                       "prompt_tokens_details": {"cached_tokens": cached}}}]
 
 
-def run_repl(client, lines):
-    out, prompts, it = io.StringIO(), [], iter(lines)
+def run_repl(client, lines, out=None):
+    out, prompts, it = out or io.StringIO(), [], iter(lines)
 
     def read(prompt):
         prompts.append(prompt)
@@ -150,6 +152,101 @@ def test_repl_errors_interrupts_and_unknown_commands():
     assert [(m["content"], m.get("message_id")) for m in repl.conv.messages][1:] == \
         [("C", "msg-c")]
     assert len(STATUS.findall(out)) == 1
+
+
+# -- reasoning and tool calls (canned server events: the tiny test models make neither) ----------
+
+WEATHER = {"id": "call_1", "type": "function",
+           "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 2}'}}
+
+
+def thinking_answer(mid, reasoning=(), text=(), calls=(), reason="stop"):
+    """The chunks of one streamed answer as the server sends them: the role, reasoning pieces,
+    text pieces, each tool call (id and name, then its arguments in two fragments), the finish
+    reason and the usage."""
+    def chunk(delta, finish=None):
+        return {"message_id": mid, "choices": [{"index": 0, "delta": delta,
+                                                "finish_reason": finish}]}
+    out = [chunk({"role": "assistant", "content": "", "message_id": mid})]
+    out += [chunk({"reasoning_content": r}) for r in reasoning]
+    out += [chunk({"content": t}) for t in text]
+    for k, call in enumerate(calls):
+        fn, args = call["function"], call["function"]["arguments"]
+        out.append(chunk({"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                          "function": {"name": fn["name"], "arguments": ""}}]}))
+        out += [chunk({"tool_calls": [{"index": k, "function": {"arguments": part}}]})
+                for part in (args[:7], args[7:])]
+    out.append(chunk({}, reason))
+    out.append({"choices": [], "usage": {"prompt_tokens": 10, "completion_tokens": 5,
+                                         "prompt_tokens_details": {"cached_tokens": 0}}})
+    return out
+
+
+def test_streamed_puts_reasoning_text_and_tool_calls_together_as_sent():
+    s = Streamed()
+    for c in thinking_answer("m", ["Let me ", "think."], ["It is ", "sunny."],
+                             [WEATHER, {**WEATHER, "id": "call_2"}], "tool_calls")[:-1]:
+        s.add(c["choices"][0]["delta"])
+    assert (s.reasoning, s.text) == ("Let me think.", "It is sunny.")
+    assert s.tool_calls == [WEATHER, {**WEATHER, "id": "call_2"}]
+    assert s.message("msg-1") == {"role": "assistant", "content": "It is sunny.",
+                                  "reasoning_content": "Let me think.",
+                                  "tool_calls": [WEATHER, {**WEATHER, "id": "call_2"}],
+                                  "message_id": "msg-1"}
+    s.add({"tool_calls": [{"index": 99, "function": {"name": "x", "arguments": 5}}, "junk"]})
+    assert s.tool_calls[2] == {"id": "", "type": "function",
+                               "function": {"name": "x", "arguments": ""}}
+    assert Streamed().message(None) == {"role": "assistant", "content": ""}
+
+
+def test_reasoning_folds_to_a_summary_tool_calls_print_and_both_go_back_in_the_history():
+    """Canned events: a thinking answer, then one that calls a tool, then /reasoning shows the
+    last reasoning and the next answer's in full. The history sent back keeps what the server
+    sent (reasoning_content, tool_calls), so the next turn renders the same tokens."""
+    client = FakeClient([
+        thinking_answer("msg-a", ["The user ", "greets me.\nBe brief."], ["Hello", "!"]),
+        thinking_answer("msg-b", ["Use the\x1b[31m tool."], [], [WEATHER], "tool_calls"),
+        thinking_answer("msg-c", ["Paris is ", "sunny."], ["Sunny."]),
+        answer("D", "msg-d")])
+    repl, out, _ = run_repl(client, ["hi", "weather?", "/reasoning", "thanks", "/reasoning",
+                                     "bye"])
+    first, second, third = out.split("[ttft")[:3]
+    assert re.search(r"^\[reasoning: 29 chars, \d+\.\ds\] /reasoning shows it\nHello!\n$", first)
+    assert "The user" not in out.split("reasoning: shown in full")[0]  # folded until asked
+    assert re.search(r"\n\[reasoning: 18 chars, \d+\.\ds\] /reasoning shows it\n"
+                     r'\[tool call\] get_weather\(\{"city": "Paris", "days": 2\}\)\n$', second)
+    assert "\x1b" not in out and "Use the\ufffd[31m tool." not in second  # folded, and clean
+    # /reasoning: the last answer's reasoning in full, then the next answer's as it streams
+    assert "reasoning: shown in full\n[reasoning: 18 chars] of the last answer:\n" \
+           "Use the\ufffd[31m tool.\n" in third
+    assert third.endswith("[reasoning]\nParis is sunny.\nSunny.\n")
+    assert "reasoning: folded to a summary" in out and "/reasoning     show" in \
+        run_repl(FakeClient([]), ["/help"])[1]
+    a, b, c = (m for m in client.sent[3] if m["role"] == "assistant")
+    assert a == {"role": "assistant", "content": "Hello!", "message_id": "msg-a",
+                 "reasoning_content": "The user greets me.\nBe brief."}
+    assert b == {"role": "assistant", "content": "", "message_id": "msg-b",
+                 "reasoning_content": "Use the\x1b[31m tool.", "tool_calls": [WEATHER]}
+    assert c["reasoning_content"] == "Paris is sunny." and c["content"] == "Sunny."
+    assert len(STATUS.findall(out)) == 4
+
+
+class Tty(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_on_a_terminal_a_placeholder_streams_then_the_summary_replaces_it(monkeypatch):
+    monkeypatch.setenv("TERM", "xterm")
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    client = FakeClient([thinking_answer("msg-a", ["Hmm."], ["Yes."]),
+                         thinking_answer("msg-b", ["Hmm"])[:2] + [KeyboardInterrupt()]])
+    repl, out, _ = run_repl(client, ["hi", "again"], out=Tty())
+    assert "\x1b[2m[reasoning…]\x1b[0m\r\x1b[K\x1b[2m[reasoning: 4 chars, " in out
+    assert "/reasoning shows it\n\x1b[0mYes.\n" in out
+    # stopped while still reasoning: the summary, [stopped], and the turn is dropped
+    assert out.endswith("[stopped]\x1b[0m\n") and "[reasoning: 3 chars" in out
+    assert [m["role"] for m in repl.conv.messages] == ["user", "assistant"]
 
 
 STATS = {"object": "kv_cache.stats", "models": {

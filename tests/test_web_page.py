@@ -1,13 +1,17 @@
 """The chat page at / in a real headless Chromium (selenium, Debian's chromium + chromium-driver)
 against the real server on the tiny model: turns from the cache across a reload and a server
 restart, edit, regenerate, fork, model choice, the cache panel, the API-key prompt, and model
-output with HTML in it rendered as text. Without a browser the browser tests are skipped, and
+output with HTML in it rendered as text; a turn's reasoning and tool calls (canned events from a
+stub, see that test). Without a browser the browser tests are skipped, and
 the skip reason says so (pytest -ra prints it in the summary)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import struct
+import threading
 import time
 from pathlib import Path
 
@@ -15,8 +19,9 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium
+from tests.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
 from tests.server_utils import running_server
+from tests.test_repl import WEATHER, thinking_answer
 
 CHROMIUM = find_chromium()
 needs_browser = pytest.mark.skipif(CHROMIUM is None, reason=MISSING)
@@ -307,6 +312,114 @@ def test_api_key_prompt(tiny_lm, web):
         web.execute_script("sessionStorage.clear(); localStorage.clear()")
 
 
+class CannedChat:
+    """A stub server for the rendering check only: the page and its files are the real routes
+    (mlx_kvserver.web), /v1/models and /v1/chat/completions stream canned events shaped as the
+    server's (the tiny random-weight models make no reasoning or tool calls on their own). A
+    "wait" item holds the stream until ``gate`` is set; ``bodies`` are the requests it got."""
+
+    def __init__(self, answers: list[list]):
+        self.answers, self.bodies, self.gate = list(answers), [], threading.Event()
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        from mlx_kvserver.web import page_routes
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+        async def chat(request):
+            self.bodies.append(await request.json())
+            chunks = self.answers.pop(0)
+
+            async def events():
+                for c in chunks:
+                    if c == "wait":
+                        await asyncio.to_thread(self.gate.wait, 30)
+                    else:
+                        yield f"data: {json.dumps(c)}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return Starlette(routes=[*page_routes(), Route("/v1/models", models),
+                                 Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+THOUGHT = ["The user wants the weather. ", "<script>window.__pwned='r'</script> I should call ",
+           "the tool."]
+EVIL_CALL = {"id": "call_2", "type": "function", "function": {
+    "name": "<img src=x onerror=\"window.__pwned='name'\">", "arguments": "<b>not json</b>"}}
+
+
+def parts_of(msg) -> list[str]:
+    return [c.get_attribute("class") for c in msg.find_elements("css selector", ":scope > *")]
+
+
+@needs_browser
+def test_reasoning_folds_and_tool_calls_show_across_a_reload(web):
+    """Canned events (a stub, for the rendering only): the reasoning streams into an open
+    "Reasoning" block that folds when the answer starts; each tool call is a block with its
+    name and pretty-printed arguments, as text; both stay after a reload, and the next turn
+    sends them back as the server sent them."""
+    first = thinking_answer("msg-a", THOUGHT, ["Let me look that up."], [WEATHER, EVIL_CALL],
+                            "tool_calls")
+    first.insert(1 + len(THOUGHT), "wait")  # the reasoning is out; the answer waits
+    stub = CannedChat([first, thinking_answer("msg-b", [], ["It is sunny."])])
+    with serve_app(stub.app()) as root:
+        open_page(web, root)
+        before = answers(web)
+        css(web, "#input")[0].send_keys("weather in Paris?")
+        css(web, "#send")[0].click()
+        until(web, lambda w: css(w, ".msg-reasoning[open] .reasoning-body") and "the tool." in
+              css(w, ".msg-reasoning .reasoning-body")[0].text, what="the reasoning, open")
+        summary = css(web, ".msg-reasoning summary")[0].text
+        n = len("".join(THOUGHT))
+        assert summary == f"Reasoning… · {n} chars"
+        assert css(web, "#main")[0].get_attribute("data-state") == "streaming"
+        stub.gate.set()
+        answered(web, before)
+        msg = css(web, '#messages .msg[data-role="assistant"]')[-1]
+        assert parts_of(msg) == ["msg-head", "msg-reasoning", "msg-body", "msg-tools",
+                                 "msg-stats"]
+        details = msg.find_elements("css selector", ".msg-reasoning")[0]
+        assert details.get_attribute("open") is None  # folded once the answer started
+        assert re.fullmatch(rf"Reasoning · {n} chars · \d+\.\d s", details.text)
+        details.find_elements("css selector", "summary")[0].click()
+        assert details.find_elements("css selector", ".reasoning-body")[0].text == \
+            "".join(THOUGHT)
+        assert msg.find_elements("css selector", ".msg-body")[0].text == "Let me look that up."
+        calls = msg.find_elements("css selector", ".tool-call")
+        assert [c.find_elements("css selector", ".tool-call-name")[0].text for c in calls] == \
+            ["get_weather", EVIL_CALL["function"]["name"]]
+        args = [c.find_elements("css selector", ".tool-call-args")[0].text for c in calls]
+        assert args == ['{\n  "city": "Paris",\n  "days": 2\n}', "<b>not json</b>"]
+        assert "call_1" in calls[0].text
+        assert not css(web, "#messages script, #messages img, #messages b")
+        assert web.execute_script("return window.__pwned") is None
+        kept = active(web)["messages"][-1]
+        assert kept["reasoning_content"] == "".join(THOUGHT) and kept["reasoning_time"] >= 0
+        assert kept["tool_calls"] == [WEATHER, EVIL_CALL]
+
+        web.refresh()  # from localStorage: the same parts, the reasoning folded
+        until(web, lambda w: len(css(w, "#messages .msg")) == 2)
+        msg = css(web, '#messages .msg[data-role="assistant"]')[0]
+        assert parts_of(msg) == ["msg-head", "msg-reasoning", "msg-body", "msg-tools",
+                                 "msg-stats"]
+        assert msg.find_elements("css selector", ".msg-reasoning")[0].get_attribute("open") \
+            is None
+        assert len(msg.find_elements("css selector", ".tool-call")) == 2
+        say(web, "thanks")
+        sent = stub.bodies[1]["messages"][1]
+        assert sent == {"role": "assistant", "content": "Let me look that up.",
+                        "message_id": "msg-a", "reasoning_content": "".join(THOUGHT),
+                        "tool_calls": [WEATHER, EVIL_CALL]}
+        assert "reasoning_content" not in stub.bodies[1]["messages"][0]
+        web.execute_script("localStorage.clear()")
+
+
 # -- without a browser --------------------------------------------------------------------------
 
 STATIC = Path(__file__).resolve().parents[1] / "mlx_kvserver" / "static"
@@ -330,8 +443,8 @@ def test_page_and_files_are_served_with_a_strict_policy(tiny_lm):
         assert "script-src 'self'" in csp and "connect-src 'self'" in csp
         assert "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
         assert 'src="static/app.js"' in page.text
-        for name in ("app.js", "markdown.js", "store.js", "client.js", "chart.js", "cache.js",
-                     "style.css"):
+        for name in ("app.js", "markdown.js", "parts.js", "store.js", "client.js", "chart.js",
+                     "cache.js", "style.css"):
             r = httpx.get(f"{root}/static/{name}")
             assert r.status_code == 200 and r.headers["x-content-type-options"] == "nosniff"
             kind = "css" if name.endswith(".css") else "javascript"

@@ -6,7 +6,8 @@
 import { CachePanel } from "./cache.js";
 import { turnChart } from "./chart.js";
 import { Client } from "./client.js";
-import { renderMarkdown } from "./markdown.js";
+import { el, renderMarkdown } from "./markdown.js";
+import { applyDelta, endReasoning, reasoningView, toolCallsView, updateReasoning } from "./parts.js";
 import { loadSettings, newId, saveSettings, Store, STORAGE_KEY } from "./store.js";
 
 const $ = (id) => document.getElementById(id);
@@ -16,13 +17,6 @@ let models = [];
 let streaming = null; // {controller, conv}
 let pendingKey = null;
 let answers = 0; // finished answers since the page loaded (in data-answers, for scripts and tests)
-
-function el(tag, className, text) {
-  const node = document.createElement(tag);
-  if (className) node.className = className;
-  if (text !== undefined) node.textContent = text;
-  return node;
-}
 
 function showError(text) {
   $("error").textContent = text ?? "";
@@ -91,9 +85,11 @@ function messageView(conv, m, i) {
     actions.append(action("regenerate", "act-regen", () => regenerate(conv, i)));
   }
   actions.append(action("fork here", "act-fork", () => fork(conv, i)));
+  if (m.reasoning_content) node.append(reasoningView(m)); // folded
   const body = node.appendChild(el("div", "msg-body"));
   if (m.role === "assistant") body.append(renderMarkdown(m.content));
   else body.textContent = m.content;
+  if (m.tool_calls?.length) node.append(toolCallsView(m.tool_calls));
   if (m.stats) {
     const stats = node.appendChild(el("div", "msg-stats", statsText(m.stats, m.model)));
     stats.dataset.cached = String(m.stats.cached_tokens);
@@ -159,9 +155,18 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
 }
 
+/** A message as sent back: an answer with its reasoning and tool calls as the server sent them
+ * (the same tokens, so the turn comes from the cache). */
+function sentMessage({ role, content, message_id, reasoning_content, tool_calls }) {
+  const m = { role, content };
+  if (message_id) m.message_id = message_id;
+  if (role === "assistant" && reasoning_content) m.reasoning_content = reasoning_content;
+  if (role === "assistant" && tool_calls?.length) m.tool_calls = tool_calls;
+  return m;
+}
+
 function requestBody(conv) {
-  const body = { messages: conv.messages.map(({ role, content, message_id }) =>
-    (message_id ? { role, content, message_id } : { role, content })) };
+  const body = { messages: conv.messages.map(sentMessage) };
   const model = currentModel(conv);
   if (model) body.model = model;
   if (settings.maxTokens !== "") body.max_tokens = Number(settings.maxTokens);
@@ -182,13 +187,29 @@ async function generate(conv) {
   render();
   const view = $("messages").lastElementChild?.querySelector(".msg-body");
   let frame = 0;
+  let thinking = null; // the reasoning block: open while it streams, folded when the answer starts
+  let tools = null;
   const paint = () => {
     frame = 0;
-    view?.replaceChildren(renderMarkdown(reply.content));
+    if (!view) return;
+    if (reply.reasoning_content) {
+      const live = reply.reasoning_time == null;
+      if (!thinking) view.before(thinking = reasoningView(reply, live));
+      else if (!live && thinking.dataset.state === "streaming") thinking.open = false;
+      updateReasoning(thinking, reply, live);
+    }
+    view.replaceChildren(renderMarkdown(reply.content));
+    if (reply.tool_calls?.length) {
+      const next = toolCallsView(reply.tool_calls);
+      if (tools) tools.replaceWith(next);
+      else view.after(next);
+      tools = next;
+    }
     $("messages").scrollTop = $("messages").scrollHeight;
   };
   const t0 = performance.now();
   let tFirst = null;
+  let tReasoning = null;
   let usage = null;
   let failed = null;
   try {
@@ -196,10 +217,12 @@ async function generate(conv) {
       if (chunk.message_id) reply.message_id = chunk.message_id;
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices ?? []) {
-        const text = choice.delta?.content;
-        if (!text) continue;
-        tFirst ??= performance.now();
-        reply.content += text;
+        const got = applyDelta(reply, choice.delta);
+        if (!got.thought && !got.text && !got.call) continue;
+        const now = performance.now();
+        tFirst ??= now; // the first token of any kind, reasoning included
+        if (got.thought) tReasoning ??= now;
+        if (got.text || got.call) endReasoning(reply, tReasoning, now);
         frame ||= requestAnimationFrame(paint);
       }
     }
@@ -208,6 +231,7 @@ async function generate(conv) {
   }
   cancelAnimationFrame(frame);
   const tEnd = performance.now();
+  endReasoning(reply, tReasoning, tEnd);
   if (usage) {
     const n = usage.completion_tokens;
     reply.stats = {
@@ -217,7 +241,7 @@ async function generate(conv) {
       cached_tokens: usage.prompt_tokens_details?.cached_tokens ?? 0,
     };
   }
-  const kept = Boolean(reply.content || usage);
+  const kept = Boolean(reply.content || reply.tool_calls?.length || usage);
   if (!kept) conv.messages.splice(conv.messages.indexOf(reply), 1);
   streaming = null;
   $("main").dataset.answers = String(++answers);

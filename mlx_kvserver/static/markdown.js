@@ -22,7 +22,8 @@ const INLINE = new RegExp([
   /(https?:\/\/[^\s<>()]*[^\s<>().,;:!?'"*_~])/,        // 11 bare URL
 ].map((r) => r.source).join("|"), "g");
 
-function el(tag, className, text) {
+/** A new element with a class and text (textContent: never parsed as HTML). */
+export function el(tag, className, text) {
   const node = document.createElement(tag);
   if (className) node.className = className;
   if (text !== undefined) node.textContent = text;

@@ -1,7 +1,10 @@
 // Conversations in localStorage, each message with its message_id: the server keys its KV cache
 // by those ids, so a reloaded page (or a restarted server with its disk cache) goes on from the
 // cache. The stored form is {version: 1, current, conversations: [{id, title, model, created,
-// updated, messages: [{role, content, message_id, stats?, model?}]}]}.
+// updated, messages: [{role, content, message_id, reasoning_content?, reasoning_time?, tool_calls?,
+// stats?, model?}]}]}.
+
+import { cleanToolCalls } from "./parts.js";
 
 export const STORAGE_KEY = "mlx-kvchat.conversations.v1";
 const SETTINGS_KEY = "mlx-kvchat.settings.v1";
@@ -16,6 +19,14 @@ function cleanMessage(m) {
   if (!m || !["system", "user", "assistant"].includes(m.role)) return null;
   const out = { role: m.role, content: String(m.content ?? "") };
   if (typeof m.message_id === "string" && m.message_id) out.message_id = m.message_id;
+  if (m.role === "assistant") { // the reasoning and tool calls as the server sent them
+    if (typeof m.reasoning_content === "string" && m.reasoning_content) {
+      out.reasoning_content = m.reasoning_content;
+    }
+    if (Number.isFinite(m.reasoning_time)) out.reasoning_time = m.reasoning_time;
+    const calls = cleanToolCalls(m.tool_calls);
+    if (calls) out.tool_calls = calls;
+  }
   if (m.stats && typeof m.stats === "object") out.stats = m.stats;
   if (typeof m.model === "string") out.model = m.model;
   return out;
