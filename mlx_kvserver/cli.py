@@ -6,7 +6,6 @@ import argparse
 import gc
 import logging
 import os
-import sys
 from pathlib import Path
 
 from .config import GB, ServerConfig, default_cache_dir, env_float
@@ -21,6 +20,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="append", dest="models", metavar="MODEL",
                    help="'default' (bundled SmolLM2-135M-Instruct), a .gguf file, an MLX model "
                         "folder or a Hugging Face repo id; repeat to serve several")
+    p.add_argument("--model-alias", action="append", default=[], dest="model_aliases",
+                   metavar="NAME=SERVED",
+                   help="answer requests for model NAME (a glob such as 'claude-*' is allowed) "
+                        "with the served model SERVED ('default': the first); repeatable. "
+                        "Agents ask for their own model names: e.g. --model-alias '*=default'")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--max-tokens", type=int, default=512,
@@ -52,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME",
                    help="also answer requests whose Host header is NAME (repeatable; '*' for "
                         "any). Always allowed: localhost, 127.0.0.1, [::1] and --host")
+    p.add_argument("--volatile-rule", action="append", default=[], metavar="REGEX[=>REPL]",
+                   help="a line pattern that changes per request and means nothing to the model "
+                        "(removed, or replaced by REPL, before rendering); repeatable. See "
+                        "mlx_kvserver/chat/normalize.py")
+    p.add_argument("--volatile-rules", action="append", default=[], type=Path, metavar="FILE",
+                   help="a file of volatile rules, one REGEX[=>REPL] a line")
+    p.add_argument("--no-volatile-rules", action="store_true",
+                   help="apply no volatile-line rules, not even the shipped one for Claude "
+                        "Code's attribution header")
     p.add_argument("--keep-quantized", action="store_true",
                    help="keep quantized weights on MLX's CPU backend (slower there)")
     p.add_argument("--no-fast-blas", action="store_true",
@@ -67,8 +80,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-resident-sequences must be 0 or more")
     if args.max_batch < 1 or args.prefill_chunk < 1:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
+    aliases = []
+    for a in args.model_aliases:
+        name, sep, served = a.partition("=")
+        if not sep or not name.strip() or not served.strip():
+            raise SystemExit(f"--model-alias {a!r}: want NAME=SERVED (e.g. 'claude-*=default')")
+        aliases.append((name.strip(), served.strip()))
     return ServerConfig(
-        models=args.models or ["default"], host=args.host, port=args.port,
+        models=args.models or ["default"], model_aliases=aliases, host=args.host, port=args.port,
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
@@ -76,7 +95,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
         eviction_policy=args.eviction_policy, api_key=args.api_key,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
-        dequantize=False if args.keep_quantized else None)
+        dequantize=False if args.keep_quantized else None,
+        volatile_rules=not args.no_volatile_rules, volatile_rule=args.volatile_rule,
+        volatile_rule_files=args.volatile_rules)
 
 
 def make_engine(models: list, config: ServerConfig):
@@ -100,7 +121,11 @@ def load_engine(config: ServerConfig):
     for spec in config.models:
         log.info("loading model %s", spec)
         models.append(resolve_and_load(spec, dequantize=config.dequantize))
-    return ModelRegistry(models), make_engine(models, config)
+    try:
+        registry = ModelRegistry(models, config.model_aliases)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    return registry, make_engine(models, config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -112,6 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
+    from .chat.normalize import Normalizer
+    try:  # a bad rule stops the start, with the reason, before any model loads
+        Normalizer.from_config(config.volatile_rules, config.volatile_rule,
+                               config.volatile_rule_files)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"volatile rules: {e}")
     import uvicorn
 
     from .api import build_app

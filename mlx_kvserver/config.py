@@ -27,6 +27,7 @@ def default_cache_dir() -> Path:
 @dataclass
 class ServerConfig:
     models: list[str] = field(default_factory=lambda: ["default"])
+    model_aliases: list[tuple[str, str]] = field(default_factory=list)  # (name or glob, served)
     host: str = "127.0.0.1"
     port: int = 8080
     max_tokens: int | None = 512
@@ -46,3 +47,6 @@ class ServerConfig:
     max_import_bytes: int = 4 << 30
     max_queue: int = 64
     dequantize: bool | None = None  # None: on MLX's CPU backend only
+    volatile_rules: bool = True  # the shipped normalizer rules (chat/normalize.py) and these:
+    volatile_rule: list[str] = field(default_factory=list)
+    volatile_rule_files: list[Path] = field(default_factory=list)

@@ -27,7 +27,7 @@ from kv_cache.manager import CacheManager
 from kv_cache.page_pool import PagePool
 from kv_cache.transfer import export_entry, import_entry
 
-from .errors import APIError
+from .errors import RequestError
 from .models import LoadedModel
 from .request import Job
 from .runner import Runner
@@ -132,7 +132,7 @@ class Engine:
         try:
             self._queue.put_nowait(job)
         except queue.Full:
-            raise APIError(429, "the server is busy; try again shortly",
+            raise RequestError(429, "the server is busy; try again shortly",
                            type="rate_limit_error", code="queue_full")
 
     @property
@@ -180,7 +180,7 @@ class Engine:
                         scheduler.step()
                     except Exception as e:  # the engine never dies with a request
                         log.exception("step failed")
-                        scheduler.fail_all(APIError(500, f"generation failed: {e}",
+                        scheduler.fail_all(RequestError(500, f"generation failed: {e}",
                                                     type="server_error"))
             for manager in self.managers.values():
                 manager.flush()  # disk writes, after the step's answers are out
@@ -191,12 +191,12 @@ class Engine:
             return
         try:
             self.schedulers[job.lm.name].add(job)
-        except APIError as e:
+        except RequestError as e:
             job.emit("error", e)
             job.emit("done")
         except Exception as e:
             log.exception("%s could not be admitted", job.id)
-            job.emit("error", APIError(500, f"generation failed: {e}", type="server_error"))
+            job.emit("error", RequestError(500, f"generation failed: {e}", type="server_error"))
             job.emit("done")
 
     @staticmethod

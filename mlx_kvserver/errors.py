@@ -1,10 +1,15 @@
-"""Domain errors the HTTP layer turns into OpenAI-shaped JSON errors."""
+"""The error a request can end in, whichever API it came through.
+
+The engine and the parsers raise :class:`RequestError`; each API module turns it into its own
+JSON shape (OpenAI's ``{"error": {...}}``, Anthropic's ``{"type": "error", "error": {...}}``).
+``type`` is OpenAI's error type; the Anthropic module maps it to its own.
+"""
 
 from __future__ import annotations
 
 
-class APIError(Exception):
-    """An error a client sees: HTTP status, message, OpenAI error type, offending param, code."""
+class RequestError(Exception):
+    """An error a client sees: HTTP status, message, error type, offending param, code."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
                  param: str | None = None, code: str | None = None):
@@ -12,10 +17,6 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = (
             status, message, type, param, code)
 
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param=param, code=code)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> RequestError:
+    return RequestError(400, message, param=param, code=code)

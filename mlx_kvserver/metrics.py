@@ -28,8 +28,11 @@ __all__ = ["CONTENT_TYPE_LATEST", "ChatWatch", "Metrics", "RequestCounter", "rou
 
 P = "mlx_kvserver_"
 EXACT_ROUTES = frozenset({"/", "/health", "/metrics", "/openapi.json", "/v1/models",
-                          "/v1/chat/completions", "/v1/kv_cache/stats", "/v1/kv_cache/import"})
+                          "/v1/chat/completions", "/v1/completions", "/v1/messages",
+                          "/v1/messages/count_tokens", "/v1/responses", "/v1/kv_cache/stats",
+                          "/v1/kv_cache/import"})
 PREFIX_ROUTES = (("/static/", "/static/{path}"),
+                 ("/v1/responses/", "/v1/responses/{response_id}"),
                  ("/v1/kv_cache/export/", "/v1/kv_cache/export/{message_id}"),
                  ("/v1/kv_cache/", "/v1/kv_cache/{message_id}"))
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -101,15 +104,18 @@ class ChatWatch:
         self.completion = 0
 
     def event(self, kind: str, data: Any) -> None:
+        """One of a job's events (``chat/output.py`` types): the first delta that carries
+        output (text, reasoning or a tool call) is the first token."""
         m, model = self.metrics, self.model
-        if kind == "delta" and self.t_first is None and data.get("text"):
+        if kind == "delta" and self.t_first is None and \
+                (getattr(data, "text", None) or getattr(data, "name", None)):
             self.t_first = time.perf_counter()
             m.ttft.labels(model).observe(self.t_first - self.t0)
         elif kind == "usage":
-            m.prompt_tokens.labels(model).inc(data["prompt_tokens"])
-            m.cached_tokens.labels(model).inc(data["cached_tokens"])
-            m.completion_tokens.labels(model).inc(data["completion_tokens"])
-            self.completion = data["completion_tokens"]
+            m.prompt_tokens.labels(model).inc(data.prompt_tokens)
+            m.cached_tokens.labels(model).inc(data.cached_tokens)
+            m.completion_tokens.labels(model).inc(data.completion_tokens)
+            self.completion = data.completion_tokens
         elif kind == "error":
             m.errors.labels(model).inc()
 

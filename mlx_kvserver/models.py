@@ -7,6 +7,7 @@ id (``org/name`` or ``org/name@revision``) fetched with ``huggingface_hub.snapsh
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib.util
 import json
@@ -109,9 +110,11 @@ class ChatTokenizer:
                                           add_generation_prompt=add_generation_prompt)
         return out if isinstance(out, str) else str(out)
 
-    def stream_decoder(self) -> StreamDecoder:
+    def stream_decoder(self, skip_special_tokens: bool = True) -> StreamDecoder:
         """A fresh :class:`StreamDecoder` for one generated sequence."""
-        return StreamDecoder(self.decode)
+        if skip_special_tokens:
+            return StreamDecoder(self.decode)
+        return StreamDecoder(lambda ids: self.decode(ids, skip_special_tokens=False))
 
     def content_digest(self) -> str:
         """sha256 of the vocabulary, merges, added tokens and pre/post-processing rules."""
@@ -141,6 +144,7 @@ class LoadedModel:
     dtype: mx.Dtype  # dtype of the KV activations
     dequantized: bool = False
     cache_spec: CacheSpec | None = None  # every cache slot: paged groups and recurrent states
+    chat: Any = None  # chat.support.ChatSupport, built on first use
 
 
 def default_model_path() -> Path:
@@ -309,12 +313,25 @@ def resolve_and_load(spec: str | None, *, dequantize: bool | None = None) -> Loa
 
 
 class ModelRegistry:
-    """The models a server serves, by name or position (the first is the default)."""
+    """The models a server serves, by name or position (the first is the default), and the
+    aliases clients may use for them (agents ask for their own model names)."""
 
-    def __init__(self, models: Iterable[LoadedModel] = ()) -> None:
+    def __init__(self, models: Iterable[LoadedModel] = (),
+                 aliases: Iterable[tuple[str, str]] = ()) -> None:
         self._models: list[LoadedModel] = []
+        self.aliases: list[tuple[str, str]] = []  # (name or glob, served name), first match wins
         for m in models:
             self.add(m)
+        for pattern, served in aliases:
+            self.alias(pattern, served)
+
+    def alias(self, pattern: str, served: str) -> None:
+        """Let requests for ``pattern`` (a name, or a glob such as ``claude-*``) reach the
+        served model ``served``; ValueError when no such model is served."""
+        if not any(m.name == served for m in self._models) and served != DEFAULT_MODEL:
+            raise ValueError(f"--model-alias {pattern}={served}: no served model is named "
+                             f"{served!r} (served: {', '.join(self.names())})")
+        self.aliases.append((pattern, served))
 
     def add(self, model: LoadedModel) -> None:
         """Register a model; ValueError when its name is taken."""
@@ -334,6 +351,9 @@ class ModelRegistry:
             for m in self._models:
                 if m.name == key:
                     return m
+            for pattern, served in self.aliases:
+                if fnmatch.fnmatchcase(key, pattern):
+                    return self.get(served)
             if key == DEFAULT_MODEL:  # what many clients send when they have no name to give
                 return self._models[0]
             if not key.isdecimal():

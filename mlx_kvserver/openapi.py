@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from .schemas import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
+from .api.validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
 
 try:
     VERSION = importlib.metadata.version("mlx-kvserver")
@@ -61,6 +61,23 @@ def _op(summary: str, ok: dict, errors: dict[int, str], auth: bool, public: bool
 
 _MESSAGE_ID_PATH = {"name": "message_id", "in": "path", "required": True,
                     "schema": {"$ref": "#/components/schemas/MessageId"}}
+_RESPONSE_ID_PATH = {"name": "response_id", "in": "path", "required": True,
+                     "schema": {"type": "string"}}
+_BODY = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
+
+
+def _generate(summary: str, kind: str, auth: bool, extra_params: list | None = None,
+              missing: str | None = None) -> dict:
+    """A POST that generates: JSON, or server-sent events with ``stream: true``."""
+    errors = {400: "a body that is not JSON or not a valid request, a bad field, or a prompt "
+                   "longer than the model's context", 404: NO_MODEL if missing is None
+              else f"{NO_MODEL}, or {missing}", 413: "a body larger than the server's limit",
+              429: "the queue is full; try again shortly"}
+    ok = {"description": f"a {kind}, or its stream of server-sent events",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"description": "the API's stream events"}}}
+    return {"post": _op(summary, ok, errors, auth, requestBody=_BODY,
+                        **({"parameters": extra_params} if extra_params else {}))}
 
 
 def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict:
@@ -82,7 +99,7 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
         "type": "object", "required": ["messages"],
         "properties": {
             "messages": {"type": "array", "minItems": 1, "items": message,
-                         "description": "the last message must not be an assistant's"},
+                         "description": "a last assistant message is continued"},
             "model": {"type": ["string", "integer", "null"],
                       "description": "a served model's name, its index, or \"default\" (the "
                                      "first one, as when omitted)",
@@ -140,6 +157,32 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                              "schema": {"type": "string"}}],
                 requestBody={"required": True, "content": {"application/json": {
                     "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}})},
+            "/v1/completions": _generate(
+                "a text completion of a raw prompt (no chat template)", "text_completion",
+                api_key),
+            "/v1/messages": _generate(
+                "Anthropic's Messages API (errors in Anthropic's shape)", "message", api_key,
+                extra_params=[{"name": "anthropic-version", "in": "header", "required": False,
+                               "schema": {"type": "string"}},
+                              {"name": "beta", "in": "query", "required": False,
+                               "schema": {"type": "string"}}]),
+            "/v1/messages/count_tokens": {"post": _op(
+                "the prompt tokens a Messages request would read",
+                _json({"type": "object", "properties": {"input_tokens": {"type": "integer"}}},
+                      "the count"),
+                {400: "a bad request body", 404: NO_MODEL, 413: "a body larger than the limit"},
+                api_key, requestBody=_BODY)},
+            "/v1/responses": _generate(
+                "OpenAI's Responses API (stored and continued by previous_response_id, across "
+                "restarts)", "response", api_key, missing="an unknown previous_response_id"),
+            "/v1/responses/{response_id}": {
+                "get": _op("a stored response", _json(anything, "the response"),
+                           {404: "no stored response of this id"}, api_key,
+                           parameters=[_RESPONSE_ID_PATH]),
+                "delete": _op("forget a stored response", _json(anything, "deleted"),
+                              {404: "no stored response of this id"}, api_key,
+                              parameters=[_RESPONSE_ID_PATH]),
+            },
             "/v1/kv_cache/stats": {"get": _op("memory and disk tiers per model",
                                               _json(anything, "kv_cache.stats"), {}, api_key)},
             "/v1/kv_cache/import": {"post": _op(

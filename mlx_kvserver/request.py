@@ -1,30 +1,34 @@
-"""Per-request state: the HTTP job, its prompt, its choices (one sequence each), sampling, stop
-strings and the events the HTTP layer reads.
+"""Per-request state: the job the HTTP layer submits, its prompt, its choices (one sequence
+each), sampling, stop strings, output parsing and the events the HTTP layer reads.
 
-A ``Job`` crosses from the HTTP layer to the engine thread; the scheduler turns it into a
-``Request`` (prompt checked) whose ``Choice`` objects each own one running sequence. Nothing here
-runs the model: ``runner.py`` does, the scheduler decides when.
+A ``Job`` crosses from the HTTP layer to the engine thread with a ``Conversation``
+(``chat/conversation.py``), never an HTTP type; the scheduler turns it into a ``Request`` (prompt
+rendered and checked) whose ``Choice`` objects each own one running sequence. Nothing here runs
+the model: ``runner.py`` does, the scheduler decides when.
 """
 
 from __future__ import annotations
 
 import asyncio
-import random
 import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import mlx.core as mx
-from mlx_lm.sample_utils import apply_top_p
 
 from kv_cache.manager import Match
 from kv_cache.sequence import PagedSequence
 
-from .errors import APIError
+from .chat.conversation import Conversation
+from .chat.output import Finish, TextDelta, TokenLogprob, Usage
+from .chat.parse import OutputParser
+from .chat.render import render
+from .chat.support import chat_support
+from .errors import RequestError
 from .models import LoadedModel
-from .schemas import ChatRequest, SamplingParams
+from .sampling import Sampler, StopMatcher, token_logprob
 
 
 def new_message_id() -> str:
@@ -33,17 +37,19 @@ def new_message_id() -> str:
 
 @dataclass
 class Job:
-    """One chat completion as the HTTP layer submits it; events flow back on ``events``:
-    ``accepted`` (prompt checked, cache looked up), ``start``/``delta``/``finish`` per choice,
-    ``usage``, ``error`` and finally ``done``."""
+    """One request as an API module submits it; events flow back on ``events`` as
+    ``(kind, data)``: ``accepted`` (prompt checked, cache looked up), ``start``/``delta``/
+    ``finish`` per choice, ``usage``, ``error`` and finally ``done``; ``data`` is one of the
+    types of ``chat/output.py`` (a ``RequestError`` for ``error``)."""
 
-    request: ChatRequest
+    conversation: Conversation
     lm: LoadedModel
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
+    answer_ids: list[str] = field(default_factory=list)  # message ids the API chose, by choice
 
     def emit(self, kind: str, data: Any = None) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
@@ -52,63 +58,31 @@ class Job:
         self.cancelled.set()
 
 
-class StopMatcher:
-    """Finds stop strings in streamed text and says how much text is safe to emit."""
-
-    def __init__(self, stops: Sequence[str]):
-        self.stops = [s for s in stops if s]
-        self.longest = max((len(s) for s in self.stops), default=0)
-
-    def find(self, text: str, since: int) -> int:
-        """Index of the earliest stop string in ``text`` (searching near ``since``), or -1."""
-        start = max(0, since - self.longest)
-        hits = [i for s in self.stops if (i := text.find(s, start)) >= 0]
-        return min(hits) if hits else -1
-
-    def safe_end(self, text: str) -> int:
-        """Text up to this index cannot become part of a stop string."""
-        for k in range(min(self.longest - 1, len(text)), 0, -1):
-            tail = text[-k:]
-            if any(s.startswith(tail) for s in self.stops):
-                return len(text) - k
-        return len(text)
-
-
-class Sampler:
-    """Temperature and top-p sampling with mlx-lm's top-p filter, drawing from a random key of
-    its own: a seeded choice draws the same tokens whether it runs alone or in a batch (choice
-    ``i`` of a request seeds with ``seed + i``)."""
-
-    def __init__(self, params: SamplingParams, index: int = 0):
-        self.temperature, self.top_p = params.temperature, params.top_p
-        seed = params.seed + index if params.seed is not None else random.getrandbits(62)
-        self.key = mx.random.key(seed)
-
-    def __call__(self, logits: mx.array) -> mx.array:
-        """A token (lazy) from one row of logits."""
-        if self.temperature == 0:
-            return mx.argmax(logits, axis=-1)
-        logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        if 0 < self.top_p < 1:
-            logprobs = apply_top_p(logprobs[None], self.top_p)[0]
-        self.key, draw = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1 / self.temperature), key=draw)
-
-
 class Choice:
     """One answer of a request: its sequence, sampled tokens, streamed text and finish."""
 
-    def __init__(self, request: "Request", index: int, seq: PagedSequence):
+    def __init__(self, request: "Request", index: int, seq: PagedSequence | None):
         self.request, self.index, self.seq = request, index, seq
-        self.message_id = new_message_id()
-        self.sampler = Sampler(request.params, index)
+        ids = request.job.answer_ids
+        self.message_id = ids[index] if index < len(ids) else new_message_id()
+        conv = request.conversation
+        matcher = request.grammar.matcher() if request.grammar is not None else None
+        self.sampler = Sampler(conv.sampling, index, matcher)
         self.tokens: list[int] = []
-        self.text = ""
-        self.emitted = 0
+        self.text = ""  # raw text (stop strings are looked for here)
+        self.emitted = 0  # raw text handed to the parser
         self.finish_reason: str | None = None
+        self.stop_sequence: str | None = None
         self.next_token: int | None = None  # sampled, not yet run through the model
-        self.detok = request.lm.tokenizer.stream_decoder()
-        self.stops = StopMatcher(request.params.stop)
+        self.detok = request.lm.tokenizer.stream_decoder(
+            skip_special_tokens=not request.keep_markers)
+        self.stops = StopMatcher(conv.sampling.stop)
+        self.parser = OutputParser(request.support.format, index,
+                                   conv.tools if conv.calls_tools else [],
+                                   in_reasoning=request.in_reasoning) \
+            if request.parse_output else None
+        self.logprobs: list[TokenLogprob] = []
+        self._pending_logprobs: list[TokenLogprob] = []
         self.resume: list[int] | None = None  # preempted: tokens to recompute before going on
         self.resume_done = 0
 
@@ -116,59 +90,117 @@ class Choice:
     def done(self) -> bool:
         return self.finish_reason is not None
 
-    def accept(self, token: int) -> None:
-        """Take one sampled token: finish on an end token, a stop string or the length limit,
-        and stream the text that can no longer become part of a stop string."""
-        job = self.request.job
-        if token in self.request.lm.tokenizer.eos_token_ids:
+    def sample(self, logits: mx.array) -> mx.array:
+        return self.sampler(logits)
+
+    def accept(self, token: int, logits: mx.array | None = None) -> None:
+        """Take one sampled token: finish on an end token, a stop string, the grammar's end or
+        the length limit, and stream the text that can no longer become part of a stop string."""
+        r = self.request
+        if token in r.lm.tokenizer.eos_token_ids:
             self._finish("stop")
             return
+        self.sampler.advance(token)
         self.tokens.append(token)
+        if r.top_logprobs is not None and logits is not None:
+            lp = token_logprob(logits, token, r.top_logprobs, r.lm.tokenizer.decode)
+            self.logprobs.append(lp)
+            self._pending_logprobs.append(lp)
         self.text += self.detok.add(token)
         end = len(self.text)
         if self.stops.stops:
-            hit = self.stops.find(self.text, self.emitted)
-            if hit >= 0:
-                self.text = self.text[:hit]
+            hit = self.stops.match(self.text, self.emitted)
+            if hit is not None:
+                self.text, self.stop_sequence = self.text[:hit[0]], hit[1]
                 self._finish("stop", flush=False)
                 return
             end = self.stops.safe_end(self.text)
         if end > self.emitted:
-            job.emit("delta", {"index": self.index, "text": self.text[self.emitted:end]})
+            self._out(self.text[self.emitted:end])
             self.emitted = end
-        if len(self.tokens) >= self.request.max_tokens:
+        if self.sampler.finished:
+            self._finish("stop")
+        elif len(self.tokens) >= r.max_tokens:
             self._finish("length")
         else:
             self.next_token = token
+
+    def _out(self, text: str) -> None:
+        if self.parser is None:
+            deltas = [TextDelta(self.index, text)] if text else []
+        else:
+            deltas = self.parser.feed(text)
+        self._send(deltas)
+
+    def _send(self, deltas: list) -> None:
+        job = self.request.job
+        for d in deltas:
+            if isinstance(d, TextDelta) and self._pending_logprobs:
+                d = TextDelta(d.index, d.text, tuple(self._pending_logprobs))
+                self._pending_logprobs = []
+            job.emit("delta", d)
 
     def _finish(self, reason: str, flush: bool = True) -> None:
         self.finish_reason, self.next_token = reason, None
         if flush:
             self.text += self.detok.flush()
         if len(self.text) > self.emitted:
-            self.request.job.emit("delta", {"index": self.index, "text": self.text[self.emitted:]})
+            self._out(self.text[self.emitted:])
             self.emitted = len(self.text)
+        if self.parser is not None:
+            self._send(self.parser.finish())
+            if self.parser.tool_calls and reason == "stop":
+                self.finish_reason = "tool_calls"
+
+    def finish_event(self) -> Finish:
+        p = self.parser
+        return Finish(index=self.index, reason=self.finish_reason or "stop",
+                      message_id=self.message_id, text=p.text if p else self.text,
+                      reasoning=p.reasoning if p else "",
+                      tool_calls=tuple(p.tool_calls) if p else (),
+                      logprobs=tuple(self.logprobs), stop_sequence=self.stop_sequence,
+                      tokens=len(self.tokens))
 
 
 class Request:
-    """A checked job: prompt tokens, limits, and (once its prompt runs) its choices."""
+    """A checked job: prompt tokens, limits, grammar, and (once its prompt runs) its choices."""
 
     def __init__(self, job: Job, arrival: int):
         self.job, self.arrival = job, arrival
-        req, lm = job.request, job.lm
-        self.lm, self.params, self.n = lm, req.params, req.n
+        conv, lm = job.conversation, job.lm
+        self.conversation, self.lm, self.n = conv, lm, conv.n
         tok = lm.tokenizer
-        self.prompt = tok.encode(tok.render([m.as_template_dict() for m in req.messages],
-                                            add_generation_prompt=True))
+        self.support = support = chat_support(lm)
+        self.in_reasoning = False
+        self.parse_output = conv.prompt is None  # raw completions are not chat: text as it is
+        if conv.prompt is None:
+            rendered = render(tok, support.format, conv)
+            self.in_reasoning = rendered.in_reasoning
+            self.prompt = tok.encode(rendered.text)
+        elif isinstance(conv.prompt, str):
+            self.prompt = tok.encode(conv.prompt)
+        else:
+            self.prompt = list(conv.prompt)
+            if any(not 0 <= t < support.vocab_size for t in self.prompt):
+                raise RequestError(400, "the prompt has token ids outside this model's "
+                                   f"vocabulary (0..{support.vocab_size - 1})", param="prompt")
+        if not self.prompt:
+            raise RequestError(400, "the prompt is empty", param="prompt")
         room = lm.context_length - len(self.prompt)
         if room < 1:
-            raise APIError(400, f"the prompt has {len(self.prompt)} tokens; this model's context "
-                           f"is {lm.context_length}", param="messages",
-                           code="context_length_exceeded")
-        self.max_tokens = min(req.params.max_tokens or room, room)
-        self.use_cache = req.use_kv_cache
-        self.keys = [m.message_id for m in reversed(req.messages) if m.message_id]
-        self.prompt_key = req.messages[-1].message_id
+            raise RequestError(400, f"the prompt has {len(self.prompt)} tokens; this model's "
+                               f"context is {lm.context_length}", param="messages",
+                               code="context_length_exceeded")
+        self.max_tokens = min(conv.sampling.max_tokens or room, room)
+        s = conv.sampling
+        self.top_logprobs = s.top_logprobs if s.logprobs else None
+        self.grammar = support.grammar_for(conv)  # a 400 for a schema that cannot compile
+        # tool-call markers and think tags may be special tokens: the parser must see them
+        self.keep_markers = self.parse_output and support.markers_special
+        self.use_cache = conv.use_kv_cache
+        msgs = conv.messages
+        self.keys = [m.message_id for m in reversed(msgs) if m.message_id]
+        self.prompt_key = msgs[-1].message_id if msgs and not conv.continue_final else None
         self.seq: PagedSequence | None = None  # while the prompt runs
         self.match: Match | None = None
         self.done_tokens = 0  # prompt tokens in the sequence so far
@@ -184,8 +216,8 @@ class Request:
     def id(self) -> str:
         return self.job.id
 
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         cached = self.match.tokens if self.match is not None else 0
-        return {"prompt_tokens": len(self.prompt),
-                "completion_tokens": sum(len(c.tokens) for c in self.choices),
-                "cached_tokens": cached}
+        return Usage(prompt_tokens=len(self.prompt),
+                     completion_tokens=sum(len(c.tokens) for c in self.choices),
+                     cached_tokens=cached)

@@ -35,7 +35,8 @@ import mlx.core as mx
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
 
-from .errors import APIError
+from .chat.output import Accepted, Start
+from .errors import RequestError
 from .request import Choice, Job, Request
 from .runner import Runner
 
@@ -59,7 +60,7 @@ class Scheduler:
     # -- admission ------------------------------------------------------------------------------
 
     def add(self, job: Job) -> None:
-        """Admit ``job`` (raises ``APIError`` for a prompt that cannot run)."""
+        """Admit ``job`` (raises ``RequestError`` for a prompt that cannot run)."""
         self._arrivals += 1
         self.requests.append(Request(job, self._arrivals))
 
@@ -124,7 +125,7 @@ class Scheduler:
         except Exception as e:  # the engine never dies with a request
             log.exception("prompt step failed")
             for r in {id(b[0]): b[0] for b in batch}.values():
-                self._fail(r, APIError(500, f"generation failed: {e}", type="server_error"))
+                self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
             return
         for (r, choice, seq, tokens, done, _), row in zip(batch, logits):
             if r in self.requests:
@@ -136,9 +137,8 @@ class Scheduler:
             if r.seq is None:
                 r.seq, r.match = self._start(r, r.prompt, r.keys)
                 r.done_tokens = r.match.tokens
-                r.job.emit("accepted", {"prompt_tokens": len(r.prompt),
-                                        "cached_tokens": r.match.tokens,
-                                        "source": r.match.source})
+                r.job.emit("accepted", Accepted(len(r.prompt), r.match.tokens,
+                                                r.match.source))
             return r.seq, r.prompt, r.done_tokens
         if choice.seq is None:
             choice.seq, m = self._start(r, choice.resume, [])
@@ -190,8 +190,8 @@ class Scheduler:
                 self._first_token(c, logits)
 
     def _first_token(self, c: Choice, logits: mx.array) -> None:
-        c.request.job.emit("start", {"index": c.index, "message_id": c.message_id})
-        c.accept(int(c.sampler(logits).item()))
+        c.request.job.emit("start", Start(c.index, c.message_id))
+        c.accept(int(c.sample(logits).item()), logits)
         if c.done:
             self._finish(c)
 
@@ -207,15 +207,15 @@ class Scheduler:
             try:
                 logits = self.runner.decode([c.seq for c in group],
                                             [c.next_token for c in group])
-                tokens = [c.sampler(logits[i]) for i, c in enumerate(group)]
+                tokens = [c.sample(logits[i]) for i, c in enumerate(group)]
                 mx.eval(tokens)
             except Exception as e:  # the engine never dies with a request
                 log.exception("decode step failed")
                 for r in {id(c.request): c.request for c in group}.values():
-                    self._fail(r, APIError(500, f"generation failed: {e}", type="server_error"))
+                    self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
                 continue
-            for c, t in zip(group, tokens):
-                c.accept(int(t.item()))
+            for i, (c, t) in enumerate(zip(group, tokens)):
+                c.accept(int(t.item()), logits[i])
                 if c.done:
                     self._finish(c)
 
@@ -223,8 +223,7 @@ class Scheduler:
         r = c.request
         if c in self.decoding:
             self.decoding.remove(c)
-        r.job.emit("finish", {"index": c.index, "reason": c.finish_reason,
-                              "message_id": c.message_id, "text": c.text})
+        r.job.emit("finish", c.finish_event())
         seq, c.seq = c.seq, None
         if r.use_cache:
             self._save(c.message_id, seq)
@@ -251,11 +250,11 @@ class Scheduler:
         """Run ``fn`` for ``r``; an error fails ``r`` alone (the engine never dies with one)."""
         try:
             fn()
-        except APIError as e:
+        except RequestError as e:
             self._fail(r, e)
         except Exception as e:
             log.exception("%s failed", r.id)
-            self._fail(r, APIError(500, f"generation failed: {e}", type="server_error"))
+            self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
 
     def _with_room(self, r: Request, fn: Callable[[], Any]) -> bool:
         """Run ``fn``, which takes pages; when they run out, preempt the youngest other running
@@ -296,7 +295,7 @@ class Scheduler:
 
     # -- ending ---------------------------------------------------------------------------------
 
-    def _fail(self, r: Request, error: APIError) -> None:
+    def _fail(self, r: Request, error: RequestError) -> None:
         r.job.emit("error", error)
         self._end(r)
 
@@ -315,9 +314,9 @@ class Scheduler:
             self.requests.remove(r)
         r.job.emit("done")
 
-    def fail_all(self, error: APIError) -> None:
+    def fail_all(self, error: RequestError) -> None:
         for r in list(self.requests):
             self._fail(r, error)
 
     def close(self) -> None:
-        self.fail_all(APIError(503, "the server is shutting down", type="server_error"))
+        self.fail_all(RequestError(503, "the server is shutting down", type="server_error"))

@@ -30,7 +30,7 @@ def running_server(models: list[LoadedModel], config: ServerConfig | None = None
     (``http://.../v1``)."""
     config = config or ServerConfig()
     engine = engine or make_engine(models, config)
-    app = build_app(config, ModelRegistry(models), engine)
+    app = build_app(config, ModelRegistry(models, config.model_aliases), engine)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NOTE: with
     # proto 0, asyncio does not set TCP_NODELAY on accepted connections: 40 ms per request.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -101,8 +101,9 @@ def test_model_default_or_omitted_is_the_first_served_model(server, client, tiny
     assert r.status_code == 404
     err = r.json()["error"]
     assert err["code"] == "model_not_found" and err["param"] == "model"
-    assert err["message"] == (f"model 'gpt-4o' not found; available: {tiny_lm.name}, "
-                              f"{tiny_lm_b.name}")
+    assert err["message"] == (f"model 'gpt-4o' not found; served: {tiny_lm.name}, "
+                              f"{tiny_lm_b.name} (serve it under another name with "
+                              "--model-alias NAME=SERVED)")
 
 
 def test_api_key_required_except_health(tiny_lm):

@@ -23,7 +23,39 @@ CASES = [
      "messages[0].content"),
     ("image part", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content"),
-    ("last is assistant", {"messages": [{"role": "assistant", "content": "x"}]}, 400, "messages"),
+    ("continue a tool call", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
+     400, "messages"),
+    ("tool result for an unknown call", {"messages": [
+        {"role": "user", "content": "x"},
+        {"role": "tool", "tool_call_id": "nope", "content": "42"}]}, 400, "messages"),
+    ("tool result before its call", {"messages": [
+        {"role": "tool", "tool_call_id": "c1", "content": "42"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "x"}]}, 400, "messages"),
+    ("tools not a list", {"messages": OK, "tools": {"type": "function"}}, 400, "tools"),
+    ("tool not a function", {"messages": OK, "tools": [{"type": "web_search"}]}, 400, "tools"),
+    ("tool schema not JSON Schema", {"messages": OK, "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "objekt"}}}]}, 400, "tools[0].function"),
+    ("tool name with spaces", {"messages": OK, "tools": [{"type": "function", "function": {
+        "name": "get weather"}}]}, 400, "tools[0].function.name"),
+    ("tool_choice names an unknown tool", {"messages": OK, "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}],
+        "tool_choice": {"type": "function", "function": {"name": "other"}}}, 400, "tool_choice"),
+    ("tool_choice required without tools", {"messages": OK, "tool_choice": "required"}, 400,
+     "tool_choice"),
+    ("tool_choice wrong", {"messages": OK, "tool_choice": "always"}, 400, "tool_choice"),
+    ("response_format wrong type", {"messages": OK, "response_format": {"type": "xml"}}, 400,
+     "response_format"),
+    ("response schema not JSON Schema", {"messages": OK, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": 5}}}}, 400,
+     "response_format.json_schema.schema"),
+    ("top_logprobs too many", {"messages": OK, "logprobs": True, "top_logprobs": 50}, 400,
+     "top_logprobs"),
+    ("reasoning_effort unknown", {"messages": OK, "reasoning_effort": "max"}, 400,
+     "reasoning_effort"),
     ("message_id wrong type", {"messages": [{"role": "user", "content": "x", "message_id": 3}]},
      400, "messages[0].message_id"),
     ("message_id with NUL", {"messages": [{"role": "user", "content": "x",

@@ -15,11 +15,12 @@ import pytest
 from kv_cache.attention import PrefixViews
 from kv_cache.manager import CacheManager
 from kv_cache.page_pool import PagePool
+from mlx_kvserver.api.openai_chat import parse
+from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models import LoadedModel, resolve_and_load
 from mlx_kvserver.request import Job
 from mlx_kvserver.runner import Runner
 from mlx_kvserver.scheduler import Scheduler
-from mlx_kvserver.schemas import parse_chat_request
 from tests.tiny_families import make_tiny_family_dir
 
 FAMILIES = ("llama", "gemma3_text", "gemma4_text", "qwen3_5")
@@ -30,15 +31,15 @@ class Collect(Job):
     """A job whose events are kept in a list (the engine thread is the test itself)."""
 
     def __init__(self, body: dict, lm: LoadedModel):
-        super().__init__(parse_chat_request(body, default_max_tokens=16,
-                                            default_temperature=0.0), lm, loop=None)
+        super().__init__(parse(body, ServerConfig(max_tokens=16, temperature=0.0)), lm,
+                         loop=None)
         self.log: list[tuple[str, object]] = []
 
     def emit(self, kind, data=None) -> None:
         self.log.append((kind, data))
 
     def answers(self) -> dict[int, tuple[str, str]]:
-        return {d["index"]: (d["text"], d["reason"]) for k, d in self.log if k == "finish"}
+        return {d.index: (d.text, d.reason) for k, d in self.log if k == "finish"}
 
     @property
     def finished(self) -> bool:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import logging
 import uuid
-from pathlib import Path
 from typing import Any, AsyncIterator
 
 from starlette.requests import Request
@@ -39,7 +38,7 @@ from ..chat.conversation import (Conversation, Message, Reasoning, ResponseForma
 from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
                            Usage)
 from ..errors import RequestError, bad_request
-from ..response_store import ResponseStore, message_from_json, message_to_json
+from ..response_store import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
 from .openai_chat import EFFORTS, logprobs_body, sampling, tool_choice
 from .validate import (boolean, check_history, check_message_id, json_schema, model_name,
@@ -397,25 +396,6 @@ def answer_message(f: Finish, response_id: str) -> Message:
                    response_id)
 
 
-_STORES: dict[Path | None, ResponseStore] = {}
-
-
-def response_store(served) -> ResponseStore:
-    """The server's store (``served.responses``), else one per cache folder in this process."""
-    store = getattr(served, "responses", None)
-    if store is None:
-        root = served.config.kv_cache_dir
-        key = None if root is None else Path(root) / "responses"
-        if key not in _STORES:
-            try:
-                _STORES[key] = ResponseStore(key)
-            except OSError as e:  # a folder we cannot write: responses kept in memory
-                log.warning("responses are kept in memory: %s: %s", key, e)
-                _STORES[key] = ResponseStore(None)
-        store = _STORES[key]
-    return store
-
-
 class _Run:
     """One response: its body as the client sees it, its events, and storing it."""
 
@@ -499,7 +479,7 @@ def _not_found(what: str, rid: str, param: str | None = None,
 
 async def handle(served, request: Request) -> Response:
     body = await read_object(request, served.config.max_body_bytes)
-    store = response_store(served)
+    store = served.responses
     previous: list[Message] = []
     prev_id = check_message_id(body.get("previous_response_id"), "previous_response_id")
     if prev_id is not None:
@@ -527,7 +507,7 @@ async def handle(served, request: Request) -> Response:
 async def handle_id(served, request: Request) -> Response:
     """``GET`` a stored response, or ``DELETE`` it."""
     rid = request.path_params["response_id"]
-    store = response_store(served)
+    store = served.responses
     if request.method == "DELETE":
         if not store.delete(rid):
             raise _not_found("Response", rid)

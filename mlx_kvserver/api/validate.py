@@ -1,12 +1,16 @@
-"""Parsing and validation of request bodies: every bad input becomes a 4xx ``APIError``."""
+"""Validation helpers every API module shares: every bad input becomes a 400 ``RequestError``
+that names the offending field."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import re
 from typing import Any
 
-from .errors import APIError, bad_request
+import jsonschema
+
+from ..chat.conversation import Message, Tool
+from ..errors import RequestError, bad_request
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_MESSAGE_ID_LEN = 256
@@ -20,41 +24,12 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "temperature": (0.0, 2.0, False),
     "top_p": (0.0, 1.0, False),
     "n": (1, MAX_N, True),
+    "top_k": (0, 1 << 20, True),
+    "top_logprobs": (0, 20, True),
 }
 
 
-@dataclass
-class Message:
-    role: str
-    content: str
-    message_id: str | None = None
-
-    def as_template_dict(self) -> dict:
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": self.content}
-
-
-@dataclass
-class SamplingParams:
-    max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-
-
-@dataclass
-class ChatRequest:
-    messages: list[Message]
-    params: SamplingParams
-    model: str | None = None
-    n: int = 1
-    stream: bool = False
-    include_usage: bool = False
-    use_kv_cache: bool = True
-
-
-def _text(value: str, what: str, param: str | None) -> str:
+def text_value(value: str, what: str, param: str | None) -> str:
     """``value`` if it is valid Unicode text (no lone UTF-16 surrogates, which JSON's ``\\ud800``
     escapes can smuggle in and which no tokenizer or UTF-8 encoder accepts)."""
     if not value.isascii():
@@ -65,26 +40,8 @@ def _text(value: str, what: str, param: str | None) -> str:
     return value
 
 
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return _text(content, f"{where}.content", f"{where}.content")
-    if isinstance(content, list):  # OpenAI content parts: only text parts are supported
-        parts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.content[{i}] must be a text part "
-                                  "({'type': 'text', 'text': ...})", f"{where}.content")
-            parts.append(_text(part["text"], f"{where}.content[{i}].text", f"{where}.content"))
-        return "".join(parts)
-    if content is None:
-        return ""
-    raise bad_request(f"{where}.content must be a string or a list of text parts",
-                      f"{where}.content")
-
-
 def check_message_id(value: Any, param: str) -> str | None:
-    """A valid client ``message_id`` (``param`` names it in errors) or None; ``APIError`` 400
+    """A valid client ``message_id`` (``param`` names it in errors) or None; ``RequestError`` 400
     otherwise. It is only ever a key: the disk store hashes it, it never becomes a path."""
     if value is None:
         return None
@@ -94,10 +51,10 @@ def check_message_id(value: Any, param: str) -> str | None:
         raise bad_request(f"{param} is longer than {MAX_MESSAGE_ID_LEN} characters", param)
     if any(ord(c) < 32 or ord(c) == 127 for c in value):
         raise bad_request(f"{param} contains control characters", param)
-    return _text(value, param, param)
+    return text_value(value, param, param)
 
 
-def _number(body: dict, name: str, default):
+def number(body: dict, name: str, default):
     lo, hi, integer = RANGES[name]
     value = body.get(name, default)
     if value is None:
@@ -114,7 +71,7 @@ def _number(body: dict, name: str, default):
     return int(value) if integer else float(value)
 
 
-def _bool(body: dict, name: str, default: bool) -> bool:
+def boolean(body: dict, name: str, default: bool) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -123,76 +80,126 @@ def _bool(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def parse_chat_request(body: Any, *, default_max_tokens: int | None = None,
-                       default_temperature: float = 0.0) -> ChatRequest:
-    """Validate a ``/v1/chat/completions`` body."""
-    if not isinstance(body, dict):
-        raise bad_request("the request body must be a JSON object")
-    raw = body.get("messages")
-    if not isinstance(raw, list) or not raw:
-        raise bad_request("'messages' must be a non-empty list", "messages")
-    messages = []
-    for i, m in enumerate(raw):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad_request(f"{where} must be an object", where)
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
-                              f"{where}.role")
-        messages.append(Message(role, _content_text(m.get("content"), where),
-                                check_message_id(m.get("message_id"), f"{where}.message_id")))
-    if messages[-1].role == "assistant":
-        raise bad_request("the last message must not be an assistant message", "messages")
-
-    model = body.get("model")
-    if model is not None and not isinstance(model, (str, int)) or isinstance(model, bool):
-        raise bad_request("'model' must be a string", "model")
-    if isinstance(model, str):
-        _text(model, "'model'", "model")
-
-    max_tokens = _number(body, "max_tokens", default_max_tokens)  # checked even if overridden
-    max_tokens = _number(body, "max_completion_tokens", max_tokens)
-    stop = body.get("stop")
+def stop_list(body: dict, name: str = "stop") -> list[str]:
+    """A stop string or list of them (at most ``MAX_STOP``, non-empty, valid text)."""
+    stop = body.get(name)
     if stop is None:
-        stop = []
-    elif isinstance(stop, str):
+        return []
+    if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or len(stop) > MAX_STOP or \
             not all(isinstance(s, str) and s for s in stop):
-        raise bad_request(f"'stop' must be a non-empty string or a list of at most {MAX_STOP} "
-                          "non-empty strings", "stop")
+        raise bad_request(f"'{name}' must be a non-empty string or a list of at most {MAX_STOP} "
+                          "non-empty strings", name)
     for s in stop:
-        _text(s, "'stop'", "stop")
+        text_value(s, f"'{name}'", name)
+    return stop
+
+
+def seed_value(body: dict) -> int | None:
     seed = body.get("seed")
     if isinstance(seed, float) and seed.is_integer() and 0 <= seed < 2**63:
         seed = int(seed)  # 7.0 is an integer to JSON Schema, as to the other integer fields
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
                              or not 0 <= seed < 2**63):
         raise bad_request("'seed' must be a non-negative integer", "seed")
-
-    stream_options = body.get("stream_options")
-    if stream_options is not None and not isinstance(stream_options, dict):
-        raise bad_request("'stream_options' must be an object", "stream_options")
-    include_usage = _bool(stream_options or {}, "include_usage", False)
-
-    return ChatRequest(
-        messages=messages,
-        params=SamplingParams(
-            max_tokens=max_tokens,
-            temperature=_number(body, "temperature", default_temperature),
-            top_p=_number(body, "top_p", 1.0),
-            seed=seed,
-            stop=stop,
-        ),
-        model=None if model is None else str(model),
-        n=_number(body, "n", 1),
-        stream=_bool(body, "stream", False),
-        include_usage=include_usage,
-        use_kv_cache=_bool(body, "use_kv_cache", True),
-    )
+    return seed
 
 
-def unknown_model(name: str, available: list[str]) -> APIError:
-    return APIError(404, f"model {name!r} not found; available: {', '.join(available)}",
-                    type="not_found_error", param="model", code="model_not_found")
+def model_name(body: dict) -> str | None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, (str, int)) or isinstance(model, bool):
+        raise bad_request("'model' must be a string", "model")
+    if isinstance(model, str):
+        text_value(model, "'model'", "model")
+    return None if model is None else str(model)
+
+
+def obj(value: Any, what: str, param: str | None = None) -> dict:
+    if not isinstance(value, dict):
+        raise bad_request(f"{what} must be an object", param or what)
+    return value
+
+
+def string(value: Any, what: str, param: str | None = None, empty: bool = False) -> str:
+    if not isinstance(value, str) or (not empty and not value):
+        raise bad_request(f"{what} must be a{'' if empty else ' non-empty'} string",
+                          param or what)
+    return text_value(value, what, param or what)
+
+
+def unknown_model(name: str, available: list[str]) -> RequestError:
+    return RequestError(404, f"model {name!r} not found; served: {', '.join(available)} (serve "
+                        "it under another name with --model-alias NAME=SERVED)",
+                        type="not_found_error", param="model", code="model_not_found")
+
+
+TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
+MAX_TOOLS = 512
+
+
+def tool(name: Any, description: Any, parameters: Any, strict: Any, where: str) -> Tool:
+    """A checked function tool: a name of letters, digits and ``_.:-``, and a parameters object
+    that is valid JSON Schema (Draft 2020-12)."""
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise bad_request(f"{where}.name must be 1-128 letters, digits, '_', '.', ':' or '-'",
+                          f"{where}.name")
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"{where}.description must be a string", f"{where}.description")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise bad_request(f"{where}: the parameters schema must be a JSON Schema object",
+                          where)
+    try:
+        jsonschema.Draft202012Validator.check_schema(parameters)
+    except jsonschema.SchemaError as e:
+        raise bad_request(f"{where}: the parameters schema is not valid JSON Schema: "
+                          f"{e.message}", where, code="invalid_schema")
+    if strict is not None and not isinstance(strict, bool):
+        raise bad_request(f"{where}.strict must be a boolean", f"{where}.strict")
+    return Tool(name, text_value(description or "", f"{where}.description", where),
+                parameters, bool(strict))
+
+
+def tool_list(tools: list[Tool], param: str) -> list[Tool]:
+    if len(tools) > MAX_TOOLS:
+        raise bad_request(f"'{param}' has more than {MAX_TOOLS} tools", param)
+    names = [t.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request(f"'{param}' names a tool twice", param)
+    return tools
+
+
+def json_schema(schema: Any, param: str) -> dict:
+    """A response schema: a JSON object that is valid JSON Schema."""
+    if not isinstance(schema, dict):
+        raise bad_request(f"'{param}' must be a JSON Schema object", param)
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        raise bad_request(f"'{param}' is not valid JSON Schema: {e.message}", param,
+                          code="invalid_schema")
+    return schema
+
+
+def check_history(messages: list[Message], param: str = "messages") -> None:
+    """The order every API's history must keep: not empty; a tool result answers a call made
+    by an earlier assistant message and not answered yet; a tool call's id is unique."""
+    if not messages:
+        raise bad_request(f"'{param}' must not be empty", param)
+    open_calls: dict[str, str] = {}
+    seen: set[str] = set()
+    for i, m in enumerate(messages):
+        for call in m.tool_calls:
+            if call.id in seen:
+                raise bad_request(f"{param}[{i}]: the tool call id {call.id!r} is used twice",
+                                  param)
+            seen.add(call.id)
+            open_calls[call.id] = call.name
+        for result in m.tool_results:
+            if result.call_id not in open_calls:
+                raise bad_request(f"{param}[{i}]: a tool result for {result.call_id!r}, which "
+                                  "no earlier assistant message called (or which was answered "
+                                  "already)", param, code="unknown_tool_call_id")
+            del open_calls[result.call_id]

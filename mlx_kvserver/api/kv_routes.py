@@ -1,0 +1,100 @@
+"""The KV cache's own routes: stats, an entry's info and deletion, export and import."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from kv_cache.disk_format import FormatError, read_header
+from kv_cache.transfer import TransferError
+
+from ..errors import RequestError, bad_request
+from .http import body_chunks
+from .validate import check_message_id
+
+
+class KVRoutes:
+    """Handlers over the engine's cache management calls (run between engine steps)."""
+
+    def __init__(self, served):
+        self.served = served
+        self.engine, self.config = served.engine, served.config
+
+    def model_for(self, request, name):
+        return self.served.model_for(request, name)
+
+    async def kv_stats(self, request: Request) -> Response:
+        stats = await self.engine.call(self.engine.cache_stats)
+        return JSONResponse({"object": "kv_cache.stats", "models": stats})
+
+    async def kv_entry(self, request: Request) -> Response:
+        key = path_key(request)
+        if request.method == "DELETE":
+            if not await self.engine.call(lambda: self.engine.delete_entry(key)):
+                raise no_entry(key)
+            return JSONResponse({"object": "kv_cache.entry.deleted", "message_id": key,
+                                 "deleted": True})
+        info = await self.engine.call(lambda: self.engine.entry_info(key))
+        if info is None:
+            raise no_entry(key)
+        return JSONResponse(info)
+
+    async def kv_export(self, request: Request) -> Response:
+        key = path_key(request)
+        found = await self.engine.call(lambda: self.engine.export_entry(key))
+        if found is None:
+            raise no_entry(key)
+        model, data = found
+        return Response(data, media_type="application/octet-stream", headers={
+            "Content-Disposition": 'attachment; filename="kv-cache.safetensors"',
+            "X-Model-Id": model})
+
+    async def kv_import(self, request: Request) -> Response:
+        key = check_message_id(request.query_params.get("message_id"), "message_id")
+        lm = self.model_for(request, request.query_params.get("model"))
+        limit = self.config.max_import_bytes
+        fd, path = tempfile.mkstemp(suffix=".safetensors")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in body_chunks(request, limit, "the file"):
+                    f.write(chunk)
+            named = export_key(path)  # checks the header before MLX reads the file
+            if key is None:
+                if named is None:
+                    raise bad_request("the file names no message_id; pass ?message_id=",
+                                      "message_id", code="invalid_kv_cache_file")
+                key = check_message_id(named, "message_id")
+            try:
+                info = await self.engine.call(lambda: self.engine.import_entry(lm.name, path,
+                                                                               key))
+            except TransferError as e:
+                raise bad_request(f"cannot import this file: {e}", code="invalid_kv_cache_file")
+            return JSONResponse(info)
+        finally:
+            os.unlink(path)
+
+
+def export_key(path: str):
+    """The ``key`` an export file's metadata names (unchecked), after a strict check that its
+    header is well-formed safetensors that fits the file (before MLX parses it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            header = read_header(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    except FormatError as e:
+        raise bad_request(f"cannot import this file: {e}", code="invalid_kv_cache_file")
+    return header.metadata.get("key")
+
+
+def path_key(request: Request) -> str:
+    return check_message_id(request.path_params["message_id"], "message_id")
+
+
+def no_entry(key: str) -> RequestError:
+    return RequestError(404, f"no KV cache entry for message_id {key!r}", type="not_found_error",
+                    param="message_id", code="kv_cache_entry_not_found")

@@ -1,0 +1,294 @@
+"""``POST /v1/chat/completions``: OpenAI's chat API, translated into and out of the one
+conversation model (``chat/conversation.py``).
+
+Beyond OpenAI's fields: ``message_id`` on messages (the cache's key), ``use_kv_cache``,
+``top_k``, ``chat_template_kwargs`` (handed to the chat template), ``continue_final_message``
+(also implied by a history that ends with an assistant message: the answer continues it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
+                                 Text, ToolCall, ToolChoice, ToolResult)
+from ..chat.output import (Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
+                           ToolCallDelta, ToolCallStart, Usage)
+from ..errors import RequestError, bad_request
+from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
+from .validate import (ROLES, boolean, check_history, check_message_id, json_schema,
+                       model_name, number, obj, seed_value, stop_list, string, text_value, tool,
+                       tool_list)
+
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return text_value(content, f"{where}.content", f"{where}.content")
+    if isinstance(content, list):  # content parts: text only until images are served
+        parts = []
+        for i, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") in ("image_url", "input_audio",
+                                                               "file"):
+                raise bad_request(f"{where}.content[{i}]: {part['type']} parts are not "
+                                  "supported (this server serves text models)",
+                                  f"{where}.content", code="unsupported_content")
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise bad_request(f"{where}.content[{i}] must be a text part "
+                                  "({'type': 'text', 'text': ...})", f"{where}.content")
+            parts.append(text_value(part["text"], f"{where}.content[{i}].text",
+                                    f"{where}.content"))
+        return "".join(parts)
+    if content is None:
+        return ""
+    raise bad_request(f"{where}.content must be a string or a list of text parts",
+                      f"{where}.content")
+
+
+def _calls(raw: Any, where: str) -> list[ToolCall]:
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_request(f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    calls = []
+    for k, c in enumerate(raw):
+        w = f"{where}.tool_calls[{k}]"
+        c = obj(c, w)
+        fn = obj(c.get("function"), f"{w}.function")
+        args = fn.get("arguments", "{}")
+        if isinstance(args, dict):
+            args = json.dumps(args, ensure_ascii=False)
+        calls.append(ToolCall(string(c.get("id"), f"{w}.id"), string(fn.get("name"),
+                                                                      f"{w}.function.name"),
+                              string(args, f"{w}.function.arguments", empty=True) or "{}"))
+    return calls
+
+
+def _message(m: Any, i: int) -> Message:
+    where = f"messages[{i}]"
+    m = obj(m, where)
+    role = m.get("role")
+    if role not in ROLES:
+        raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
+                          f"{where}.role")
+    mid = check_message_id(m.get("message_id"), f"{where}.message_id")
+    text = _content(m.get("content"), where)
+    if role == "tool":
+        call_id = string(m.get("tool_call_id"), f"{where}.tool_call_id")
+        return Message("tool", [ToolResult(call_id, text)], mid)
+    parts: list = []
+    if role == "assistant":
+        thought = m.get("reasoning_content", m.get("reasoning"))
+        if thought is not None:
+            parts.append(Reasoning(string(thought, f"{where}.reasoning_content", empty=True)))
+    if text:
+        parts.append(Text(text))
+    if role == "assistant":
+        parts += _calls(m.get("tool_calls"), where)
+    return Message(role, parts, mid)
+
+
+def _tools(body: dict) -> list:
+    raw = body.get("tools")
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise bad_request("'tools' must be a list of function tools", "tools")
+    out = []
+    for i, t in enumerate(raw):
+        t = obj(t, f"tools[{i}]")
+        if t.get("type", "function") != "function":
+            raise bad_request(f"tools[{i}]: only function tools are supported, not "
+                              f"{t.get('type')!r}", "tools")
+        fn = obj(t.get("function"), f"tools[{i}].function", "tools")
+        out.append(tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
+                        fn.get("strict"), f"tools[{i}].function"))
+    return tool_list(out, "tools")
+
+
+def tool_choice(raw: Any, tools: list, param: str = "tool_choice") -> ToolChoice:
+    """OpenAI's ``tool_choice`` (chat and Responses shapes)."""
+    if raw is None:
+        return ToolChoice()
+    if raw in ("auto", "none", "required"):
+        choice = ToolChoice(raw)
+    elif isinstance(raw, dict) and raw.get("type") == "function":
+        fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
+        choice = ToolChoice("function", string(fn.get("name"), f"{param}.function.name"))
+    else:
+        raise bad_request(f"'{param}' must be 'auto', 'none', 'required' or "
+                          "{'type': 'function', 'function': {'name': ...}}", param)
+    if choice.mode in ("required", "function") and not tools:
+        raise bad_request(f"'{param}' asks for a tool call but 'tools' is empty", param)
+    if choice.name is not None and choice.name not in {t.name for t in tools}:
+        raise bad_request(f"'{param}' names {choice.name!r}, which is not in 'tools'", param)
+    return choice
+
+
+def response_format(raw: Any, param: str = "response_format") -> ResponseFormat:
+    if raw is None:
+        return ResponseFormat()
+    raw = obj(raw, param)
+    kind = raw.get("type")
+    if kind == "text":
+        return ResponseFormat()
+    if kind == "json_object":
+        return ResponseFormat("json_object")
+    if kind == "json_schema":
+        spec = obj(raw.get("json_schema"), f"{param}.json_schema")
+        return ResponseFormat("json_schema", json_schema(spec.get("schema"),
+                                                         f"{param}.json_schema.schema"),
+                              spec.get("name"), spec.get("strict") is not False)
+    raise bad_request(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'", param)
+
+
+def thinking_of(body: dict) -> bool | None:
+    effort = body.get("reasoning_effort")
+    if effort is None:
+        return None
+    if effort not in EFFORTS:
+        raise bad_request(f"'reasoning_effort' must be one of {', '.join(EFFORTS)}",
+                          "reasoning_effort")
+    return effort not in ("none", "minimal")
+
+
+def sampling(body: dict, config, max_name: str = "max_tokens") -> Sampling:
+    return Sampling(max_tokens=number(body, max_name, config.max_tokens),
+                    temperature=number(body, "temperature", config.temperature),
+                    top_p=number(body, "top_p", 1.0), top_k=number(body, "top_k", 0),
+                    seed=seed_value(body), stop=stop_list(body))
+
+
+def parse(body: dict, config) -> Conversation:
+    """A checked ``/v1/chat/completions`` body as a :class:`Conversation`."""
+    raw = body.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise bad_request("'messages' must be a non-empty list", "messages")
+    messages = [_message(m, i) for i, m in enumerate(raw)]
+    tools = _tools(body)
+    check_history(messages)
+    continue_final = boolean(body, "continue_final_message", messages[-1].role == "assistant")
+    if continue_final and (messages[-1].role != "assistant" or messages[-1].tool_calls):
+        raise bad_request("continue_final_message needs a history that ends with an assistant "
+                          "message without tool calls", "messages")
+    s = sampling(body, config)
+    s.max_tokens = number(body, "max_completion_tokens", s.max_tokens)
+    s.logprobs = boolean(body, "logprobs", False)
+    s.top_logprobs = number(body, "top_logprobs", 0)
+    kwargs = body.get("chat_template_kwargs") or {}
+    obj(kwargs, "'chat_template_kwargs'", "chat_template_kwargs")
+    return Conversation(
+        messages=messages, sampling=s, tools=tools,
+        tool_choice=tool_choice(body.get("tool_choice"), tools),
+        parallel_tool_calls=boolean(body, "parallel_tool_calls", True),
+        response_format=response_format(body.get("response_format")),
+        thinking=thinking_of(body), template_kwargs=dict(kwargs),
+        continue_final=continue_final, model=model_name(body), n=number(body, "n", 1),
+        stream=boolean(body, "stream", False), use_kv_cache=boolean(body, "use_kv_cache", True))
+
+
+def include_usage(body: dict) -> bool:
+    options = obj(body.get("stream_options") or {}, "'stream_options'", "stream_options")
+    return boolean(options, "include_usage", False)
+
+
+# -- answers ------------------------------------------------------------------------------------
+
+def logprobs_body(lps) -> dict:
+    def entry(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+    return {"content": [{**entry(t.token, t.logprob),
+                         "top_logprobs": [entry(a, v) for a, _, v in t.top]} for t in lps]}
+
+
+def usage_body(u: Usage) -> dict:
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+
+
+def call_body(c: ToolCall) -> dict:
+    return {"id": c.id, "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments}}
+
+
+async def handle(served, request: Request) -> Response:
+    body = await read_object(request, served.config.max_body_bytes)
+    conv = parse(body, served.config)
+    usage_chunk = include_usage(body)
+    job, accepted, watch = await served.start(request, conv)
+    if conv.stream:
+        return StreamingResponse(_stream(job, watch, usage_chunk), media_type="text/event-stream",
+                                 headers=SSE_HEADERS)
+    answers: dict[int, Finish] = {}
+    usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
+    async for ev in job_events(job, watch):
+        if isinstance(ev, RequestError):
+            return JSONResponse(openai_error_body(ev), status_code=ev.status)
+        if isinstance(ev, Finish):
+            answers[ev.index] = ev
+        elif isinstance(ev, Usage):
+            usage = ev
+    choices = []
+    for i in sorted(answers):
+        f = answers[i]
+        msg: dict = {"role": "assistant", "content": f.text if f.text or not f.tool_calls
+                     else None, "message_id": f.message_id}
+        if f.reasoning:
+            msg["reasoning_content"] = f.reasoning
+        if f.tool_calls:
+            msg["tool_calls"] = [call_body(c) for c in f.tool_calls]
+        choices.append({"index": i, "message": msg, "finish_reason": f.reason,
+                        "logprobs": logprobs_body(f.logprobs) if conv.sampling.logprobs
+                        else None})
+    return JSONResponse({
+        "id": job.id, "object": "chat.completion", "created": job.created,
+        "model": job.lm.name, "choices": choices,
+        "message_id": choices[0]["message"]["message_id"] if choices else None,
+        "usage": usage_body(usage)})
+
+
+async def _stream(job, watch, include_usage: bool) -> AsyncIterator[str]:
+    ids: dict[int, str] = {}
+
+    def chunk(index: int | None, delta: dict | None, finish=None, usage=None,
+              logprobs: tuple[TokenLogprob, ...] = ()) -> str:
+        body: dict = {"id": job.id, "object": "chat.completion.chunk",
+                      "created": job.created, "model": job.lm.name, "choices": []}
+        if index is not None:
+            body["message_id"] = ids[index]
+            body["choices"] = [{"index": index, "delta": delta or {}, "finish_reason": finish,
+                                "logprobs": logprobs_body(logprobs) if logprobs else None}]
+        if usage is not None:
+            body["usage"] = usage
+        return sse(body)
+
+    async for ev in job_events(job, watch):
+        if isinstance(ev, Start):
+            ids[ev.index] = ev.message_id
+            yield chunk(ev.index, {"role": "assistant", "content": "",
+                                   "message_id": ev.message_id})
+        elif isinstance(ev, TextDelta):
+            yield chunk(ev.index, {"content": ev.text}, logprobs=ev.logprobs)
+        elif isinstance(ev, ReasoningDelta):
+            yield chunk(ev.index, {"reasoning_content": ev.text})
+        elif isinstance(ev, ToolCallStart):
+            yield chunk(ev.index, {"tool_calls": [{"index": ev.call, "id": ev.id,
+                                                   "type": "function", "function": {
+                                                       "name": ev.name, "arguments": ""}}]})
+        elif isinstance(ev, ToolCallDelta):
+            yield chunk(ev.index, {"tool_calls": [{"index": ev.call, "function": {
+                "arguments": ev.arguments}}]})
+        elif isinstance(ev, Finish):
+            yield chunk(ev.index, {}, finish=ev.reason)
+        elif isinstance(ev, Usage) and include_usage:
+            yield chunk(None, None, usage=usage_body(ev))
+        elif isinstance(ev, RequestError):
+            yield sse(openai_error_body(ev))
+    yield "data: [DONE]\n\n"

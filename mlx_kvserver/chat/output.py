@@ -1,0 +1,115 @@
+"""What the engine sends back for a request: typed events, the same for every API.
+
+A job's events, in order: ``Accepted`` (prompt checked, cache looked up; before any byte goes
+out), then per choice ``Start``, deltas (``TextDelta``, ``ReasoningDelta``, ``ToolCallStart``,
+``ToolCallDelta``) and ``Finish``; then ``Usage`` once all choices are done. An error is a
+``RequestError`` (``mlx_kvserver.errors``) in their place. Each API module turns these into its
+own stream or body.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+from .conversation import ToolCall
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One sampled token: its text, id, log-probability and the ``top`` alternatives
+    (``(text, id, logprob)``, most likely first)."""
+
+    token: str
+    id: int
+    logprob: float
+    top: tuple[tuple[str, int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Accepted:
+    prompt_tokens: int
+    cached_tokens: int
+    source: str = "none"
+
+
+@dataclass(frozen=True)
+class Start:
+    index: int
+    message_id: str
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    index: int
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallStart:
+    """A new tool call in choice ``index``: ``call`` counts the choice's calls from 0."""
+
+    index: int
+    call: int
+    id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """A fragment of the arguments' JSON text of call ``call``."""
+
+    index: int
+    call: int
+    arguments: str
+
+
+Delta = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallDelta]
+
+
+@dataclass(frozen=True)
+class Finish:
+    """A choice's end: ``reason`` is ``stop``, ``length`` or ``tool_calls``; ``text`` the answer
+    (reasoning and tool calls apart), ``logprobs`` those of the answer's tokens when asked."""
+
+    index: int
+    reason: str
+    message_id: str
+    text: str
+    reasoning: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    stop_sequence: str | None = None
+    tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass
+class Answer:
+    """A whole choice gathered from its events (what a non-streaming response reports)."""
+
+    index: int
+    message_id: str = ""
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_sequence: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)

@@ -1,0 +1,129 @@
+"""Decode tokens/s with a JSON schema (grammar-constrained decoding) against without, at 1 and 8
+clients at once, on the default model through the real server.
+
+Each client sends a short question and asks for ``--max-tokens`` tokens; the schema run adds
+``response_format: json_schema`` with a schema whose answer is long enough to fill them (a list
+of records). Decode tokens/s per client = (completion tokens - 1) / (time after the first
+token); reported as the median over clients and rounds, and the ratio without / with.
+Usage: python scripts/bench_structured.py [--json out.json] [--rounds 3] [--max-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_ttft import Server, free_port  # noqa: E402
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "facts": {"type": "array", "items": {
+            "type": "object",
+            "properties": {"topic": {"type": "string"}, "year": {"type": "integer"},
+                           "note": {"type": "string"}},
+            "required": ["topic", "year", "note"]}},
+    },
+    "required": ["city", "facts"],
+}
+QUESTIONS = ["List facts about Paris as JSON.", "List facts about Rome as JSON.",
+             "List facts about Lisbon as JSON.", "List facts about Oslo as JSON.",
+             "List facts about Vienna as JSON.", "List facts about Prague as JSON.",
+             "List facts about Dublin as JSON.", "List facts about Madrid as JSON."]
+
+
+def one(url: str, i: int, schema: bool, max_tokens: int, out: list) -> None:
+    body = {"messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            "stream": True, "max_tokens": max_tokens, "temperature": 0,
+            "stream_options": {"include_usage": True}, "use_kv_cache": False}
+    if schema:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "facts", "schema": SCHEMA}}
+    t0 = time.perf_counter()
+    first, usage, text = None, None, []
+    with httpx.stream("POST", f"{url}/chat/completions", json=body, timeout=900) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk.get("choices", []):
+                if c["delta"].get("content"):
+                    first = first or time.perf_counter()
+                    text.append(c["delta"]["content"])
+    end = time.perf_counter()
+    n = usage["completion_tokens"]
+    out.append({"tokens": n, "ttft": (first or end) - t0,
+                "decode_tps": (n - 1) / (end - first) if first and n > 1 else None,
+                "text": "".join(text)})
+
+
+def round_(url: str, clients: int, schema: bool, max_tokens: int) -> list[dict]:
+    out: list[dict] = []
+    threads = [threading.Thread(target=one, args=(url, i, schema, max_tokens, out))
+               for i in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    report: dict = {"max_tokens": args.max_tokens, "rounds": args.rounds, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        server = Server(Path(tmp) / "kv", free_port(), [])
+        try:
+            round_(server.url, 1, True, 8)  # warm-up: loads the grammar library once
+            for clients in [int(c) for c in args.clients.split(",")]:
+                for schema in (False, True):
+                    runs = []
+                    for _ in range(args.rounds):
+                        runs += round_(server.url, clients, schema, args.max_tokens)
+                    tps = [r["decode_tps"] for r in runs if r["decode_tps"]]
+                    valid = sum(1 for r in runs if schema and _parses(r["text"]))
+                    key = f"{clients}-{'schema' if schema else 'free'}"
+                    report["runs"][key] = {
+                        "clients": clients, "schema": schema,
+                        "decode_tps_median": statistics.median(tps),
+                        "per_client_tokens": statistics.median(r["tokens"] for r in runs),
+                        "json_valid": valid if schema else None, "answers": len(runs)}
+                    print(key, json.dumps(report["runs"][key]), flush=True)
+        finally:
+            server.stop()
+    for clients in [int(c) for c in args.clients.split(",")]:
+        free = report["runs"][f"{clients}-free"]["decode_tps_median"]
+        with_ = report["runs"][f"{clients}-schema"]["decode_tps_median"]
+        report[f"slowdown_{clients}"] = free / with_
+        print(f"{clients} client(s): {free:.1f} tok/s free, {with_:.1f} with the schema: "
+              f"{free / with_:.2f}x slower")
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2))
+
+
+def _parses(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False  # cut off at max_tokens before the object closed
+
+
+if __name__ == "__main__":
+    main()
