@@ -1,0 +1,356 @@
+"""Constrained decoding (mlx_kvserver/chat/constraints.py) driven by a random "model".
+
+The model is random logits each step (plus a bonus on JSON punctuation tokens, so that strings
+and arrays end in a few steps), masked by the matcher, then argmax: whatever it picks, the text
+must parse and validate. Runs with the tiny test tokenizer and the default model's (49k tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance",
+                    reason="constrained decoding needs llguidance (pip install llguidance)")
+
+from mlx_kvserver.chat.constraints import Grammar, Grammars, apply_rows  # noqa: E402
+from mlx_kvserver.chat.conversation import ResponseFormat, Tool, ToolChoice  # noqa: E402
+from mlx_kvserver.errors import RequestError  # noqa: E402
+from mlx_kvserver.models import ChatTokenizer  # noqa: E402
+
+from .agent_tools import agent_tool_objects  # noqa: E402
+
+EXTRA = 7  # logits wider than the tokenizer: ids past it must never be allowed
+
+SCHEMAS = {
+    "nested": {
+        "type": "object", "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "kind": {"type": "string", "enum": ["cat", "dog", "bird"]},
+            "owner": {"type": "object", "additionalProperties": False, "required": ["id"],
+                      "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                     "email": {"type": "string", "maxLength": 20}}},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 6},
+                     "maxItems": 3},
+            "score": {"type": "number"},
+            "ok": {"type": "boolean"}},
+        "required": ["name", "kind", "owner"]},
+    "array_of_objects": {
+        "type": "array", "minItems": 1, "maxItems": 4,
+        "items": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                  "properties": {"x": {"type": "integer"},
+                                 "y": {"type": ["string", "null"], "maxLength": 5}}}},
+    "refs_anyof": {
+        "$defs": {"pt": {"type": "object", "additionalProperties": False, "required": ["x", "y"],
+                         "properties": {"x": {"type": "number"}, "y": {"type": "number"}}}},
+        "type": "object", "additionalProperties": False, "required": ["shape", "n"],
+        "properties": {
+            "shape": {"anyOf": [{"$ref": "#/$defs/pt"}, {"type": "string", "enum": ["none"]}]},
+            "n": {"type": "integer", "minimum": -5, "maximum": 5},
+            "points": {"type": "array", "items": {"$ref": "#/$defs/pt"}, "maxItems": 2}}},
+}
+
+
+# -- a small JSON Schema check (jsonschema is used too when it is installed) ------------------
+
+def _validate(inst: Any, schema: dict, root: dict | None = None) -> None:
+    root = root or schema
+    if "$ref" in schema:
+        node: Any = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            node = node[part]
+        return _validate(inst, node, root)
+    if "anyOf" in schema:
+        errors = []
+        for sub in schema["anyOf"]:
+            try:
+                return _validate(inst, sub, root)
+            except AssertionError as e:
+                errors.append(e)
+        raise AssertionError(f"{inst!r} matches no anyOf branch: {errors}")
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    py = {"object": dict, "array": list, "string": str, "boolean": bool, "null": type(None),
+          "integer": int, "number": (int, float)}
+    if types:
+        assert any(isinstance(inst, py[t]) and not (t in ("integer", "number")
+                   and isinstance(inst, bool)) for t in types), f"{inst!r} is not {types}"
+    if "enum" in schema:
+        assert inst in schema["enum"], f"{inst!r} not in {schema['enum']}"
+    if isinstance(inst, dict):
+        props = schema.get("properties", {})
+        for k in schema.get("required", []):
+            assert k in inst, f"missing required {k!r} in {inst!r}"
+        for k, v in inst.items():
+            if k in props:
+                _validate(v, props[k], root)
+            else:
+                assert schema.get("additionalProperties", True) is not False, f"extra key {k!r}"
+    if isinstance(inst, list):
+        assert len(inst) <= schema.get("maxItems", len(inst))
+        assert len(inst) >= schema.get("minItems", 0)
+        for v in inst:
+            _validate(v, schema.get("items", {}), root)
+    if isinstance(inst, str):
+        assert len(inst) <= schema.get("maxLength", len(inst))
+        assert len(inst) >= schema.get("minLength", 0)
+        if "pattern" in schema:
+            assert re.search(schema["pattern"], inst), f"{inst!r} !~ {schema['pattern']}"
+    if isinstance(inst, (int, float)) and not isinstance(inst, bool):
+        assert schema.get("minimum", inst) <= inst <= schema.get("maximum", inst)
+
+
+def validate(inst: Any, schema: dict) -> None:
+    _validate(inst, schema)
+    try:
+        import jsonschema
+    except ImportError:
+        return
+    jsonschema.validate(inst, schema)
+
+
+# -- tokenizers, grammars and the random model ------------------------------------------------
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def grammars(request: pytest.FixtureRequest) -> Grammars:
+    if request.param == "tiny":
+        from transformers import PreTrainedTokenizerFast
+
+        from tests.tiny_model import CHAT_TEMPLATE, make_tiny_tokenizer
+        hf = PreTrainedTokenizerFast(tokenizer_object=make_tiny_tokenizer(),
+                                     eos_token="<|im_end|>")
+        tok = ChatTokenizer(hf, chat_template=CHAT_TEMPLATE)
+    else:
+        from mlx_kvserver.gguf import build_tokenizer
+        from mlx_kvserver.models import default_model_path
+        try:
+            path = default_model_path()
+        except FileNotFoundError as e:
+            pytest.skip(str(e))
+        _, meta = mx.load(str(path), return_metadata=True)
+        hf, eos = build_tokenizer(meta)
+        tok = ChatTokenizer(hf, eos_token_ids=eos)
+    return Grammars(tok, tok.vocab_size + EXTRA)
+
+
+_bonus_cache: dict[int, np.ndarray] = {}
+
+
+def _bonus(g: Grammars) -> np.ndarray:
+    """+4 on tokens made only of JSON punctuation: the random walk closes what it opens."""
+    if id(g) not in _bonus_cache:
+        b = np.zeros(g.vocab_size, np.float32)
+        for i in range(g.tokenizer_vocab):
+            text = g.tok.decode([i], skip_special_tokens=False)
+            if text.strip() and all(c in '{}[]",: ' for c in text):
+                b[i] = 4.0
+        _bonus_cache[id(g)] = b
+    return _bonus_cache[id(g)]
+
+
+def walk(g: Grammars, grammar: Grammar, seed: int, max_steps: int = 1500) -> str:
+    """Generate with random logits + the mask, argmax; check the mask's invariants every step."""
+    rng = np.random.default_rng(seed)
+    bonus, eos = _bonus(g), sorted(g.eos_ids)
+    m, ids = grammar.matcher(), []
+    for _ in range(max_steps):
+        logits = mx.array(rng.standard_normal(g.vocab_size).astype(np.float32) + bonus)
+        masked = np.array(m.apply(logits))
+        allowed = np.isfinite(masked)
+        assert allowed.any()
+        assert not allowed[g.tokenizer_vocab:].any(), "an id past the tokenizer was allowed"
+        assert all(allowed[e] == m.accepting for e in eos), "EOS allowed iff accepting"
+        t = int(masked.argmax())
+        m.advance(t)
+        if t in g.eos_ids:
+            assert m.finished and m.accepting
+            break
+        ids.append(t)
+        if m.finished:
+            assert m.accepting
+            break
+    else:
+        pytest.fail(f"no end after {max_steps} steps: {g.tok.decode(ids)[:300]!r}")
+    return g.tok.decode(ids, skip_special_tokens=False)
+
+
+def tools() -> list[Tool]:
+    return agent_tool_objects()
+
+
+CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+
+
+def parse_calls(text: str, parallel: bool) -> list[dict]:
+    bodies = CALL.findall(text)
+    assert text == "\n".join(f"<tool_call>{b}</tool_call>" for b in bodies), text
+    assert bodies and (parallel or len(bodies) == 1)
+    calls = [json.loads(b) for b in bodies]
+    for c, b in zip(calls, bodies):
+        assert list(c) == ["name", "arguments"]
+        assert b.startswith('{"name": ')
+    return calls
+
+
+# -- tests ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_outputs_validate(grammars: Grammars, name: str) -> None:
+    schema = SCHEMAS[name]
+    grammar = grammars.compile_response_format(ResponseFormat("json_schema", schema=schema))
+    assert grammar is not None
+    for seed in range(4):
+        validate(json.loads(walk(grammars, grammar, seed)), schema)
+
+
+def test_json_object_gives_an_object(grammars: Grammars) -> None:
+    grammar = grammars.compile_response_format(ResponseFormat("json_object"))
+    assert grammar is not None
+    texts = [walk(grammars, grammar, seed) for seed in range(4)]
+    for text in texts:
+        assert isinstance(json.loads(text), dict), text
+    assert grammars.compile_response_format(ResponseFormat("text")) is None
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_tool_calls_name_a_tool_with_valid_arguments(grammars: Grammars, parallel: bool) -> None:
+    ts = tools()
+    params = {t.name: t.parameters for t in ts}
+    grammar = grammars.compile_tool_calls(ts, ToolChoice("required"), "<tool_call>",
+                                          "</tool_call>", parallel)
+    for seed in range(4):
+        for call in parse_calls(walk(grammars, grammar, seed), parallel):
+            assert call["name"] in params
+            validate(call["arguments"], params[call["name"]])
+
+
+def test_named_tool_choice_forces_the_name(grammars: Grammars) -> None:
+    ts = tools()
+    todo = next(t for t in ts if t.name == "TodoWrite")
+    grammar = grammars.compile_tool_calls(ts, ToolChoice("function", "TodoWrite"),
+                                          "<tool_call>", "</tool_call>", False)
+    for seed in range(3):
+        (call,) = parse_calls(walk(grammars, grammar, seed), False)
+        assert call["name"] == "TodoWrite"
+        validate(call["arguments"], todo.parameters)
+
+
+def test_special_tokens_in_call_markers_are_the_tokens(grammars: Grammars) -> None:
+    """A marker that is a special token (a template's <tool_call>) must be that token."""
+    grammar = grammars.compile_tool_calls(
+        [Tool("f", parameters={"type": "object", "properties": {"a": {"type": "boolean"}},
+                               "required": ["a"], "additionalProperties": False})],
+        ToolChoice("required"), "<|im_start|>", "\n", False)
+    m = grammar.matcher()
+    start = grammars.tok.hf.get_vocab()["<|im_start|>"]
+    assert np.flatnonzero(m.mask()).tolist() == [start]
+    m.advance(start)
+    for t in grammars.tok.encode('{"name": "f", "arguments": {"a": true}}\n'):
+        m.advance(t)
+    assert m.finished and m.accepting
+
+
+def test_bad_schemas_are_400_with_the_reason(grammars: Grammars) -> None:
+    cases = [({"type": "strin"}, "strin"), ({"type": "object", "properties": 5}, "properties"),
+             ({"type": "string", "pattern": "(("}, "unclosed group"),
+             ({"$ref": "#/$defs/missing"}, "missing"),
+             ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames")]
+    for schema, reason in cases:
+        with pytest.raises(RequestError) as e:
+            grammars.compile_response_format(ResponseFormat("json_schema", schema=schema))
+        assert e.value.status == 400 and e.value.param == "response_format", schema
+        assert reason in e.value.message, (schema, e.value.message)
+    # not strict: keywords that cannot be enforced are ignored, not refused
+    assert grammars.compile_response_format(ResponseFormat(
+        "json_schema", schema=cases[-1][0], strict=False)) is not None
+
+
+def test_bad_tool_schema_is_400_naming_the_tool(grammars: Grammars) -> None:
+    ts = tools()[:3] + [Tool("Broken", parameters={"type": "object", "properties": {
+        "x": {"type": "integr"}}})]
+    with pytest.raises(RequestError) as e:
+        grammars.compile_tool_calls(ts, ToolChoice("required"), "<tool_call>", "</tool_call>",
+                                    True)
+    assert e.value.status == 400 and e.value.param == "tools"
+    assert "'Broken'" in e.value.message and "integr" in e.value.message
+    with pytest.raises(RequestError) as e:
+        grammars.compile_tool_calls(ts, ToolChoice("function", "Nope"), "<tool_call>",
+                                    "</tool_call>", False)
+    assert e.value.param == "tool_choice"
+
+
+def test_compile_cache_hits_on_the_second_call(grammars: Grammars) -> None:
+    args = (ToolChoice("required"), "<tool_call>", "</tool_call>", True)
+    first = grammars.compile_tool_calls(tools(), *args)
+    hits = grammars.cache_hits
+    t0 = time.perf_counter()
+    second = grammars.compile_tool_calls(tools(), *args)  # equal content, new objects
+    elapsed = time.perf_counter() - t0
+    assert second is first and grammars.cache_hits == hits + 1
+    assert elapsed < 0.05, elapsed
+    # what changes the grammar changes the key
+    assert grammars.compile_tool_calls(tools(), *args[:3], False) is not first
+    fmt = ResponseFormat("json_schema", schema=SCHEMAS["nested"])
+    assert grammars.compile_response_format(fmt) is grammars.compile_response_format(fmt)
+
+
+def test_eos_only_once_accepting(grammars: Grammars) -> None:
+    grammar = grammars.compile_response_format(ResponseFormat("json_schema", schema={
+        "type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+        "additionalProperties": False}))
+    assert grammar is not None
+    eos = min(grammars.eos_ids)
+    m = grammar.matcher()
+    with pytest.raises(ValueError):
+        m.advance(eos)
+    ids = grammars.tok.encode('{"a": 12')
+    for t in ids:
+        assert not m.mask()[eos]
+        m.advance(t)
+    assert not m.accepting and not m.finished  # more digits may follow; "}" is still missing
+    with pytest.raises(ValueError):
+        m.advance(grammars.tok.encode('"')[0])  # not allowed here
+    for t in grammars.tok.encode("}"):
+        m.advance(t)
+    assert m.accepting and m.finished and m.mask()[eos]
+    assert np.flatnonzero(m.mask()).tolist() == sorted(grammars.eos_ids)
+    m.advance(eos)  # raises nothing
+    assert m.finished and m.error is None
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_apply_keeps_dtype_and_never_allows_ids_past_the_tokenizer(grammars: Grammars,
+                                                                    dtype: mx.Dtype) -> None:
+    m = grammars.compile_response_format(ResponseFormat("json_object")).matcher()
+    out = m.apply(mx.zeros((grammars.vocab_size,), dtype=dtype))
+    assert out.dtype == dtype and out.shape == (grammars.vocab_size,)
+    row = np.array(out.astype(mx.float32))
+    assert np.isneginf(row[grammars.tokenizer_vocab:]).all()
+    assert np.isfinite(row).sum() >= 1
+    row2 = mx.zeros((1, grammars.vocab_size), dtype=dtype)
+    assert m.apply(row2).shape == (1, grammars.vocab_size)
+    with pytest.raises(ValueError):
+        m.apply(mx.zeros((grammars.vocab_size - 1,)))
+
+
+def test_apply_rows_masks_each_row_of_a_batch(grammars: Grammars) -> None:
+    obj = grammars.compile_response_format(ResponseFormat("json_object")).matcher()
+    arr = grammars.compile_response_format(ResponseFormat("json_schema", schema={
+        "type": "array"})).matcher()
+    logits = mx.array(np.random.default_rng(0).standard_normal((3, grammars.vocab_size)),
+                      dtype=mx.float16)
+    out = apply_rows(logits, [obj, None, arr])
+    assert out.dtype == mx.float16
+    for row, m in ((0, obj), (2, arr)):
+        assert mx.array_equal(out[row], m.apply(logits[row])).item()
+    assert mx.array_equal(out[1], logits[1]).item()
+    first = {grammars.tok.decode([int(i)], skip_special_tokens=False)[:1]
+             for i in np.flatnonzero(np.isfinite(np.array(out[2].astype(mx.float32))))}
+    assert first == {"["}
