@@ -196,7 +196,8 @@ class Engine:
             job.emit("done")
         except Exception as e:
             log.exception("%s could not be admitted", job.id)
-            job.emit("error", RequestError(500, f"generation failed: {e}", type="server_error"))
+            job.emit("error", RequestError(500, f"generation failed: {e}",
+                                           type="server_error"))
             job.emit("done")
 
     @staticmethod

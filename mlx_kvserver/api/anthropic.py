@@ -43,7 +43,7 @@ from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, Too
 from ..errors import RequestError, bad_request
 from .http import SSE_HEADERS, anthropic_error_body, job_events, read_object, sse
 from .validate import (boolean, check_history, check_message_id, json_schema, model_name,
-                       number, obj, stop_list, string, tool, tool_list)
+                       number, obj, stop_list, string, tool, tool_entries, tool_list)
 
 ROLES = ("user", "assistant", "system")
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -141,22 +141,17 @@ def _messages(raw: Any, role: str, i: int, names: dict[str, str]) -> list[Messag
 
 
 def _tools(raw: Any) -> list:
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be a list of tools", "tools")
     out = []
-    for i, t in enumerate(raw):
-        t = obj(t, f"tools[{i}]", "tools")
+    for w, t in tool_entries(raw):
         if t.get("type", "custom") not in ("custom", None):
-            raise bad_request(f"tools[{i}]: {t.get('type')!r} is one of Anthropic's server "
+            raise bad_request(f"{w}: {t.get('type')!r} is one of Anthropic's server "
                               "tools, which this server does not run; only custom tools "
                               "(name, description, input_schema) are served", "tools",
                               code="unsupported_tool")
         if "input_schema" not in t:
-            raise bad_request(f"tools[{i}].input_schema is required", "tools")
+            raise bad_request(f"{w}.input_schema is required", "tools")
         out.append(tool(t.get("name"), t.get("description"), t.get("input_schema"),
-                        t.get("strict"), f"tools[{i}]"))
+                        t.get("strict"), w))
     return tool_list(out, "tools")
 
 

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat.conversation import Conversation
 from ..chat.output import Finish, Start, TextDelta, Usage
 from ..errors import RequestError, bad_request
-from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
+from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .openai_chat import include_usage, sampling, usage_body
 from .validate import boolean, model_name, number, string
 
@@ -98,15 +98,7 @@ async def handle(served, request: Request) -> Response:
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 
-    answers: dict[int, Finish] = {}
-    usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
-    async for ev in job_events(job, watch):
-        if isinstance(ev, RequestError):
-            return JSONResponse(openai_error_body(ev), status_code=ev.status)
-        if isinstance(ev, Finish):
-            answers[ev.index] = ev
-        elif isinstance(ev, Usage):
-            usage = ev
+    answers, usage = await collect(job, watch, accepted)  # an error: the guard answers it
     choices = [choice(i, echo + f.text, f.reason,
                       f.logprobs if conv.sampling.logprobs else None)
                for i, f in sorted(answers.items())]

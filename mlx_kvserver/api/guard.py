@@ -87,13 +87,14 @@ class RequestGuard:
             name = host_name(hosts[0].decode("latin-1")) if len(hosts) == 1 else None
             if name not in self.hosts:
                 return RequestError(403, "this server answers only to its own names in the Host "
-                                "header (add more with --allowed-host)", type="permission_error",
-                                code="host_not_allowed")
+                                    "header (add more with --allowed-host)",
+                                    type="permission_error", code="host_not_allowed")
         origins = [v for k, v in scope.get("headers", ()) if k == b"origin"]
         own = {f"{s}://{hosts[0].decode('latin-1').strip().lower()}" for s in ("http", "https")} \
             if self.hosts is not None and len(hosts) == 1 else set()
         if origins and "*" not in self.origins and any(
                 o.decode("latin-1") not in self.origins | own for o in origins):
-            return RequestError(403, "requests from this origin are not allowed (see --cors-origin)",
-                            type="permission_error", code="origin_not_allowed")
+            return RequestError(403, "requests from this origin are not allowed (see "
+                                "--cors-origin)", type="permission_error",
+                                code="origin_not_allowed")
         return None

@@ -102,3 +102,20 @@ async def job_events(job, watch) -> AsyncIterator[Any]:
     finally:
         watch.close()
         job.cancel()
+
+
+async def collect(job, watch, accepted) -> tuple[dict, Any]:
+    """A whole answer for a body that is not streamed: ``({index: Finish}, Usage)``; raises
+    the job's ``RequestError`` when it failed."""
+    from ..chat.output import Finish, Usage
+
+    answers: dict = {}
+    usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
+    async for ev in job_events(job, watch):
+        if isinstance(ev, RequestError):
+            raise ev
+        if isinstance(ev, Finish):
+            answers[ev.index] = ev
+        elif isinstance(ev, Usage):
+            usage = ev
+    return answers, usage

@@ -19,10 +19,10 @@ from ..chat.conversation import (Conversation, Message, Reasoning, ResponseForma
 from ..chat.output import (Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
                            ToolCallDelta, ToolCallStart, Usage)
 from ..errors import RequestError, bad_request
-from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
+from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .validate import (ROLES, boolean, check_history, check_message_id, json_schema,
                        model_name, number, obj, seed_value, stop_list, string, text_value, tool,
-                       tool_list)
+                       tool_entries, tool_list)
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -95,20 +95,14 @@ def _message(m: Any, i: int) -> Message:
 
 
 def _tools(body: dict) -> list:
-    raw = body.get("tools")
-    if raw is None:
-        return []
-    if not isinstance(raw, list):
-        raise bad_request("'tools' must be a list of function tools", "tools")
     out = []
-    for i, t in enumerate(raw):
-        t = obj(t, f"tools[{i}]")
+    for w, t in tool_entries(body.get("tools")):
         if t.get("type", "function") != "function":
-            raise bad_request(f"tools[{i}]: only function tools are supported, not "
+            raise bad_request(f"{w}: only function tools are supported, not "
                               f"{t.get('type')!r}", "tools")
-        fn = obj(t.get("function"), f"tools[{i}].function", "tools")
+        fn = obj(t.get("function"), f"{w}.function", "tools")
         out.append(tool(fn.get("name"), fn.get("description"), fn.get("parameters"),
-                        fn.get("strict"), f"tools[{i}].function"))
+                        fn.get("strict"), f"{w}.function"))
     return tool_list(out, "tools")
 
 
@@ -226,15 +220,7 @@ async def handle(served, request: Request) -> Response:
     if conv.stream:
         return StreamingResponse(_stream(job, watch, usage_chunk), media_type="text/event-stream",
                                  headers=SSE_HEADERS)
-    answers: dict[int, Finish] = {}
-    usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
-    async for ev in job_events(job, watch):
-        if isinstance(ev, RequestError):
-            return JSONResponse(openai_error_body(ev), status_code=ev.status)
-        if isinstance(ev, Finish):
-            answers[ev.index] = ev
-        elif isinstance(ev, Usage):
-            usage = ev
+    answers, usage = await collect(job, watch, accepted)  # an error: the guard answers it
     choices = []
     for i in sorted(answers):
         f = answers[i]

@@ -162,6 +162,17 @@ def tool(name: Any, description: Any, parameters: Any, strict: Any, where: str) 
                 parameters, bool(strict))
 
 
+def tool_entries(raw: Any, param: str = "tools"):
+    """``(where, entry)`` for each object of a ``tools`` list (None: none); a 400 for a list
+    that is not one or an entry that is not an object."""
+    if raw is None:
+        return
+    if not isinstance(raw, list):
+        raise bad_request(f"'{param}' must be a list of tools", param)
+    for i, t in enumerate(raw):
+        yield f"{param}[{i}]", obj(t, f"{param}[{i}]", param)
+
+
 def tool_list(tools: list[Tool], param: str) -> list[Tool]:
     if len(tools) > MAX_TOOLS:
         raise bad_request(f"'{param}' has more than {MAX_TOOLS} tools", param)
