@@ -59,7 +59,7 @@ class Sampler:
         if self.temperature == 0:
             return mx.argmax(logits, axis=-1)
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
-        if self.top_k > 0:
+        if 0 < self.top_k < logprobs.shape[-1]:  # top_k >= the vocabulary: all of it
             logprobs = apply_top_k(logprobs[None], self.top_k)[0]
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs[None], self.top_p)[0]

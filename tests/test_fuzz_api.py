@@ -1,7 +1,7 @@
 """Fuzzing the HTTP API: over 1,000 generated requests on every route, none answered with a 5xx.
 
 Requests come from hypothesis strategies shaped by the OpenAPI description the server serves
-(``mlx_kvserver/openapi.py``): chat bodies valid or broken in one field or everywhere, raw bytes,
+(``mlx_kvserver/api/openapi.py``): chat bodies valid or broken in one field or everywhere, raw bytes,
 every described operation with hostile ``message_id``s and random methods, queries and headers,
 and KV-cache imports (a real export, truncated, flipped or with a hostile header), plus one
 well-formed request per described operation, so every route is reached by construction. The draws
@@ -30,12 +30,12 @@ from hypothesis import strategies as st
 from starlette.routing import Match
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.openapi import openapi_spec
+from mlx_kvserver.api.openapi import openapi_spec
 from mlx_kvserver.api.validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
 from tests.server_utils import make_engine, running_server
 from tests.test_load import assert_cache_at_rest, skip_fsync
 
-EXAMPLES = 1100
+EXAMPLES = 1400
 PROBE = [{"role": "system", "content": "You are terse."},
          {"role": "user", "content": "Tell me about the sea.", "message_id": "probe-u0"}]
 SPEC = openapi_spec()
@@ -193,6 +193,62 @@ def chat_requests(draw):
                 lambda h: "Content-Type" not in h))}
 
 
+def as_messages_body(chat: dict) -> dict:
+    """A chat body in Anthropic's shape (system apart, blocks or strings)."""
+    msgs = chat.get("messages") if isinstance(chat.get("messages"), list) else []
+    system = [m.get("content") for m in msgs if isinstance(m, dict) and m.get("role") in
+              ("system", "developer") and isinstance(m.get("content"), str)]
+    out = {"model": "tinym", "max_tokens": chat.get("max_tokens", 4),
+           "messages": [{"role": m.get("role"), "content": m.get("content")}
+                        for m in msgs if isinstance(m, dict)
+                        and m.get("role") not in ("system", "developer")]}
+    if system:
+        out["system"] = "\n".join(system)
+    for k in ("stream", "temperature", "top_p", "stop"):
+        if k in chat:
+            out["stop_sequences" if k == "stop" else k] = chat[k]
+    return out
+
+
+def as_responses_body(chat: dict) -> dict:
+    msgs = chat.get("messages") if isinstance(chat.get("messages"), list) else []
+    out = {"input": [{"role": m.get("role"), "content": m.get("content")} for m in msgs
+                     if isinstance(m, dict) and m.get("role") != "tool"] or "hi",
+           "max_output_tokens": chat.get("max_tokens", 4)}
+    for k in ("stream", "temperature", "top_p"):
+        if k in chat:
+            out[k] = chat[k]
+    return out
+
+
+def as_completions_body(chat: dict) -> dict:
+    msgs = chat.get("messages") if isinstance(chat.get("messages"), list) else []
+    text = " ".join(m["content"] for m in msgs if isinstance(m, dict)
+                    and isinstance(m.get("content"), str))
+    out = {"prompt": text or "hi", "max_tokens": chat.get("max_tokens", 4)}
+    for k in ("stream", "temperature", "top_p", "stop", "seed", "n"):
+        if k in chat:
+            out[k] = chat[k]
+    return out
+
+
+OTHER_APIS = {"/v1/completions": as_completions_body, "/v1/messages": as_messages_body,
+              "/v1/responses": as_responses_body}
+
+
+@st.composite
+def api_requests(draw):
+    """Bodies for the other generating APIs, made from chat bodies (valid or broken)."""
+    path = draw(st.sampled_from(sorted(OTHER_APIS)))
+    chat = draw(chat_bodies())
+    body = OTHER_APIS[path](chat) if isinstance(chat, dict) else chat
+    if isinstance(body, dict) and draw(st.integers(0, 3)) == 0:
+        body[draw(st.sampled_from(sorted(body) + ["tools", "tool_choice", "extra"]))] = \
+            draw(junk)
+    return {"kind": "api", "op": (path, "POST"), "method": "POST", "path": path, "json": body,
+            "headers": {}}
+
+
 @st.composite
 def raw_requests(draw):
     return {"kind": "raw", "op": ("/v1/chat/completions", "POST"), "method": "POST",
@@ -225,7 +281,7 @@ def import_requests(draw):
 
 
 requests = st.one_of(chat_requests(), chat_requests(), route_requests(), import_requests(),
-                     raw_requests())
+                     raw_requests(), api_requests())
 
 
 # -- materializing and checking --------------------------------------------------------------------
@@ -307,12 +363,28 @@ def check(req: dict, r: httpx.Response, body: bytes | None) -> None:
             assert isinstance(err["type"], str), where
         return
     if r.headers.get("content-type", "").startswith("text/event-stream"):
-        lines = [ln for ln in r.text.split("\n") if ln]
-        assert lines and lines[-1] == "data: [DONE]", where
-        for ln in lines[:-1]:
-            chunk = json.loads(ln.removeprefix("data: "))
-            assert "error" not in chunk, where
-            assert chunk["object"] == "chat.completion.chunk", where
+        check_stream(req["op"][0], r.text, where)
+
+
+def check_stream(path: str, text: str, where: str) -> None:
+    """A 200 stream is well-formed in its API's own shape, with no error in it."""
+    lines = [ln for ln in text.split("\n") if ln]
+    data = [json.loads(ln.removeprefix("data: ")) for ln in lines
+            if ln.startswith("data: ") and ln != "data: [DONE]"]
+    assert data, where
+    if path in ("/v1/chat/completions", "/v1/completions"):
+        assert lines[-1] == "data: [DONE]", where
+        kind = "chat.completion.chunk" if path == "/v1/chat/completions" else "text_completion"
+        assert all("error" not in c and c["object"] == kind for c in data), where
+    elif path == "/v1/messages":
+        types = [c["type"] for c in data]
+        assert types[0] == "message_start" and types[-1] == "message_stop", where
+        assert "error" not in types, where
+    else:
+        types = [c["type"] for c in data]
+        assert types[0] == "response.created", where
+        assert types[-1] in ("response.completed", "response.incomplete"), where
+        assert [c["sequence_number"] for c in data] == list(range(len(data))), where
 
 
 def greedy_twin(http: httpx.Client, base: str, req: dict, r: httpx.Response) -> int:

@@ -23,7 +23,7 @@ from ..engine import Engine
 from ..errors import RequestError
 from ..metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
 from ..models import ModelRegistry, UnknownModelError
-from ..openapi import openapi_spec
+from .openapi import openapi_spec
 from ..request import Job
 from ..response_store import ResponseStore
 from ..web import page_routes

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from .api.validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
+from .validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
 
 try:
     VERSION = importlib.metadata.version("mlx-kvserver")
