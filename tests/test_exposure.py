@@ -12,7 +12,7 @@ import pytest
 from mlx_kvserver import cli
 from mlx_kvserver.api import host_name
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.openapi import openapi_spec
+from mlx_kvserver.api.openapi import openapi_spec
 from tests.server_utils import running_server
 
 KEY = "s3cret-key"
