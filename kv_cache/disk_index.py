@@ -7,7 +7,9 @@ all of it from file headers alone.
 store's lock); it touches files only to remove what the index no longer references. Every
 entry's token ids, layout and page hashes live in the index (built from headers at start-up,
 updated on every save and eviction), so asking whether the store holds a key, and what its
-tokens are, reads no file; a manifest is read again only when its entry is loaded.
+tokens are, reads no file; a manifest is read again only when its entry is loaded. Entries
+are also indexed by where they end (``end_parent``), so that a prompt finds the entries it
+contains by its own page hashes (``disk_lookup``).
 
 An entry's open tail page (per group) is held by one stored file: among the pages and tails with
 the tail's parent whose tokens begin with the entry's tail tokens, a full page first, else the
@@ -33,6 +35,7 @@ import numpy as np
 from . import atomic_fs as afs
 from . import disk_format as fmt
 from .errors import ForeignError, FormatError
+from .hashing import chain_hashes
 
 log = logging.getLogger("kv_cache.disk_store")
 
@@ -55,6 +58,7 @@ class IndexedEntry:  # the in-memory index of one manifest
     has_state: bool
     tails: tuple[bytes | None, ...] = ()  # per group, the file holding its open tail page
     head_sum: bytes = b""  # fmt.head_digest of its header: a load parses its metadata once
+    end: bytes = b""  # group 0's chain hash of the page it ends in (``end_parent``)
 
     @property
     def files(self) -> set[bytes]:
@@ -79,6 +83,18 @@ def token_array(tokens: Sequence[int]) -> np.ndarray:
         a = a.astype(np.int32)
     a.flags.writeable = False
     return a
+
+
+def end_parent(geo: fmt.Geometry, tokens: Sequence[int], page_hashes: Sequence[bytes],
+               layout: Sequence[tuple[int, int]]) -> bytes:
+    """Where an entry ends, by content: group 0's chain hash of the last full page of its tokens
+    (the root when there is none); the entries ending in one page share it."""
+    full = len(tokens) // geo.page_size
+    if full == 0:
+        return geo.root(0)
+    if layout and layout[0][1]:
+        return page_hashes[layout[0][1] - 1]
+    return chain_hashes(geo.root(0), tokens[: full * geo.page_size], geo.page_size)[-1]
 
 
 def entry_name(key: str) -> str:
@@ -132,8 +148,9 @@ class StoreIndex:
                         enumerate(info.tail_parents)) if info.tail_tokens else ()
         e = IndexedEntry(key, name, tuple(info.page_hashes), info.tail_tokens, size,
                          self._next_id, tokens, tuple(info.layout), info.has_state, holders,
-                         head_sum)
+                         head_sum, end_parent(self.geo, tokens, info.page_hashes, info.layout))
         self._next_id += 1
+        self._ends.setdefault(e.end, set()).add(key)
         self._entries[key] = e
         self._entries.move_to_end(key, last=at_end)
         self._by_id[e.id] = key
@@ -149,6 +166,10 @@ class StoreIndex:
         del self._by_id[e.id]
         self.policy.remove(e.id)
         self._refs.subtract(e.files)
+        ends = self._ends[e.end]
+        ends.discard(e.key)
+        if not ends:
+            del self._ends[e.end]
         for h in e.tails:
             if h is not None and h in self._holds:
                 self._holds[h].discard(e.key)

@@ -41,6 +41,7 @@ from . import disk_format as fmt
 from . import atomic_fs as afs
 from .disk_format import FormatError, Geometry
 from .disk_index import FileInfo, IndexedEntry, StoreIndex, entry_name, token_array
+from .disk_lookup import ContentLookup
 from .spec import CacheSpec
 from .eviction import make_policy
 from .page_reader import PageReader
@@ -114,7 +115,7 @@ def _locked(fn):
     return wrapper
 
 
-class DiskStore(StoreIndex):
+class DiskStore(StoreIndex, ContentLookup):
     """Pages and message-keyed entries of one model under ``root``, within ``max_bytes``."""
 
     def __init__(self, root: Path, *, fingerprint: str, num_layers: int | None = None,
@@ -161,6 +162,7 @@ class DiskStore(StoreIndex):
         self._info: dict[bytes, FileInfo] = {}  # their parents, tokens, groups
         self._kids: dict[bytes, set[bytes]] = {}  # parent hash -> the files it is parent of
         self._holds: dict[bytes, set[str]] = {}  # tail-holding file -> the entries it holds
+        self._ends: dict[bytes, set[str]] = {}  # where entries end (disk_index.end_parent)
         self._refs: Counter[bytes] = Counter()  # entries referencing each page or tail file
         self._bytes = 0
         self._next_id = 0

@@ -33,7 +33,16 @@ def chain_hashes(root: bytes, tokens: Sequence[int], page_size: int,
     for its first pages, extended rather than recomputed)."""
     hashes = list(start)
     parent = hashes[-1] if hashes else root
-    for i in range(len(hashes), len(tokens) // page_size):
-        parent = page_hash(parent, tokens[i * page_size : (i + 1) * page_size])
+    first, n = len(hashes), len(tokens) // page_size
+    if n <= first:
+        return hashes
+    # NOTE: the ids as bytes once (page_hash's encoding), hashed a page's slice at a time
+    raw = memoryview(np.asarray(tokens[first * page_size : n * page_size],
+                                dtype=np.int64).tobytes())
+    step = 8 * page_size
+    for at in range(0, len(raw), step):
+        h = hashlib.sha256(parent)
+        h.update(raw[at : at + step])
+        parent = h.digest()
         hashes.append(parent)
     return hashes

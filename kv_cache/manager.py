@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from .attention import PrefixViews
 from .disk_format import host_array
+from .disk_lookup import DiskFind, DiskTails
 from .disk_store import DiskStore, PageRecord, StoredEntry
 from .errors import OutOfBlocksError
 from .page_pool import PagePool
@@ -53,9 +54,10 @@ class Entry:
 class Match:
     tokens: int  # prompt tokens whose keys and values are reused
     tables: list[list[int | None]]
-    source: str  # "entry:<key>", "disk:<key>", "prefix" or "none"
+    source: str  # "entry:<key>", "disk:<key>", "prefix", "disk-prefix" or "none"
     stored: StoredEntry | None = None
     state: Snapshot | None = None
+    found: DiskFind | None = None  # a prefix the disk's files hold, found by its content
 
     @property
     def blocks(self) -> list[int | None]:
@@ -147,36 +149,55 @@ class CacheManager:
         prefix of the prompt. Keys the store does not hold cost a lookup in its in-memory index.
         A candidate's stored tokens decide how much of it is valid (the common prefix); a
         sliding window must still have the pages it reads at that point, and a recurrent state
-        exists only where an entry ends, so for such models a candidate counts only in full."""
+        exists only where an entry ends, so for such models a candidate counts only in full.
+        When no key verifies in full, the disk's files are looked up by the prompt's content
+        too (``_by_content``)."""
         limit = len(prompt) - 1
         best = Match(0, self._no_tables(), "none")
+        verified = False
         for key in keys:
-            entry = self._entries.get(key)
-            if entry is not None:
-                tokens = entry.tokens
-                n = self._usable(prompt, limit, tokens, entry.tables, entry.state is not None)
-                if n > best.tokens:
-                    best = Match(n, entry.tables, f"entry:{key}", state=entry.state)
-            elif self.store is not None and key in self.store:  # NOTE: the index, no file read
-                stored = self.store.get(key)
-                if stored is None:
-                    continue
-                tokens = stored.tokens
-                n = self._usable(prompt, limit, tokens, self._stored_tables(stored),
-                                 stored.has_state)
-                if n > best.tokens:
-                    best = Match(n, [], f"disk:{key}", stored)
-            else:
-                continue
-            if n and n == min(len(tokens), limit):
+            m, stored_len = self._candidate(prompt, limit, key)
+            if m is not None and m.tokens > best.tokens:
+                best = m
+            if m is not None and m.tokens and m.tokens == min(stored_len, limit):
+                verified = True
                 break  # the newest key that verifies in full: older ones cannot do better
         if not self.pool.spec.has_state:
             n, tables = self._by_prefix(prompt, limit)
             if n > best.tokens:
                 best = Match(n, tables, "prefix")
-        if best.stored is None:
+        if not verified and self.store is not None and best.tokens < limit:
+            best = self._by_content(prompt, limit, best)
+        if best.stored is None and best.found is None:
             best.tables = self._cut(best.tables, best.tokens)
         return best
+
+    def _candidate(self, prompt, limit, key: str) -> tuple[Match | None, int]:
+        """``key``'s reuse for ``prompt`` (its entry in memory, else in the store's index: no
+        file read) and its length; (None, 0) where neither holds it."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            n = self._usable(prompt, limit, entry.tokens, entry.tables, entry.state is not None)
+            return Match(n, entry.tables, f"entry:{key}", state=entry.state), len(entry.tokens)
+        stored = self.store.get(key) if self.store is not None else None
+        if stored is None:
+            return None, 0
+        n = self._usable(prompt, limit, stored.tokens, self._stored_tables(stored),
+                         stored.has_state)
+        return Match(n, [], f"disk:{key}", stored), len(stored.tokens)
+
+    def _by_content(self, prompt, limit, best: Match) -> Match:
+        """``best``, or what the disk's files hold of ``prompt`` found by its content where
+        that is more (``kv_cache.disk_lookup``; no file read): its longest stored prefix, or,
+        for a model with recurrent state, the longest entry it contains whole."""
+        if not self.pool.spec.has_state:
+            found = self.store.find_prefix(prompt, limit)
+            if found is not None and found.tokens > best.tokens:
+                return Match(found.tokens, [], "disk-prefix", found=found)
+            return best
+        key = self.store.find_end(prompt, limit)
+        m = None if key is None else self._candidate(prompt, limit, key)[0]
+        return m if m is not None and m.tokens > best.tokens else best
 
     def _no_tables(self) -> list[list[int | None]]:
         return [[] for _ in self.pool.groups]
@@ -286,8 +307,9 @@ class CacheManager:
             return resident, Match(len(resident.tokens), [list(t.blocks) for t in resident.tables],
                                    "resident")
         loaded: list[list[int | None]] = []
-        if match.stored is not None:
-            match.tokens, loaded, match.state = self._load(match.stored, match.tokens)
+        if match.stored is not None or match.found is not None:
+            match.tokens, loaded, match.state = self._load(match.stored, match.tokens) \
+                if match.stored is not None else self._load_found(match.found, prompt)
             match.tables = loaded
             if match.tokens == 0:
                 match.source = "none"
@@ -296,9 +318,10 @@ class CacheManager:
         if match.tokens:
             self.stats.hits += 1
             self.stats.tokens_served += match.tokens
-            if match.stored is not None:
+            if match.stored is not None or match.found is not None:
                 self.stats.disk_hits += 1
                 self.stats.tokens_from_disk += match.tokens
+            if match.stored is not None:
                 self.store.touch(match.stored.key)
         else:
             self.stats.misses += 1
@@ -318,20 +341,31 @@ class CacheManager:
         pool has them, else from disk: ``(tokens covered, tables, state)``. A model with one
         full-attention group keeps what loads up to the first page that cannot be had; any
         other gets all it needs or nothing."""
-        pool, P = self.pool, self.pool.page_size
-        tables: list[list[int | None]] = []
-        covered = n
         loaded = self.store.load_entry(stored.key)  # NOTE: the manifest read and verified
         if loaded is None or loaded.entry.tokens != stored.tokens:
             return 0, [], None
         state = loaded.state if n == len(stored.tokens) else None
-        if pool.spec.has_state and state is None:
+        if self.pool.spec.has_state and state is None:
             return 0, [], None
-        hashes = stored.group_hashes()
-        tails = loaded.tails
+        return self._load_pages(stored.tokens, stored.group_hashes(), loaded.tails, n, state,
+                                stored.key)
+
+    def _load_found(self, found: DiskFind, prompt: Sequence[int]):
+        """``_load`` for a prefix found on disk by content: no manifest, the pages by hash and
+        the partial page's file only if the load gets that far (``DiskTails``)."""
+        return self._load_pages(prompt, found.hashes, DiskTails(self.store, self.pool, found),
+                                found.tokens, None, "a prompt's stored prefix")
+
+    def _load_pages(self, tokens: Sequence[int], hashes: list[list[bytes | None]], tails,
+                    n: int, state: Snapshot | None, what: str):
+        """What ``_load`` does once it has the manifest: the pages ``hashes`` (per group, of
+        ``tokens``) and the partial page after them (``tails.get(group)``: data holding it)."""
+        pool, P = self.pool, self.pool.page_size
+        tables: list[list[int | None]] = []
+        covered = n
         for g, spec in enumerate(pool.groups):
             if spec.kind != SLIDING:
-                self._load_run(stored, hashes[g][: n // P], g)
+                self._load_run(tokens, hashes[g][: n // P], g)
         fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
                                   for h in hashes[g][spec.first_needed(n) // P : -(-n // P)]
                                   if h is not None and pool.lookup(h) is None])
@@ -348,7 +382,7 @@ class CacheManager:
                     table.append(block)
                 pool.hold_all(table)
                 for i in range(len(table), -(-n // P)):
-                    tokens = stored.tokens[i * P : (i + 1) * P]
+                    page = tokens[i * P : (i + 1) * P]
                     if i < len(hashes[g]):
                         h = hashes[g][i]
                         block = None if h is None else pool.lookup(h)
@@ -361,22 +395,22 @@ class CacheManager:
                             if i and hashes[g][i - 1] is not None:
                                 parent = hashes[g][i - 1]
                             elif i:
-                                chain = chain or pool.chain(stored.tokens[: i * P], g)
+                                chain = chain or pool.chain(tokens[: i * P], g)
                                 parent = chain[i - 1]
                             else:
                                 parent = pool.roots[g]
-                            block = pool.add_sealed(parent, tokens, data, g, h)
+                            block = pool.add_sealed(parent, page, data, g, h)
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
-                        if tails.get(g) is None:
+                        data, k = tails.get(g), n - i * P
+                        if data is None:
                             break
-                        k = n - i * P
                         (block,) = pool.allocate(1, g)
-                        pool.write(block, mx.contiguous(tails[g][:, :, :, :k, :]), tokens[:k])
+                        pool.write(block, mx.contiguous(data[:, :, :, :k, :]), page[:k])
                     table.append(block)
                 covered = min(covered, len(table) * P)
         except OutOfBlocksError as e:
-            log.warning("memory full while loading %s from disk: %s", stored.key, e)
+            log.warning("memory full while loading %s from disk: %s", what, e)
             covered = 0
         single = len(pool.groups) == 1 and pool.groups[0].kind != SLIDING and not state
         if covered < n and not single:
@@ -384,7 +418,7 @@ class CacheManager:
         tables = self._cut_loaded(tables, covered)
         return covered, tables, state
 
-    def _load_run(self, stored: StoredEntry, hashes: Sequence[bytes], g: int) -> None:
+    def _load_run(self, tokens: Sequence[int], hashes: Sequence[bytes], g: int) -> None:
         """Where none of a full-attention group's pages ``hashes`` (from the first) is in
         memory, read them from disk into one array (``kv_cache.page_runs``: a prefix view over
         them then copies nothing) and cache them in the pool; what cannot be read or placed is
@@ -393,15 +427,15 @@ class CacheManager:
         if len(hashes) < 2 or any(pool.lookup(h) is not None for h in hashes):
             return
         arr, k = self.store.load_run(hashes, g)
-        pages = [(h, stored.tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
+        pages = [(h, tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
         try:
             if k == len(hashes):
                 pool.add_sealed_run(pool.roots[g], pages, arr, g)
             else:  # a page could not be read: the ones before it, each in its own storage
                 parent = pool.roots[g]
-                for i, (h, tokens) in enumerate(pages):
+                for i, (h, page) in enumerate(pages):
                     pool.release(pool.add_sealed(
-                        parent, tokens, mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :]),
+                        parent, page, mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :]),
                         g, h))
                     parent = h
         except OutOfBlocksError:
