@@ -37,6 +37,7 @@ from kv_cache.manager import CacheManager
 
 from .chat.output import Accepted, Start
 from .errors import RequestError
+from .prepare import Prepare, next_turn_tokens, prepared_key
 from .request import Choice, Job, Request
 from .runner import Runner
 
@@ -46,6 +47,7 @@ log = logging.getLogger("mlx_kvserver.engine")
 # so a prompt arriving mid-stream stalls the other streams by about that much per step.
 PREFILL_CHUNK = 256
 MAX_BATCH = 32
+MAX_PREPARES = 8
 
 
 class Scheduler:
@@ -55,6 +57,7 @@ class Scheduler:
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
         self.decoding: list[Choice] = []
+        self.prepares: list[Prepare] = []  # next turns read while nothing else runs
         self._arrivals = 0
 
     # -- admission ------------------------------------------------------------------------------
@@ -66,7 +69,7 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.requests)
+        return bool(self.requests or self.prepares)
 
     @property
     def batch_size(self) -> int:
@@ -78,6 +81,9 @@ class Scheduler:
         for r in [r for r in self.requests if r.cancelled]:
             log.info("%s cancelled by the client", r.id)
             self._end(r)
+        if not self.requests and self.prepares:
+            self._prepare_step()
+            return
         if len(self.decoding) < self.max_batch:
             self._prefill(self._prompt_tasks())
         if self.decoding:
@@ -229,9 +235,50 @@ class Scheduler:
             self._save(c.message_id, seq)
         if r.use_cache and r.n == 1:
             self.manager.keep(seq)  # the next turn of this conversation goes on from it
+            self._plan_next_turn(c)
         else:
             seq.close()
         self._retire(r)
+
+    # -- the next turn, while idle (prepare.py) -------------------------------------------------
+
+    def _plan_next_turn(self, c: Choice) -> None:
+        r = c.request
+        try:
+            tokens = next_turn_tokens(r, c.finish_event(), r.prompt + c.tokens)
+        except Exception as e:  # a template that cannot render the next turn: nothing to do
+            log.info("%s: next turn not prepared: %s", r.id, e)
+            return
+        if tokens is not None:
+            self.prepares.append(Prepare(tokens, prepared_key(c.message_id),
+                                         keys=[c.message_id]))
+            del self.prepares[:-MAX_PREPARES]
+
+    def _prepare_step(self) -> None:
+        """One chunk of the oldest prepared next turn; saved once read."""
+        p = self.prepares[0]
+        try:
+            if p.seq is None:
+                p.seq, match = self.manager.start(p.tokens, p.keys, use_cache=True)
+                p.done = match.tokens
+            piece = p.tokens[p.done : p.done + self.prefill_chunk]
+            self.runner.prefill(p.seq, piece)
+            p.seq.commit()
+            p.done += len(piece)
+            if p.done == len(p.tokens):
+                self.manager.save(p.key, p.seq)
+                log.info("next turn prepared: %d tokens saved as %s", p.done, p.key[1:])
+                self._drop_prepare()
+        except OutOfBlocksError:  # the cache is full: the next turn reads its history itself
+            self._drop_prepare()
+        except Exception:
+            log.exception("preparing a next turn failed")
+            self._drop_prepare()
+
+    def _drop_prepare(self) -> None:
+        p = self.prepares.pop(0)
+        if p.seq is not None:
+            p.seq.close()
 
     def _retire(self, r: Request) -> None:
         if r.choices and all(c.done for c in r.choices) and r in self.requests:
@@ -266,6 +313,10 @@ class Scheduler:
                 fn()
                 return True
             except OutOfBlocksError:
+                if self.prepares:  # prepared next turns give way first
+                    while self.prepares:
+                        self._drop_prepare()
+                    continue
                 victim = self._youngest(other_than=r)
                 if victim is None:
                     return False
@@ -319,4 +370,6 @@ class Scheduler:
             self._fail(r, error)
 
     def close(self) -> None:
+        while self.prepares:
+            self._drop_prepare()
         self.fail_all(RequestError(503, "the server is shutting down", type="server_error"))

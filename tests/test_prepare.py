@@ -1,0 +1,99 @@
+"""A thinking template drops earlier reasoning: the next turn is prepared while the engine is
+idle, so it reads only its new message (and answers exactly as without the cache)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import openai
+import pytest
+
+from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, ToolCall,
+                                            ToolResult)
+from mlx_kvserver.chat.output import Finish
+from mlx_kvserver.chat.render import render
+from mlx_kvserver.chat.support import chat_support
+from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.prepare import next_turn_tokens
+from mlx_kvserver.models import resolve_and_load
+from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
+from tests.server_utils import make_engine, running_server
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return resolve_and_load(str(make_tiny_chat_model_dir(
+        tmp_path_factory.mktemp("q3") / "tiny-qwen3", "qwen3_strict")))
+
+
+def idle(engine, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while engine.busy:
+        assert time.monotonic() < deadline, "the engine stayed busy"
+        time.sleep(0.02)
+
+
+def test_next_turn_reads_only_its_new_message(qwen3, tmp_path):
+    config = ServerConfig(max_tokens=8, kv_cache_dir=tmp_path / "kv", page_size=8)
+    engine = make_engine([qwen3], config)
+    with running_server([qwen3], config, engine=engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        history = [{"role": "user", "content": "Plan the trip."}]
+        first = client.chat.completions.create(model=qwen3.name, messages=history,
+                                               temperature=0)
+        msg = first.choices[0].message
+        assert msg.model_extra.get("reasoning_content")  # the template opened a think block
+        answer = {"role": "assistant", "content": msg.content or "",
+                  "reasoning_content": msg.model_extra["reasoning_content"]}
+        idle(engine)  # the prepared next turn is read here, before the next request
+        history.append(answer)
+        history.append({"role": "user", "content": "And the way back?"})
+        second = client.chat.completions.create(model=qwen3.name, messages=history,
+                                                temperature=0)
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        # without preparing, reuse stops where the template dropped the reasoning, inside
+        # turn 1's prompt; prepared, it covers turn 1 and its answer
+        assert cached > first.usage.prompt_tokens, (cached, first.usage)
+        tail = "And the way back?<|im_end|>\n<|im_start|>assistant\n<think>\n"
+        # what is read: the new message (its role header at most one token more)
+        assert second.usage.prompt_tokens - cached <= len(qwen3.tokenizer.encode(tail)) + 2
+        cold = client.chat.completions.create(model=qwen3.name, messages=history,
+                                              temperature=0,
+                                              extra_body={"use_kv_cache": False})
+        assert second.choices[0].message.model_extra.get("reasoning_content") == \
+            cold.choices[0].message.model_extra.get("reasoning_content")
+        assert second.choices[0].message.content == cold.choices[0].message.content
+
+
+def test_nothing_is_prepared_when_the_template_keeps_the_answer(tiny_lm, tmp_path):
+    config = ServerConfig(max_tokens=4, kv_cache_dir=tmp_path / "kv")
+    engine = make_engine([tiny_lm], config)
+    with running_server([tiny_lm], config, engine=engine) as url:
+        client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+        client.chat.completions.create(model=tiny_lm.name, temperature=0,
+                                       messages=[{"role": "user", "content": "hi"}])
+        assert not engine.schedulers[tiny_lm.name].prepares
+
+
+def test_after_tool_calls_the_next_turn_is_rendered_with_a_tool_result(qwen3):
+    """An answer that reasoned and called a tool: the prepared tokens are what the next turn
+    (its tool result appended) renders, up to the result itself."""
+    support = chat_support(qwen3)
+    conv = Conversation(messages=[Message("user", [Text("Find the file.")])])
+    call = ToolCall("call_7", "search", '{"q": "file"}')
+    finish = Finish(0, "tool_calls", "m1", "", reasoning="I should search.",
+                    tool_calls=(call,))
+    request = SimpleNamespace(conversation=conv, lm=qwen3, support=support)
+    tok = qwen3.tokenizer
+    prompt = tok.encode(render(tok, support.format, conv).text)
+    tokens = next_turn_tokens(request, finish, prompt + tok.encode("I should search."))
+    # in a tool loop the template keeps the reasoning (no new user query yet)
+    later = Conversation(messages=[*conv.messages,
+                                   Message("assistant", [Reasoning("I should search."), call]),
+                                   Message("tool", [ToolResult("call_7", "found it")])])
+    full = tok.encode(render(tok, support.format, later).text)
+    assert tokens is not None and len(tokens) > len(prompt)
+    assert full[:len(tokens)] == tokens
+    assert len(full) - len(tokens) <= len(tok.encode("found it\n</tool_response><|im_end|>\n"
+                                                    "<|im_start|>assistant\n<think>\n")) + 2
