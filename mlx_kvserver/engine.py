@@ -233,7 +233,8 @@ class Engine:
                          "disk_saves": m.disk_saves,
                          "disk_save_failures": m.disk_save_failures,
                          "ram": ram, "disk": disk,
-                         "disk_enabled": manager.store is not None}
+                         "disk_enabled": manager.store is not None,
+                         "reread": dict(self.schedulers[name].reread)}
         return out
 
     # -- cache management (each runs on the worker thread through ``call``) ---------------------

@@ -69,6 +69,9 @@ class Metrics:
                                      "the KV cache", ["model"], registry=r)
         self.completion_tokens = Counter(P + "completion_tokens", "Generated tokens", ["model"],
                                          registry=r)
+        self.reread = Counter(P + "reread_prompt_tokens", "Prompt tokens read again because "
+                              "the prompt differed inside a history held before (the log and "
+                              "usage.kv_cache_divergence say where)", ["model"], registry=r)
         self.errors = Counter(P + "generation_errors", "Chat requests that failed after being "
                               "accepted", ["model"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "Jobs waiting for the generation worker",
@@ -116,6 +119,8 @@ class ChatWatch:
             m.cached_tokens.labels(model).inc(data.cached_tokens)
             m.completion_tokens.labels(model).inc(data.completion_tokens)
             self.completion = data.completion_tokens
+            if data.divergence is not None:
+                m.reread.labels(model).inc(data.divergence.reread_tokens)
         elif kind == "error":
             m.errors.labels(model).inc()
 

@@ -22,7 +22,7 @@ from kv_cache.manager import Match
 from kv_cache.sequence import PagedSequence
 
 from .chat.conversation import Conversation
-from .chat.output import Finish, TextDelta, TokenLogprob, Usage
+from .chat.output import Divergence, Finish, TextDelta, TokenLogprob, Usage
 from .chat.parse import OutputParser
 from .chat.render import render
 from .chat.support import chat_support
@@ -205,6 +205,7 @@ class Request:
         self.match: Match | None = None
         self.done_tokens = 0  # prompt tokens in the sequence so far
         self.logits: mx.array | None = None
+        self.divergence: Divergence | None = None  # why it re-read tokens, when it did
         self.choices: list[Choice] = []
         self.started = time.perf_counter()
 
@@ -220,4 +221,4 @@ class Request:
         cached = self.match.tokens if self.match is not None else 0
         return Usage(prompt_tokens=len(self.prompt),
                      completion_tokens=sum(len(c.tokens) for c in self.choices),
-                     cached_tokens=cached)
+                     cached_tokens=cached, divergence=self.divergence)

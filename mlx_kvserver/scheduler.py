@@ -36,6 +36,7 @@ from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
 
 from .chat.output import Accepted, Start
+from .divergence import RecentTurns, explain
 from .errors import RequestError
 from .prepare import Prepare, next_turn_tokens, prepared_key
 from .request import Choice, Job, Request
@@ -58,6 +59,8 @@ class Scheduler:
         self.requests: list[Request] = []  # admitted, oldest first
         self.decoding: list[Choice] = []
         self.prepares: list[Prepare] = []  # next turns read while nothing else runs
+        self.recent = RecentTurns()  # the last answered turns: why a prompt re-read tokens
+        self.reread = {"tokens": 0, "turns": 0, "last": None}  # for the cache stats
         self._arrivals = 0
 
     # -- admission ------------------------------------------------------------------------------
@@ -143,6 +146,7 @@ class Scheduler:
             if r.seq is None:
                 r.seq, r.match = self._start(r, r.prompt, r.keys)
                 r.done_tokens = r.match.tokens
+                self._why_reread(r)
                 r.job.emit("accepted", Accepted(len(r.prompt), r.match.tokens,
                                                 r.match.source))
             return r.seq, r.prompt, r.done_tokens
@@ -233,12 +237,30 @@ class Scheduler:
         seq, c.seq = c.seq, None
         if r.use_cache:
             self._save(c.message_id, seq)
+        if c.index == 0:
+            self.recent.add(r.prompt + c.tokens, len(r.prompt))
         if r.use_cache and r.n == 1:
             self.manager.keep(seq)  # the next turn of this conversation goes on from it
             self._plan_next_turn(c)
         else:
             seq.close()
         self._retire(r)
+
+    def _why_reread(self, r: Request) -> None:
+        """Where ``r``'s prompt differs from a history held before it (``divergence.py``)."""
+        found = self.recent.find(r.prompt) if r.use_cache else None
+        if found is None:
+            return
+        try:
+            r.divergence = d = explain(r, *found)
+            self.reread.update(tokens=self.reread["tokens"] + d.reread_tokens,
+                               turns=self.reread["turns"] + 1, last=d.as_dict())
+        except Exception:  # a diagnosis never fails a request
+            log.exception("%s: could not explain the re-read", r.id)
+            return
+        log.info("%s re-reads %d tokens: its prompt differs at token %d (message %s) from a "
+                 "history held before: %r, was %r", r.id, d.reread_tokens, d.position,
+                 d.message_index, d.prompt_excerpt, d.cached_excerpt)
 
     # -- the next turn, while idle (prepare.py) -------------------------------------------------
 

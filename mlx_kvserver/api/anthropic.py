@@ -263,10 +263,14 @@ def parse(body: dict, config, count_only: bool = False) -> Conversation:
 
 # -- answers ------------------------------------------------------------------------------------
 
-def usage_body(prompt: int, cached: int, output: int) -> dict:
-    """Anthropic's usage (see the module's docstring): input + cache read = the prompt."""
-    return {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
+def usage_body(prompt: int, cached: int, output: int, divergence=None) -> dict:
+    """Anthropic's usage (see the module's docstring): input + cache read = the prompt; and
+    this server's ``kv_cache_divergence`` when prompt tokens were read again."""
+    body = {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": cached, "output_tokens": output}
+    if divergence is not None:
+        body["kv_cache_divergence"] = divergence.as_dict()
+    return body
 
 
 def tool_input(call: ToolCall) -> dict:
@@ -295,7 +299,7 @@ def message_body(msg_id: str, model: str, f: Finish | None, usage: Usage) -> dic
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
             "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
-                                usage.completion_tokens)}
+                                usage.completion_tokens, usage.divergence)}
 
 
 async def handle(served, request: Request) -> Response:
@@ -383,7 +387,8 @@ async def _stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIte
     yield sse({"type": "message_delta",
                "delta": {"stop_reason": reason, "stop_sequence": sequence},
                "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
-                                   usage.completion_tokens)}, event="message_delta")
+                                   usage.completion_tokens, usage.divergence)},
+               event="message_delta")
     yield sse({"type": "message_stop"}, event="message_stop")
 
 

@@ -202,9 +202,12 @@ def logprobs_body(lps) -> dict:
 
 
 def usage_body(u: Usage) -> dict:
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+    body = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    if u.divergence is not None:  # this server's: why prompt tokens were read again
+        body["kv_cache_divergence"] = u.divergence.as_dict()
+    return body
 
 
 def call_body(c: ToolCall) -> dict:

@@ -91,10 +91,27 @@ class Finish:
 
 
 @dataclass(frozen=True)
+class Divergence:
+    """Where a prompt first differs from a history the engine held (``divergence.py``)."""
+
+    position: int  # the first prompt token that differs from the held history
+    message_index: int | None  # the message that token belongs to (None: not found)
+    prompt_excerpt: str
+    cached_excerpt: str
+    reread_tokens: int  # tokens of the held history after the difference, read again
+
+    def as_dict(self) -> dict:
+        return {"position": self.position, "message_index": self.message_index,
+                "prompt_excerpt": self.prompt_excerpt, "cached_excerpt": self.cached_excerpt,
+                "reread_tokens": self.reread_tokens}
+
+
+@dataclass(frozen=True)
 class Usage:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    divergence: Divergence | None = None  # why prompt tokens were read again, when they were
 
     @property
     def total_tokens(self) -> int:

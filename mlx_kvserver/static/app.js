@@ -57,8 +57,11 @@ function currentModel(conv = store.active) {
 function statsText(s, model) {
   const ttft = s.ttft == null ? "-" : `${s.ttft.toFixed(3)} s`;
   const rate = s.rate == null ? "-" : s.rate.toFixed(1);
+  const d = s.divergence;
+  const reread = d ? ` · re-read ${d.reread_tokens} tokens from ` +
+    (d.message_index == null ? `token ${d.position}` : `message ${d.message_index}`) : "";
   return `ttft ${ttft} · ${rate} tok/s · cached ${s.cached_tokens}/${s.prompt_tokens} prompt ` +
-    `tokens · ${s.completion_tokens} tokens${models.length > 1 && model ? ` · ${model}` : ""}`;
+    `tokens${reread} · ${s.completion_tokens} tokens${models.length > 1 && model ? ` · ${model}` : ""}`;
 }
 
 function action(label, cls, handler) {
@@ -239,6 +242,7 @@ async function generate(conv) {
       rate: tFirst != null && n > 1 && tEnd > tFirst ? (n - 1) / ((tEnd - tFirst) / 1000) : null,
       prompt_tokens: usage.prompt_tokens, completion_tokens: n,
       cached_tokens: usage.prompt_tokens_details?.cached_tokens ?? 0,
+      divergence: usage.kv_cache_divergence ?? null,
     };
   }
   const kept = Boolean(reply.content || reply.tool_calls?.length || usage);

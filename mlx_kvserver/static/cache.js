@@ -52,6 +52,14 @@ function modelStats(name, s) {
     row(t, "disk entries", String(d.entries)).dataset.stat = "disk-entries";
   } else row(t, "disk", "off").dataset.stat = "disk";
   row(t, "evictions", `RAM ${r.evictions}, disk ${d ? d.evictions : "-"}`).dataset.stat = "evictions";
+  const rr = s.reread;
+  if (rr) {
+    const last = rr.last;
+    const where = last ? `; last: token ${last.position}` +
+      `${last.message_index == null ? "" : ` (message ${last.message_index})`}: ` +
+      `"${last.prompt_excerpt}" was "${last.cached_excerpt}"` : "";
+    row(t, "re-read", `${rr.tokens} tokens in ${rr.turns} turns${where}`).dataset.stat = "reread";
+  }
   return box;
 }
 
