@@ -351,9 +351,10 @@ class ModelRegistry:
             for m in self._models:
                 if m.name == key:
                     return m
-            for pattern, served in self.aliases:
-                if fnmatch.fnmatchcase(key, pattern):
-                    return self.get(served)
+            if key != DEFAULT_MODEL:
+                for pattern, served in self.aliases:
+                    if fnmatch.fnmatchcase(key, pattern):  # NOTE: served is a name or "default"
+                        return self.get(served)
             if key == DEFAULT_MODEL:  # what many clients send when they have no name to give
                 return self._models[0]
             if not key.isdecimal():

@@ -59,11 +59,22 @@ def keyed(tiny_lm, tmp_path_factory):
         yield url.removesuffix("/v1"), export
 
 
+BODIES = {"/v1/chat/completions": {"messages": HELLO, "max_tokens": 2},
+          "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+          "/v1/messages": {"model": "default", "messages": HELLO, "max_tokens": 2},
+          "/v1/messages/count_tokens": {"model": "default", "messages": HELLO},
+          "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
+
+
 def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.Response:
+    if "{response_id}" in path:  # a stored response of its own (a DELETE takes it away)
+        made = httpx.post(f"{base}/v1/responses", json=BODIES["/v1/responses"], timeout=60,
+                          headers={"Authorization": f"Bearer {KEY}"})
+        path = path.replace("{response_id}", made.json()["id"])
     path = path.replace("{message_id}", "exp-u0").replace("{path}", "app.js")
     kw: dict = {}
-    if path.endswith("/chat/completions"):
-        kw["json"] = {"messages": HELLO, "max_tokens": 2}
+    if path in BODIES:
+        kw["json"] = BODIES[path]
     elif path.endswith("/import"):
         kw["content"] = export
     return httpx.request(method, base + path, headers=headers, timeout=60, **kw)
@@ -98,13 +109,25 @@ def test_every_route_but_health_requires_the_api_key(keyed, path, method):
         headers = {} if auth is None else {"Authorization": auth}
         r = call(base, path, method, export, **headers)
         assert r.status_code == 401, (auth, r.text)
-        assert r.json()["error"]["code"] == "invalid_api_key"
+        if path.startswith("/v1/messages"):  # Anthropic's error shape
+            assert r.json()["error"]["type"] == "authentication_error"
+        else:
+            assert r.json()["error"]["code"] == "invalid_api_key"
     if method == "DELETE":  # delete a copy, so the other routes still find the entry
         httpx.post(f"{base}/v1/kv_cache/import?message_id=exp-copy", content=export,
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=60).raise_for_status()
         path = path.replace("{message_id}", "exp-copy")
     r = call(base, path, method, export, Authorization=f"Bearer {KEY}")
     assert r.status_code == 200, r.text
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(keyed):
+    base, _ = keyed
+    body = BODIES["/v1/messages"]
+    ok = httpx.post(f"{base}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert ok.status_code == 200, ok.text
+    wrong = httpx.post(f"{base}/v1/messages", json=body, headers={"x-api-key": KEY + "x"})
+    assert wrong.status_code == 401 and wrong.json()["type"] == "error"
 
 
 # -- Host header (DNS rebinding) -------------------------------------------------------------------
@@ -127,7 +150,11 @@ REFUSED = ["evil.example", "evil.example:8080", "127.0.0.1.evil.example", "local
 def test_a_foreign_host_header_is_refused_on_every_route(plain, path, method):
     r = call(plain, path, method, b"", Host="rebound.example:8080")
     assert r.status_code == 403, r.text
-    assert r.json()["error"]["code"] == "host_not_allowed"
+    if path.startswith("/v1/messages"):  # Anthropic's error shape
+        assert r.json()["error"]["type"] == "permission_error"
+        assert "Host header" in r.json()["error"]["message"]
+    else:
+        assert r.json()["error"]["code"] == "host_not_allowed"
 
 
 def test_loopback_names_pass_and_others_are_refused(plain):

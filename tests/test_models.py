@@ -215,3 +215,15 @@ def test_a_model_loaded_on_one_thread_runs_on_another(tmp_path: Path, model_type
     thread.join()
     assert isinstance(out[-1], mx.array), out[-1]
     assert out[-1].shape == (1, 3, lm.tokenizer.vocab_size)
+
+
+def test_registry_aliases(tiny: LoadedModel) -> None:
+    other = LoadedModel(**{**vars(tiny), "name": "second"})
+    reg = ModelRegistry([tiny, other], [("claude-*", "second"), ("*", "default")])
+    assert reg.get("claude-sonnet-4-5") is other  # first matching alias wins
+    assert reg.get("gpt-5-codex") is tiny and reg.get("anything") is tiny  # '*' -> the first
+    assert reg.get("default") is tiny and reg.get("second") is other  # names before aliases
+    with pytest.raises(ValueError, match="no served model"):
+        reg.alias("x", "missing")
+    with pytest.raises(UnknownModelError):
+        ModelRegistry([tiny], [("gpt-*", "default")]).get("claude-3")
