@@ -109,7 +109,9 @@ def _messages(raw: Any, role: str, i: int, names: dict[str, str]) -> list[Messag
         kind = block["type"]
         if kind == "text":
             text = _text_of(block, w)
-            if text:
+            if text and parts and isinstance(parts[-1], Text):  # blocks are paragraphs: kept
+                parts[-1] = Text(parts[-1].text + "\n\n" + text)  # apart, not glued together
+            elif text:
                 parts.append(Text(text))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             if kind == "thinking":

@@ -59,6 +59,15 @@ def test_system_as_a_string_or_blocks_joined_by_blank_lines():
     assert [m.role for m in parse(system=[]).messages] == ["user"]
 
 
+def test_text_blocks_of_a_message_are_paragraphs_not_glued():
+    """Claude Code sends a <system-reminder> block and the prompt as two blocks."""
+    conv = parse(messages=[{"role": "user", "content": [
+        {"type": "text", "text": "<system-reminder>be careful</system-reminder>"},
+        {"type": "text", "text": "fix the bug", "cache_control": {"type": "ephemeral"}}]}])
+    assert conv.messages[-1] == Message(
+        "user", [Text("<system-reminder>be careful</system-reminder>\n\nfix the bug")])
+
+
 def test_a_system_message_inside_messages_stays_where_it_is():
     conv = parse(system="top", messages=[
         {"role": "user", "content": "one"},
