@@ -98,11 +98,21 @@ class ResponseStore:
         self._memory: OrderedDict[str, dict] = OrderedDict()  # root None: id -> record
         self._files: OrderedDict[str, int] = OrderedDict()  # root given: file -> size, oldest 1st
         self._fd: int | None = None
+        self.memory = root is None
         if root is not None:
-            root = Path(os.path.realpath(root))
-            root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._fd = afs.open_dir(str(root), None, create=False)
+            self.root = Path(os.path.realpath(root))
+            parent = self.root.parent
+            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(f"cannot create {self.root}")
+            self._open(create=False)  # NOTE: the folder is made when the first record is kept
+
+    def _open(self, create: bool) -> int | None:
+        """The folder's descriptor (made when ``create``), scanned when first opened."""
+        if self._fd is None and (create or self.root.is_dir()):
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+            self._fd = afs.open_dir(str(self.root), None, create=False)
             self._scan()
+        return self._fd
 
     def _scan(self) -> None:
         found = []
@@ -117,12 +127,12 @@ class ResponseStore:
         self._trim()
 
     def __len__(self) -> int:
-        return len(self._memory) if self._fd is None else len(self._files)
+        return len(self._memory) if self.memory else len(self._files)
 
     def get(self, response_id: str) -> dict | None:
         """The record stored under ``response_id``, or None (unknown, or its file is bad)."""
         with self._lock:
-            if self._fd is None:
+            if self.memory:
                 return self._memory.get(response_id)
             name = file_name(response_id)
             if name not in self._files:
@@ -152,7 +162,7 @@ class ResponseStore:
         """Store ``record`` (JSON-able) under ``response_id``; False (logged) if it could not be
         written. The oldest records go past the caps."""
         with self._lock:
-            if self._fd is None:
+            if self.memory:
                 self._memory[response_id] = record
                 self._memory.move_to_end(response_id)
                 while len(self._memory) > self.max_entries:
@@ -166,7 +176,7 @@ class ResponseStore:
                 return False
             name = file_name(response_id)
             try:
-                afs.atomic_write(self._fd, name, [data])
+                afs.atomic_write(self._open(create=True), name, [data])
             except OSError as e:
                 log.warning("response store: could not write %s: %s", name, e)
                 return False
@@ -178,7 +188,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> bool:
         """Remove the record; True if there was one."""
         with self._lock:
-            if self._fd is None:
+            if self.memory:
                 return self._memory.pop(response_id, None) is not None
             name = file_name(response_id)
             if name not in self._files:

@@ -118,3 +118,12 @@ def test_byte_cap(tmp_path):
     assert store.get("r3") is not None and store.get("r0") is None
     assert not store.put("huge", {"pad": "x" * 2000})  # larger than the whole store
     assert store.get("huge") is None
+
+
+def test_the_folder_is_made_when_the_first_record_is_kept(tmp_path):
+    root = tmp_path / "kv" / "responses"
+    (tmp_path / "kv").mkdir()
+    store = ResponseStore(root)
+    assert not root.exists() and store.get("resp_1") is None and not store.delete("resp_1")
+    assert store.put("resp_1", {"a": 1}) and root.is_dir()
+    assert ResponseStore(root).get("resp_1") == {"a": 1}
