@@ -1,7 +1,8 @@
 """Decode tokens/s with a JSON schema (grammar-constrained decoding) against without, at 1 and 8
 clients at once, on the default model through the real server.
 
-Each client sends a short question and asks for ``--max-tokens`` tokens; the schema run adds
+Rounds alternate free and schema runs. Each client sends a short question and asks for
+``--max-tokens`` tokens (the cache off, so every round reads its prompt); the schema run adds
 ``response_format: json_schema`` with a schema whose answer is long enough to fill them (a list
 of records). Decode tokens/s per client = (completion tokens - 1) / (time after the first
 token); reported as the median over clients and rounds, and the ratio without / with.
@@ -93,10 +94,12 @@ def main() -> None:
         try:
             round_(server.url, 1, True, 8)  # warm-up: loads the grammar library once
             for clients in [int(c) for c in args.clients.split(",")]:
+                by_kind: dict[bool, list] = {False: [], True: []}
+                for _ in range(args.rounds):  # alternated, so both see the same machine
+                    for schema in (False, True):
+                        by_kind[schema] += round_(server.url, clients, schema, args.max_tokens)
                 for schema in (False, True):
-                    runs = []
-                    for _ in range(args.rounds):
-                        runs += round_(server.url, clients, schema, args.max_tokens)
+                    runs = by_kind[schema]
                     tps = [r["decode_tps"] for r in runs if r["decode_tps"]]
                     valid = sum(1 for r in runs if schema and _parses(r["text"]))
                     key = f"{clients}-{'schema' if schema else 'free'}"

@@ -202,3 +202,15 @@ def test_json_schema_response_format(client, tiny_lm):
     assert text.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(text), dict)
+
+
+def test_a_tool_list_larger_than_the_context_is_a_400(client, tiny_lm):
+    big = [{"type": "function", "function": {
+        "name": f"tool_{i}", "description": "word " * 400,
+        "parameters": {"type": "object", "properties": {}}}} for i in range(8)]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=tiny_lm.name, messages=HI, tools=big,
+                                       max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded"
+    assert client.chat.completions.create(model=tiny_lm.name, messages=HI,
+                                          max_tokens=1).choices  # nothing lost
