@@ -10,31 +10,33 @@ looked up in the disk store; pages already in memory are never read from disk ag
 
 When the pool runs short of pages, the least recently used entries drop their holds; their sealed
 pages stay cached (and findable by tokens) until the pool's own eviction takes them.
+
+For a model with recurrent state, the state at a prompt's message boundaries is kept as entries
+too (state points, ``state_points.py``), so a history changed inside resumes from the boundary
+before the change. Restoring from disk is ``restore.py``; writing to disk, ``disk_writer.py``.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
-import mlx.core as mx
-
+from . import state_points as points
 from .attention import PrefixViews
-from .disk_format import host_array
-from .disk_lookup import DiskFind, DiskTails
-from .disk_store import DiskStore, PageRecord, StoredEntry
+from .disk_lookup import DiskFind
+from .disk_store import DiskStore, StoredEntry
+from .disk_writer import DiskSaving, DiskWriter
 from .errors import OutOfBlocksError
 from .page_pool import PagePool
+from .restore import Restore
 from .sequence import PagedSequence, Snapshot
 from .spec import SLIDING
+from .state_points import PointEntries
 from .tokens import common_prefix
 
 log = logging.getLogger("kv_cache.manager")
-PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
 
 
 @dataclass(slots=True)
@@ -77,49 +79,21 @@ class ManagerStats:
     disk_save_failures: int = 0
 
 
-class DiskWriter:
-    """One background thread that runs disk writes in order, so saving an entry never delays
-    an answer or the next request. It is handed plain host bytes: it never runs MLX."""
-
-    def __init__(self) -> None:
-        self._tasks: queue.Queue[Callable[[], None] | None] = queue.Queue()
-        self._thread = threading.Thread(target=self._run, name="kv-disk-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, task: Callable[[], None]) -> None:
-        self._tasks.put(task)
-
-    def drain(self) -> None:
-        """Wait until every submitted write is done."""
-        self._tasks.join()
-
-    def close(self) -> None:
-        self._tasks.put(None)
-        self._thread.join()
-
-    def _run(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            try:
-                task()
-            except Exception:  # a disk problem never takes the server down
-                log.exception("saving a cache entry to disk failed")
-            finally:
-                self._tasks.task_done()
-        self._tasks.task_done()
-
-
-class CacheManager:
+class CacheManager(Restore, DiskSaving, PointEntries):
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
     def __init__(self, pool: PagePool, store: DiskStore | None = None, max_resident: int = 4,
-                 views: PrefixViews | None = None):
+                 views: PrefixViews | None = None, max_points: int = 2 * points.K):
         """``max_resident``: finished sequences kept with their working buffers (least recently
         used dropped first), so that a turn continuing one of them skips gathering its pages.
         ``views``: the sequences this manager starts read shared prefixes through them (a model
-        whose attention ``kv_cache.attention`` routes)."""
+        whose attention ``kv_cache.attention`` routes). ``max_points``: state points
+        (``kv_cache.state_points``) kept in memory, least recently used dropped first (they
+        stay on disk)."""
         self.pool = pool
         self.views = views
         self.max_resident = max_resident
+        self.max_points = max_points
         self.store = store
         self._entries: OrderedDict[str, Entry] = OrderedDict()  # least recently used first
         self._pending: list[tuple] = []  # entries to write to disk, handed over by flush()
@@ -142,7 +116,8 @@ class CacheManager:
 
     # -- lookup ---------------------------------------------------------------------------------
 
-    def find(self, prompt: Sequence[int], keys: Iterable[str]) -> Match:
+    def find(self, prompt: Sequence[int], keys: Iterable[str],
+             boundaries: Sequence[int] = ()) -> Match:
         """The longest verified reuse for ``prompt``; always leaves one token to run.
 
         ``keys`` come newest first; the scan stops at the first whose stored tokens are all a
@@ -150,8 +125,9 @@ class CacheManager:
         A candidate's stored tokens decide how much of it is valid (the common prefix); a
         sliding window must still have the pages it reads at that point, and a recurrent state
         exists only where an entry ends, so for such models a candidate counts only in full.
-        When no key verifies in full, the disk's files are looked up by the prompt's content
-        too (``_by_content``)."""
+        For such models, the state points at the prompt's message ``boundaries`` are candidates
+        too (``kv_cache.state_points``). When no key verifies in full, the disk's files are
+        looked up by the prompt's content too (``_by_content``)."""
         limit = len(prompt) - 1
         best = Match(0, self._no_tables(), "none")
         verified = False
@@ -166,6 +142,8 @@ class CacheManager:
             n, tables = self._by_prefix(prompt, limit)
             if n > best.tokens:
                 best = Match(n, tables, "prefix")
+        else:
+            best = self._by_points(prompt, limit, boundaries, best)
         if not verified and self.store is not None and best.tokens < limit:
             best = self._by_content(prompt, limit, best)
         if best.stored is None and best.found is None:
@@ -294,16 +272,22 @@ class CacheManager:
             self._resident.popitem()[1].close()
 
     def start(
-        self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True
+        self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True,
+        boundaries: Sequence[int] = ()
     ) -> tuple[PagedSequence, Match]:
-        """A sequence that holds the reusable prefix of ``prompt``; the caller runs the rest."""
+        """A sequence that holds the reusable prefix of ``prompt``; the caller runs the rest.
+        ``boundaries``: the prompt's message boundaries (``state_points.boundaries``); a model
+        with recurrent state resumes from the last one it holds a state at, and the sequence
+        snapshots its state at those after the reuse (``seq.points``: the caller stops its
+        prompt pieces there), saved with the next ``save`` of it."""
         if not use_cache:
             return self.new_sequence(), Match(0, self._no_tables(), "none")
-        match = self.find(prompt, keys)
+        match = self.find(prompt, keys, boundaries)
         resident = self._take_resident(prompt, match)
         if resident is not None:
             self.stats.hits += 1
             self.stats.tokens_served += len(resident.tokens)
+            self._plan_points(resident, boundaries, len(prompt))
             return resident, Match(len(resident.tokens), [list(t.blocks) for t in resident.tables],
                                    "resident")
         loaded: list[list[int | None]] = []
@@ -329,144 +313,12 @@ class CacheManager:
                             match.tables if match.tokens else [], match.state, self.views)
         for t in loaded:  # the sequence holds them now
             self.pool.release_all(t)
+        self._plan_points(seq, boundaries, len(prompt))
         return seq, match
 
     def new_sequence(self) -> PagedSequence:
         """An empty sequence (no reuse)."""
         return PagedSequence(self.pool, views=self.views)
-
-    def _load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
-                                                         Snapshot | None]:
-        """Hold the pages of ``stored`` that its first ``n`` tokens use, from memory where the
-        pool has them, else from disk: ``(tokens covered, tables, state)``. A model with one
-        full-attention group keeps what loads up to the first page that cannot be had; any
-        other gets all it needs or nothing."""
-        loaded = self.store.load_entry(stored.key)  # NOTE: the manifest read and verified
-        if loaded is None or loaded.entry.tokens != stored.tokens:
-            return 0, [], None
-        state = loaded.state if n == len(stored.tokens) else None
-        if self.pool.spec.has_state and state is None:
-            return 0, [], None
-        return self._load_pages(stored.tokens, stored.group_hashes(), loaded.tails, n, state,
-                                stored.key)
-
-    def _load_found(self, found: DiskFind, prompt: Sequence[int]):
-        """``_load`` for a prefix found on disk by content: no manifest, the pages by hash and
-        the partial page's file only if the load gets that far (``DiskTails``)."""
-        return self._load_pages(prompt, found.hashes, DiskTails(self.store, self.pool, found),
-                                found.tokens, None, "a prompt's stored prefix")
-
-    def _load_pages(self, tokens: Sequence[int], hashes: list[list[bytes | None]], tails,
-                    n: int, state: Snapshot | None, what: str):
-        """What ``_load`` does once it has the manifest: the pages ``hashes`` (per group, of
-        ``tokens``) and the partial page after them (``tails.get(group)``: data holding it)."""
-        pool, P = self.pool, self.pool.page_size
-        tables: list[list[int | None]] = []
-        covered = n
-        for g, spec in enumerate(pool.groups):
-            if spec.kind != SLIDING:
-                self._load_run(tokens, hashes[g][: n // P], g)
-        fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
-                                  for h in hashes[g][spec.first_needed(n) // P : -(-n // P)]
-                                  if h is not None and pool.lookup(h) is None])
-        try:
-            for g, spec in enumerate(pool.groups):
-                skip = spec.first_needed(n) // P
-                table: list[int | None] = [None] * skip
-                tables.append(table)
-                chain: list[bytes] | None = None
-                for h in hashes[g][skip : -(-n // P)]:  # what the pool has (a run just read)
-                    block = None if h is None else pool.lookup(h)
-                    if block is None:
-                        break
-                    table.append(block)
-                pool.hold_all(table)
-                for i in range(len(table), -(-n // P)):
-                    page = tokens[i * P : (i + 1) * P]
-                    if i < len(hashes[g]):
-                        h = hashes[g][i]
-                        block = None if h is None else pool.lookup(h)
-                        if block is not None:
-                            pool.hold(block)
-                        else:
-                            data = None if h is None else fetch(h)
-                            if data is None:
-                                break
-                            if i and hashes[g][i - 1] is not None:
-                                parent = hashes[g][i - 1]
-                            elif i:
-                                chain = chain or pool.chain(tokens[: i * P], g)
-                                parent = chain[i - 1]
-                            else:
-                                parent = pool.roots[g]
-                            block = pool.add_sealed(parent, page, data, g, h)
-                            self.stats.pages_read_from_disk += 1
-                    else:  # the reuse reaches into the open tail page
-                        data, k = tails.get(g), n - i * P
-                        if data is None:
-                            break
-                        (block,) = pool.allocate(1, g)
-                        pool.write(block, mx.contiguous(data[:, :, :, :k, :]), page[:k])
-                    table.append(block)
-                covered = min(covered, len(table) * P)
-        except OutOfBlocksError as e:
-            log.warning("memory full while loading %s from disk: %s", what, e)
-            covered = 0
-        single = len(pool.groups) == 1 and pool.groups[0].kind != SLIDING and not state
-        if covered < n and not single:
-            covered = 0
-        tables = self._cut_loaded(tables, covered)
-        return covered, tables, state
-
-    def _load_run(self, tokens: Sequence[int], hashes: Sequence[bytes], g: int) -> None:
-        """Where none of a full-attention group's pages ``hashes`` (from the first) is in
-        memory, read them from disk into one array (``kv_cache.page_runs``: a prefix view over
-        them then copies nothing) and cache them in the pool; what cannot be read or placed is
-        left to the page-by-page load."""
-        pool, P = self.pool, self.pool.page_size
-        if len(hashes) < 2 or any(pool.lookup(h) is not None for h in hashes):
-            return
-        arr, k = self.store.load_run(hashes, g)
-        pages = [(h, tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
-        try:
-            if k == len(hashes):
-                pool.add_sealed_run(pool.roots[g], pages, arr, g)
-            else:  # a page could not be read: the ones before it, each in its own storage
-                parent = pool.roots[g]
-                for i, (h, page) in enumerate(pages):
-                    pool.release(pool.add_sealed(
-                        parent, page, mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :]),
-                        g, h))
-                    parent = h
-        except OutOfBlocksError:
-            return
-        self.stats.pages_read_from_disk += k
-
-    def _prefetcher(self, wanted: list[bytes]) -> Callable[[bytes], mx.array | None]:
-        """``fetch(h)``: page ``h`` of ``wanted`` from disk, read ahead in batches of pages that
-        the store reads in parallel (a batch bounds the memory held in flight)."""
-        at = {h: i for i, h in enumerate(wanted)}
-        batch: dict[bytes, mx.array | None] = {}
-        ahead = max(1, PREFETCH_BYTES // max(self.pool.group_page_bytes, default=1))
-
-        def fetch(h: bytes) -> mx.array | None:
-            if h not in batch:
-                i = at.get(h)
-                if i is None:
-                    return self.store.load_page(h)
-                batch.clear()
-                batch.update(self.store.load_pages(wanted[i : i + ahead]))
-            return batch.pop(h)
-        return fetch
-
-    def _cut_loaded(self, tables, n: int) -> list[list[int | None]]:
-        """Release what loaded beyond the first ``n`` positions' needs."""
-        keep = self._cut(tables, n) if n else [[] for _ in tables]
-        for table, kept in zip(tables, keep):
-            for i, b in enumerate(table):
-                if b is not None and (i >= len(kept) or kept[i] is None):
-                    self.pool.release(b)
-        return keep
 
     # -- entries --------------------------------------------------------------------------------
 
@@ -476,52 +328,21 @@ class CacheManager:
         ``flush()``."""
         seq.commit()
         n = len(seq.tokens) if n_tokens is None else n_tokens
+        self._save_points(seq, n)
+        state = seq.state_snapshot() if n == len(seq.tokens) else None
+        return self._keep(key, seq, n, state, to_disk=n > 0)
+
+    def _keep(self, key: str, seq: PagedSequence, n: int, state: Snapshot | None,
+              to_disk: bool) -> Entry:
+        """``seq``'s first ``n`` tokens (committed) as the entry ``key``, holding their pages."""
         tables = seq.prefix_tables(n)
         for t in tables:
             self.pool.hold_all(t)
         self.drop(key, from_disk=False)
-        state = seq.state_snapshot() if n == len(seq.tokens) else None
-        entry = Entry(key, tuple(seq.tokens[:n]), tables, state)
-        self._entries[key] = entry
-        if self.store is not None and n > 0:
+        self._entries[key] = entry = Entry(key, tuple(seq.tokens[:n]), tables, state)
+        if self.store is not None and to_disk:
             self._pending.append(self._capture(entry))
         return entry
-
-    def _capture(self, entry: Entry) -> tuple:
-        """What the disk copy of ``entry`` needs, as references (no copy, no lock): the pages
-        may be evicted from memory before the write, their arrays stay alive."""
-        P, pool, n = self.pool.page_size, self.pool, len(entry.tokens)
-        full = n // P
-        pages, tails, layout = [], {}, []
-        for g, table in enumerate(entry.tables):
-            present = [(i, b) for i, b in enumerate(table[:full]) if b is not None]
-            skip = present[0][0] if present else full
-            layout.append((skip, full - skip))
-            pages += [(g, pool.hash_of(b), pool.tokens(b), pool.data(b)) for _, b in present]
-            if n % P:
-                tails[g] = mx.contiguous(pool.data(table[full])[:, :, :, : n % P, :])
-        return entry.key, entry.tokens, pages, tails, layout, entry.state
-
-    def _writer_task(self, captured: tuple) -> Callable[[], None]:
-        key, tokens, pages, tails, layout, state = captured
-        # Pages already on disk need no data; the rest go over as host bytes (zero-copy).
-        records = [PageRecord(h, t, None if self.store.has_page(h) else host_array(d), g)
-                   for g, h, t, d in pages]
-        tails = {g: host_array(d) for g, d in tails.items()}
-        state = None if state is None else [[host_array(a) for a in arrays] for arrays in state]
-
-        def write() -> None:
-            try:
-                ok = self.store.put(key, tokens, records, pinned=(key,), tails=tails,
-                                    layout=layout, state=state)
-            except ValueError as e:  # e.g. a page evicted from disk since the check above
-                log.info("cache entry %s not saved to disk: %s", key, e)
-                ok = False
-            if ok:
-                self.stats.disk_saves += 1
-            else:
-                self.stats.disk_save_failures += 1
-        return write
 
     def flush(self) -> None:
         """Hand pending entries to the disk writer (call once the answer is out)."""

@@ -14,6 +14,7 @@ from .layer_cache import PagedLayerCache, PagedWindowCache
 from .page_pool import PagePool
 from .page_table import PageTable
 from .spec import SLIDING
+from .state_points import StatePoints
 from .tokens import token_list
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class PagedSequence:
             self.state_layers.append(c)
         self.layers = layers
         self.paged_layers = [layer for g in self.group_layers for layer in g]
+        self.points = StatePoints()  # state snapshots at message boundaries (state_points.py)
         self.closed = False
         if views is not None:
             self.view, self.view_len = views.acquire([t.blocks for t in self.tables], n)
@@ -145,6 +147,7 @@ class PagedSequence:
         assert len(self.tokens) == self.offset, (
             f"{len(self.tokens)} token ids for {self.offset} cached positions"
         )
+        self.points.reached(len(self.tokens), self.state_snapshot)
 
     def has_buffers(self) -> bool:
         return all(layer.keys is not None for layer in self.paged_layers) or self.committed == 0
@@ -381,6 +384,7 @@ class PagedSequence:
             self.view, self.view_len = None, 0
         for c in self.state_layers:
             c.cache = [None] * len(c.cache)
+        self.points.clear()
         self.tokens.clear()
         self.committed = 0
 

@@ -10,6 +10,7 @@ the model: ``runner.py`` does, the scheduler decides when.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 import uuid
@@ -20,6 +21,7 @@ import mlx.core as mx
 
 from kv_cache.manager import Match
 from kv_cache.sequence import PagedSequence
+from kv_cache.state_points import boundaries
 
 from .chat.conversation import Conversation
 from .chat.output import Divergence, Finish, TextDelta, TokenLogprob, Usage
@@ -208,6 +210,12 @@ class Request:
         self.divergence: Divergence | None = None  # why it re-read tokens, when it did
         self.choices: list[Choice] = []
         self.started = time.perf_counter()
+
+    @functools.cached_property
+    def boundaries(self) -> list[int]:
+        """Prompt positions right after each end-of-turn token: where its messages end (a
+        model with recurrent state snapshots its state there: ``kv_cache/state_points.py``)."""
+        return boundaries(self.prompt, self.lm.tokenizer.eos_token_ids)
 
     @property
     def cancelled(self) -> bool:

@@ -122,7 +122,7 @@ class Scheduler:
             seq, tokens, done = opened[0]
             if batch and len(tokens) - done > budget:
                 break  # started; its prompt runs first next step
-            piece = tokens[done : done + budget]
+            piece = tokens[done : seq.points.stop(done, done + budget)]  # a state point ends one
             batch.append((r, choice, seq, tokens, done + len(piece), piece))
             budget -= len(piece)
             if budget <= 0 or not self.runner.batched_prompts:
@@ -144,7 +144,8 @@ class Scheduler:
         """(sequence, prompt tokens, tokens done) of a task, starting it when it has not."""
         if choice is None:
             if r.seq is None:
-                r.seq, r.match = self._start(r, r.prompt, r.keys)
+                r.seq, r.match = self._start(r, r.prompt, r.keys, r.boundaries
+                                             if self.manager.pool.spec.has_state else ())
                 r.done_tokens = r.match.tokens
                 self._why_reread(r)
                 r.job.emit("accepted", Accepted(len(r.prompt), r.match.tokens,
@@ -344,11 +345,11 @@ class Scheduler:
                     return False
                 self._preempt(victim)
 
-    def _start(self, r: Request, tokens: list[int], keys: list[str]):
+    def _start(self, r: Request, tokens: list[int], keys: list[str], boundaries=()):
         """``manager.start`` with room made for what it loads; uncached when there is none."""
         out: list = []
         if r.use_cache and self._with_room(r, lambda: out.append(
-                self.manager.start(tokens, keys, use_cache=True))):
+                self.manager.start(tokens, keys, use_cache=True, boundaries=boundaries))):
             return out[0]
         r.use_cache = False
         return self.manager.start(tokens, keys, use_cache=False)
