@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -38,15 +38,14 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
                                  Text, ToolCall, ToolChoice, ToolResult)
-from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
-                           Usage)
+from ..chat.output import (Finish, Usage)
 from ..errors import RequestError, bad_request
-from .http import SSE_HEADERS, anthropic_error_body, job_events, read_object, sse
+from .anthropic_output import message_body, stream
+from .http import SSE_HEADERS, job_events, read_object
 from .validate import (boolean, check_history, check_message_id, json_schema, model_name,
                        number, obj, stop_list, string, tool, tool_entries, tool_list)
 
 ROLES = ("user", "assistant", "system")
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 UNSERVED = ("image", "document", "search_result", "container_upload")
 
 
@@ -265,45 +264,6 @@ def parse(body: dict, config, count_only: bool = False) -> Conversation:
 
 # -- answers ------------------------------------------------------------------------------------
 
-def usage_body(prompt: int, cached: int, output: int, divergence=None) -> dict:
-    """Anthropic's usage (see the module's docstring): input + cache read = the prompt; and
-    this server's ``kv_cache_divergence`` when prompt tokens were read again."""
-    body = {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": output}
-    if divergence is not None:
-        body["kv_cache_divergence"] = divergence.as_dict()
-    return body
-
-
-def tool_input(call: ToolCall) -> dict:
-    """A call's ``input`` object (arguments that are not a JSON object come back under
-    ``"arguments"`` as their raw text, never dropped)."""
-    value = call.arguments_object()
-    return value if isinstance(value, dict) else {"arguments": call.arguments}
-
-
-def stop_of(f: Finish) -> tuple[str, str | None]:
-    if f.stop_sequence is not None:
-        return "stop_sequence", f.stop_sequence
-    return STOP_REASONS.get(f.reason, "end_turn"), None
-
-
-def message_body(msg_id: str, model: str, f: Finish | None, usage: Usage) -> dict:
-    content: list[dict] = []
-    if f is not None:
-        if f.reasoning:
-            content.append({"type": "thinking", "thinking": f.reasoning, "signature": ""})
-        if f.text:
-            content.append({"type": "text", "text": f.text})
-        content += [{"type": "tool_use", "id": c.id, "name": c.name, "input": tool_input(c)}
-                    for c in f.tool_calls]
-    reason, sequence = stop_of(f) if f is not None else (None, None)
-    return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
-                                usage.completion_tokens, usage.divergence)}
-
-
 async def handle(served, request: Request) -> Response:
     body = await read_object(request, served.config.max_body_bytes)
     conv = parse(body, served.config)
@@ -312,7 +272,7 @@ async def handle(served, request: Request) -> Response:
     job, accepted, watch = await served.start(request, conv, job_id=msg_id, answer_ids=[msg_id])
     usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
     if conv.stream:
-        return StreamingResponse(_stream(job, watch, msg_id, conv.model or "", usage),
+        return StreamingResponse(stream(job, watch, msg_id, conv.model or "", usage),
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     finish = None
     async for ev in job_events(job, watch):
@@ -323,75 +283,6 @@ async def handle(served, request: Request) -> Response:
         elif isinstance(ev, Usage):
             usage = ev
     return JSONResponse(message_body(msg_id, conv.model or "", finish, usage))
-
-
-async def _stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIterator[str]:
-    """Anthropic's event sequence: message_start, ping, per block content_block_start /
-    _delta / _stop (thinking, then text, then tool_use blocks, indexed in order),
-    message_delta, message_stop; an ``error`` event in place of the rest on failure."""
-    start = message_body(msg_id, model, None, usage)
-    yield sse({"type": "message_start", "message": start}, event="message_start")
-    yield sse({"type": "ping"}, event="ping")
-    index, kind = -1, None  # the open block: its index and type (None: none open)
-    calls: dict[int, int] = {}  # call number -> block index
-    finish = None
-
-    def delta(i: int, d: dict) -> str:
-        return sse({"type": "content_block_delta", "index": i, "delta": d},
-                   event="content_block_delta")
-
-    def close() -> list[str]:
-        nonlocal kind
-        out = []
-        if kind == "thinking":
-            out.append(delta(index, {"type": "signature_delta", "signature": ""}))
-        if kind is not None:
-            out.append(sse({"type": "content_block_stop", "index": index},
-                           event="content_block_stop"))
-        kind = None
-        return out
-
-    def open_(block: dict) -> list[str]:
-        nonlocal index, kind
-        out = close()
-        index, kind = index + 1, block["type"]
-        out.append(sse({"type": "content_block_start", "index": index, "content_block": block},
-                       event="content_block_start"))
-        return out
-
-    async for ev in job_events(job, watch):
-        out: list[str] = []
-        if isinstance(ev, ReasoningDelta) and ev.text:
-            if kind != "thinking":
-                out += open_({"type": "thinking", "thinking": "", "signature": ""})
-            out.append(delta(index, {"type": "thinking_delta", "thinking": ev.text}))
-        elif isinstance(ev, TextDelta) and ev.text:
-            if kind != "text":
-                out += open_({"type": "text", "text": ""})
-            out.append(delta(index, {"type": "text_delta", "text": ev.text}))
-        elif isinstance(ev, ToolCallStart):
-            out += open_({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
-            calls[ev.call] = index
-        elif isinstance(ev, ToolCallDelta) and ev.arguments:
-            out.append(delta(calls.get(ev.call, index),
-                             {"type": "input_json_delta", "partial_json": ev.arguments}))
-        elif isinstance(ev, Finish):
-            finish = ev
-            out += close()
-        elif isinstance(ev, Usage):
-            usage = ev
-        elif isinstance(ev, RequestError):
-            yield sse(anthropic_error_body(ev), event="error")
-            return
-        for s in out:
-            yield s
-    reason, sequence = stop_of(finish) if finish is not None else ("end_turn", None)
-    yield sse({"type": "message_delta",
-               "delta": {"stop_reason": reason, "stop_sequence": sequence},
-               "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
-                                   usage.completion_tokens, usage.divergence)},
-               event="message_delta")
-    yield sse({"type": "message_stop"}, event="message_stop")
 
 
 def prompt_tokens(lm, conv: Conversation) -> int:

@@ -16,6 +16,7 @@ import openai
 import pytest
 
 from mlx_kvserver.api import anthropic as am
+from mlx_kvserver.api import anthropic_output as ao
 from mlx_kvserver.chat.conversation import (Message, Reasoning, ResponseFormat, Text, ToolCall,
                                             ToolChoice, ToolResult)
 from mlx_kvserver.chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta,
@@ -242,7 +243,7 @@ class _Job:
 def _run_stream(events) -> list[tuple[str, dict]]:
     async def go():
         job = _Job(events)
-        return [s async for s in am._stream(job, _Watch(), "msg_1", "claude-x",
+        return [s async for s in ao.stream(job, _Watch(), "msg_1", "claude-x",
                                             Usage(10, 0, 4))]
     out = []
     for s in asyncio.run(go()):
@@ -295,12 +296,12 @@ def test_stream_error_mid_answer_is_an_error_event():
 
 def test_stop_reasons():
     def reason(f):
-        return am.message_body("msg_1", "m", f, Usage(3, 1, 0))["stop_reason"]
+        return ao.message_body("msg_1", "m", f, Usage(3, 1, 0))["stop_reason"]
     assert reason(Finish(0, "stop", "msg_1", "x")) == "end_turn"
     assert reason(Finish(0, "length", "msg_1", "x")) == "max_tokens"
     assert reason(Finish(0, "tool_calls", "msg_1", "")) == "tool_use"
     f = Finish(0, "stop", "msg_1", "x", stop_sequence="END")
-    assert am.message_body("msg_1", "m", f, Usage(3, 1, 0))["stop_sequence"] == "END"
+    assert ao.message_body("msg_1", "m", f, Usage(3, 1, 0))["stop_sequence"] == "END"
     assert reason(f) == "stop_sequence"
 
 
