@@ -3,8 +3,10 @@ that names the offending field."""
 
 from __future__ import annotations
 
+import json
 import math
 import re
+from collections import OrderedDict
 from typing import Any
 
 import jsonschema
@@ -136,6 +138,23 @@ def unknown_model(name: str, available: list[str]) -> RequestError:
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")
 MAX_TOOLS = 512
+_VALID_SCHEMAS: OrderedDict[str, None] = OrderedDict()  # canonical JSON of schemas checked
+_KEEP_SCHEMAS = 2048
+
+
+def check_schema(schema: dict) -> None:
+    """Raise ``jsonschema.SchemaError`` unless ``schema`` is valid JSON Schema (Draft 2020-12).
+
+    NOTE: agents send the same tool schemas every turn (25 tools took ~60 ms to check here);
+    a schema already found valid is known by its canonical JSON (~1 ms for all 25)."""
+    key = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    if key in _VALID_SCHEMAS:
+        _VALID_SCHEMAS.move_to_end(key)
+        return
+    jsonschema.Draft202012Validator.check_schema(schema)
+    _VALID_SCHEMAS[key] = None
+    while len(_VALID_SCHEMAS) > _KEEP_SCHEMAS:
+        _VALID_SCHEMAS.popitem(last=False)
 
 
 def tool(name: Any, description: Any, parameters: Any, strict: Any, where: str) -> Tool:
@@ -152,7 +171,7 @@ def tool(name: Any, description: Any, parameters: Any, strict: Any, where: str) 
         raise bad_request(f"{where}: the parameters schema must be a JSON Schema object",
                           where)
     try:
-        jsonschema.Draft202012Validator.check_schema(parameters)
+        check_schema(parameters)
     except jsonschema.SchemaError as e:
         raise bad_request(f"{where}: the parameters schema is not valid JSON Schema: "
                           f"{e.message}", where, code="invalid_schema")
@@ -187,7 +206,7 @@ def json_schema(schema: Any, param: str) -> dict:
     if not isinstance(schema, dict):
         raise bad_request(f"'{param}' must be a JSON Schema object", param)
     try:
-        jsonschema.Draft202012Validator.check_schema(schema)
+        check_schema(schema)
     except jsonschema.SchemaError as e:
         raise bad_request(f"'{param}' is not valid JSON Schema: {e.message}", param,
                           code="invalid_schema")
