@@ -125,19 +125,22 @@ def tool_choice(raw: Any, tools: list, param: str = "tool_choice") -> ToolChoice
     return choice
 
 
-def response_format(raw: Any, param: str = "response_format") -> ResponseFormat:
+def response_format(raw: Any, param: str = "response_format",
+                    flat: bool = False) -> ResponseFormat:
+    """A response format in chat's shape (the schema under ``json_schema``) or, ``flat``, in
+    the Responses API's (``text.format``: name, schema and strict beside ``type``)."""
     if raw is None:
         return ResponseFormat()
-    raw = obj(raw, param)
+    raw = obj(raw, f"'{param}'", param)
     kind = raw.get("type")
     if kind == "text":
         return ResponseFormat()
     if kind == "json_object":
         return ResponseFormat("json_object")
     if kind == "json_schema":
-        spec = obj(raw.get("json_schema"), f"{param}.json_schema")
-        return ResponseFormat("json_schema", json_schema(spec.get("schema"),
-                                                         f"{param}.json_schema.schema"),
+        spec = raw if flat else obj(raw.get("json_schema"), f"{param}.json_schema")
+        where = f"{param}.schema" if flat else f"{param}.json_schema.schema"
+        return ResponseFormat("json_schema", json_schema(spec.get("schema"), where),
                               spec.get("name"), spec.get("strict") is not False)
     raise bad_request(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'", param)
 

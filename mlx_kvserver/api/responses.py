@@ -40,9 +40,9 @@ from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, Too
 from ..errors import RequestError, bad_request
 from ..response_store import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
-from .openai_chat import EFFORTS, sampling, tool_choice
+from .openai_chat import EFFORTS, response_format, sampling, tool_choice
 from .responses_output import Output, answer_message, usage_body
-from .validate import (boolean, check_history, check_message_id, json_schema, model_name,
+from .validate import (boolean, check_history, check_message_id, model_name,
                        number, obj, string, text_value, tool, tool_entries, tool_list)
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
@@ -181,20 +181,7 @@ def namespaces(raw_tools: Any) -> dict[str, tuple[str, str]]:
 
 def _text_format(body: dict) -> ResponseFormat:
     text = obj(body.get("text") or {}, "'text'", "text")
-    raw = text.get("format")
-    if raw is None:
-        return ResponseFormat()
-    raw = obj(raw, "'text.format'", "text.format")
-    kind = raw.get("type")
-    if kind == "text":
-        return ResponseFormat()
-    if kind == "json_object":
-        return ResponseFormat("json_object")
-    if kind == "json_schema":
-        return ResponseFormat("json_schema", json_schema(raw.get("schema"), "text.format.schema"),
-                              raw.get("name"), raw.get("strict") is not False)
-    raise bad_request("'text.format.type' must be 'text', 'json_object' or 'json_schema'",
-                      "text.format")
+    return response_format(text.get("format"), "text.format", flat=True)
 
 
 def _reasoning(body: dict) -> tuple[dict, bool | None]:
