@@ -106,6 +106,10 @@ def test_entry_cap_drops_the_oldest_first(tmp_path, disk):
     assert store.get("r3") is None and store.get("r2") == RECORD
     if disk:
         assert len(os.listdir(tmp_path)) == 3
+        # NOTE: on reopening, age is the files' mtime; writes within one clock tick tie, so
+        # the order is set here as the writes made it
+        for age, rid in enumerate(["r4", "r2", "r5"]):
+            os.utime(tmp_path / file_name(rid), ns=(10**18 + age, 10**18 + age))
         assert ResponseStore(tmp_path, max_entries=2).get("r4") is None  # the cap on reopening
 
 
