@@ -23,18 +23,18 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from . import state_points as points
-from .attention import PrefixViews
-from .disk_lookup import DiskFind
-from .disk_store import DiskStore, StoredEntry
-from .disk_writer import DiskSaving, DiskWriter
-from .errors import OutOfBlocksError
-from .page_pool import PagePool
-from .restore import Restore
-from .sequence import PagedSequence, Snapshot
-from .spec import SLIDING
-from .state_points import PointEntries
-from .tokens import common_prefix
+from kv_cache.model import state_points as points
+from kv_cache.model.attention import PrefixViews
+from kv_cache.tiers.disk.lookup import DiskFind
+from kv_cache.tiers.disk.store import DiskStore, StoredEntry
+from kv_cache.saving import DiskSaving, DiskWriter
+from kv_cache.errors import OutOfBlocksError
+from kv_cache.pages.pool import PagePool
+from kv_cache.restore import Restore
+from kv_cache.model.sequence import PagedSequence, Snapshot
+from kv_cache.model.spec import SLIDING
+from kv_cache.model.state_points import PointEntries
+from kv_cache.tokens import common_prefix
 
 log = logging.getLogger("kv_cache.manager")
 
@@ -87,8 +87,8 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         """``max_resident``: finished sequences kept with their working buffers (least recently
         used dropped first), so that a turn continuing one of them skips gathering its pages.
         ``views``: the sequences this manager starts read shared prefixes through them (a model
-        whose attention ``kv_cache.attention`` routes). ``max_points``: state points
-        (``kv_cache.state_points``) kept in memory, least recently used dropped first (they
+        whose attention ``kv_cache.model.attention`` routes). ``max_points``: state points
+        (``kv_cache.model.state_points``) kept in memory, least recently used dropped first (they
         stay on disk)."""
         self.pool = pool
         self.views = views
@@ -126,7 +126,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         sliding window must still have the pages it reads at that point, and a recurrent state
         exists only where an entry ends, so for such models a candidate counts only in full.
         For such models, the state points at the prompt's message ``boundaries`` are candidates
-        too (``kv_cache.state_points``). When no key verifies in full, the disk's files are
+        too (``kv_cache.model.state_points``). When no key verifies in full, the disk's files are
         looked up by the prompt's content too (``_by_content``)."""
         limit = len(prompt) - 1
         best = Match(0, self._no_tables(), "none")
@@ -166,7 +166,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
 
     def _by_content(self, prompt, limit, best: Match) -> Match:
         """``best``, or what the disk's files hold of ``prompt`` found by its content where
-        that is more (``kv_cache.disk_lookup``; no file read): its longest stored prefix, or,
+        that is more (``kv_cache.tiers.disk.lookup``; no file read): its longest stored prefix, or,
         for a model with recurrent state, the longest entry it contains whole."""
         if not self.pool.spec.has_state:
             found = self.store.find_prefix(prompt, limit)

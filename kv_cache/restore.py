@@ -2,7 +2,7 @@
 
 The pages an entry's first ``n`` tokens use are held from memory where the pool has them, else
 read from disk: page files by hash (a full-attention group's pages that are all missing, as one
-array: ``kv_cache.page_runs``), read ahead in batches; the open tail page from the entry's tail
+array: ``kv_cache.pages.runs``), read ahead in batches; the open tail page from the entry's tail
 file (or, for a prefix found by content, the file continuing its last page: ``DiskTails``).
 """
 
@@ -13,11 +13,11 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from .disk_lookup import DiskFind, DiskTails
-from .disk_store import StoredEntry
-from .errors import OutOfBlocksError
-from .sequence import Snapshot
-from .spec import SLIDING
+from kv_cache.tiers.disk.lookup import DiskFind, DiskTails
+from kv_cache.tiers.disk.store import StoredEntry
+from kv_cache.errors import OutOfBlocksError
+from kv_cache.model.sequence import Snapshot
+from kv_cache.model.spec import SLIDING
 
 log = logging.getLogger("kv_cache.manager")
 PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
@@ -112,7 +112,7 @@ class Restore:
 
     def _load_run(self, tokens: Sequence[int], hashes: Sequence[bytes], g: int) -> None:
         """Where none of a full-attention group's pages ``hashes`` (from the first) is in
-        memory, read them from disk into one array (``kv_cache.page_runs``: a prefix view over
+        memory, read them from disk into one array (``kv_cache.pages.runs``: a prefix view over
         them then copies nothing) and cache them in the pool; what cannot be read or placed is
         left to the page-by-page load."""
         pool, P = self.pool, self.pool.page_size

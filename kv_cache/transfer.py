@@ -10,8 +10,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .manager import CacheManager, Entry
-from .sequence import PagedSequence
+from kv_cache.manager import CacheManager, Entry
+from kv_cache.model.sequence import PagedSequence
 
 FORMAT = "mlx-kvcache-export"
 VERSION = "2"

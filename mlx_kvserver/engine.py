@@ -21,10 +21,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache.attention import PrefixViews
-from kv_cache.disk_store import DiskStore
+from kv_cache.model.attention import PrefixViews
+from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.manager import CacheManager
-from kv_cache.page_pool import PagePool
+from kv_cache.pages.pool import PagePool
 from kv_cache.transfer import export_entry, import_entry
 
 from .errors import RequestError

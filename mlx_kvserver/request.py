@@ -20,8 +20,8 @@ from typing import Any
 import mlx.core as mx
 
 from kv_cache.manager import Match
-from kv_cache.sequence import PagedSequence
-from kv_cache.state_points import boundaries
+from kv_cache.model.sequence import PagedSequence
+from kv_cache.model.state_points import boundaries
 
 from .chat.conversation import Conversation
 from .chat.output import Divergence, Finish, TextDelta, TokenLogprob, Usage

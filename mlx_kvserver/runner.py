@@ -9,10 +9,10 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from kv_cache.attention import forward, install
-from kv_cache.batch import batch_caches, finish_batch
+from kv_cache.model.attention import forward, install
+from kv_cache.model.batch import batch_caches, finish_batch
 from kv_cache.manager import CacheManager
-from kv_cache.sequence import PagedSequence
+from kv_cache.model.sequence import PagedSequence
 
 log = logging.getLogger("mlx_kvserver.runner")
 
@@ -20,7 +20,7 @@ log = logging.getLogger("mlx_kvserver.runner")
 class Runner:
     """Runs one model. ``batched`` says whether many sequences decode in one forward pass and
     read shared prefixes through views: true when the model's attention is routed through
-    ``kv_cache.attention`` and a probe at start-up gives the same logits batched as alone."""
+    ``kv_cache.model.attention`` and a probe at start-up gives the same logits batched as alone."""
 
     def __init__(self, model, manager: CacheManager, name: str = "model"):
         self.model = model

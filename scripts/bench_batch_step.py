@@ -19,7 +19,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import mlx.core as mx  # noqa: E402
 
-import kv_cache.attention as attention  # noqa: E402
+import kv_cache.model.attention as attention  # noqa: E402
 from bench_batching import on_document  # noqa: E402
 from bench_ttft import document  # noqa: E402
 from mlx_kvserver.models import resolve_and_load  # noqa: E402

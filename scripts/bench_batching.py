@@ -126,9 +126,9 @@ def on_document(lm, doc: str, n: int, chunk: int = 256):
     pool, its manager, the runner, the sequences and each one's next (greedy) token."""
     import mlx.core as mx
 
-    from kv_cache.attention import PrefixViews
+    from kv_cache.model.attention import PrefixViews
     from kv_cache.manager import CacheManager
-    from kv_cache.page_pool import PagePool
+    from kv_cache.pages.pool import PagePool
     from mlx_kvserver.runner import Runner
 
     tok = lm.tokenizer

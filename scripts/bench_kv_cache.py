@@ -27,8 +27,8 @@ blas.maybe_reexec()
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kv_cache.page_pool import PagePool  # noqa: E402
-from kv_cache.sequence import PagedSequence  # noqa: E402
+from kv_cache.pages.pool import PagePool  # noqa: E402
+from kv_cache.model.sequence import PagedSequence  # noqa: E402
 from mlx_kvserver.models import resolve_and_load  # noqa: E402
 
 MB = 1 << 20

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kv_cache.disk_store import DiskStore, PageRecord
-from kv_cache.hashing import chain_hashes
+from kv_cache.tiers.disk.store import DiskStore, PageRecord
+from kv_cache.pages.hashing import chain_hashes
 from kv_cache.manager import CacheManager
-from kv_cache.page_pool import PagePool
+from kv_cache.pages.pool import PagePool
 
 P, LAYERS, HEADS, DIM = 16, 1, 1, 8  # the KV size does not enter a lookup
 

@@ -41,8 +41,8 @@ sys.path.insert(0, str(ROOT))
 import mlx.core as mx  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from kv_cache.page_pool import PagePool  # noqa: E402
-from kv_cache.sequence import PagedSequence  # noqa: E402
+from kv_cache.pages.pool import PagePool  # noqa: E402
+from kv_cache.model.sequence import PagedSequence  # noqa: E402
 
 MB = 10**6
 PREFILL_STEP = 2048  # mlx-lm's default prefill_step_size

@@ -1,4 +1,4 @@
-"""One sequence's attention over a prefix view, the two ways ``kv_cache.attention`` can run it:
+"""One sequence's attention over a prefix view, the two ways ``kv_cache.model.attention`` can run it:
 the split path (prefix and own positions scored apart, merged by their log-sum-exp) against one
 copy of the view's keys and values in front of the sequence's own and MLX's fused kernel (what
 ``_copy_pays`` chooses between), and the fused kernel over keys already contiguous (a warm
@@ -21,7 +21,7 @@ import mlx.core as mx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kv_cache.attention import Reads, split_attention  # noqa: E402
+from kv_cache.model.attention import Reads, split_attention  # noqa: E402
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 # (query heads, KV heads, head_dim, prefix positions, queries, dtype): the tiny model of the

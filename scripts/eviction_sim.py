@@ -17,7 +17,7 @@ Gumbel noise, so top-k samples k blocks without replacement with probability ~ w
 same KV heads, and attention mass in long contexts concentrates on a few recurring blocks).
 
 The cache: units keyed by int ids, capacity = cache bytes // unit bytes, the policy classes of
-``kv_cache.eviction`` (``make_policy``): a hit calls ``policy.access``, a miss evicts with
+``kv_cache.pages.eviction`` (``make_policy``): a hit calls ``policy.access``, a miss evicts with
 ``policy.victim(lambda k: True)`` until there is room, then ``policy.insert``. Two references that
 are not policies of ``kv_cache``: ``s3fifo-paper`` (S3-FIFO with the ghost queue sized to the
 main queue's capacity, as in the paper) and ``opt`` (Belady's optimum, with bypass).
@@ -41,7 +41,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kv_cache.eviction import EvictionPolicy, S3FIFOPolicy, make_policy  # noqa: E402
+from kv_cache.pages.eviction import EvictionPolicy, S3FIFOPolicy, make_policy  # noqa: E402
 
 GiB = 1 << 30
 GB = 10**9

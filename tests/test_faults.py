@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-import kv_cache.disk_store
-from kv_cache import atomic_fs
+import kv_cache.tiers.disk.store
+from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
 from tests.server_utils import running_server
 from tests.test_load import disk_file_bytes
@@ -287,7 +287,7 @@ def read_only(monkeypatch) -> None:
     fake = OsWith(open=open_, write=rofs, mkdir=rofs, replace=rofs, unlink=rofs, utime=rofs,
                   rename=rofs)
     monkeypatch.setattr(atomic_fs, "os", fake)
-    monkeypatch.setattr(kv_cache.disk_store, "os", fake)
+    monkeypatch.setattr(kv_cache.tiers.disk.store, "os", fake)
     real_mkdir = Path.mkdir
 
     def mkdir(self, mode=0o777, parents=False, exist_ok=False):

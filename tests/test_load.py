@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from kv_cache import atomic_fs
+from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
 from tests.server_utils import make_engine, running_server
 

@@ -83,7 +83,7 @@ def test_temp_files_left_by_a_crash_are_removed_and_symlinks_not_followed(tmp_pa
 def test_write_is_atomic_a_failed_write_leaves_the_old_record(tmp_path, monkeypatch):
     store = ResponseStore(tmp_path)
     store.put("r", RECORD)
-    from kv_cache import atomic_fs
+    from kv_cache.tiers.disk import atomic_fs
 
     def boom(*a, **k):
         raise OSError("disk full")

@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from kv_cache.attention import PrefixViews
+from kv_cache.model.attention import PrefixViews
 from kv_cache.manager import CacheManager
-from kv_cache.page_pool import PagePool
+from kv_cache.pages.pool import PagePool
 from mlx_kvserver.api.openai_chat import parse
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models import LoadedModel, resolve_and_load

@@ -8,7 +8,7 @@ import tempfile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kv_cache.disk_format import FormatError, read_header
+from kv_cache.tiers.disk.file_format import FormatError, read_header
 from kv_cache.transfer import TransferError
 
 from ..errors import RequestError, bad_request

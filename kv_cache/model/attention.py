@@ -1,0 +1,389 @@
+"""Attention that reads a shared prefix once: the one place that hooks mlx-lm's attention.
+
+Sequences whose contexts start with the same sealed pages share one ``PrefixView``: the keys and
+values of those pages, one contiguous copy per layer for everyone (``PrefixViews`` owns them;
+each view holds its pages in the pool, so block ids stay meaningful while it lives). A running
+sequence's layers keep only their *own* positions (after the view) in working buffers. Attention
+for a group of sequences on one view is computed as
+
+    scores over the prefix, for every query of the group at once   (one GEMM per layer)
+    scores over each sequence's own positions (padded, masked)     (one batched GEMM)
+    one row max across both, exp once, sums, and the two weighted sums of values
+
+which is ordinary softmax attention split in two and merged by its log-sum-exp (the shared max
+and the two sums), so no sequence needs a contiguous copy of the shared prefix. One sequence
+alone on a view with a long prompt piece is the exception where it pays (``_copy_pays``: the
+CPU backend in float32): its layer copies the view's keys and values once before its own and
+runs the fused kernel, which computes bit for bit what a sequence holding its whole context in
+its own buffers does.
+
+NOTE: on MLX's CPU backend ``exp`` dominates attention: it is computed once per score here (row
+max, exp, sum), not through ``logsumexp`` and then ``exp`` again. ``mx.fast.scaled_dot_product_
+attention`` returns no log-sum-exp, so the split path is built from plain MLX ops (GEMM-shaped on
+Metal too); a sequence alone with no view goes through the fused kernel unchanged.
+
+``install(model)`` points every model module that imported mlx-lm's
+``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
+go to mlx-lm's function untouched.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+import mlx.core as mx
+from mlx_lm.models import base as mlx_base
+
+from kv_cache.model.spec import FULL
+
+if TYPE_CHECKING:
+    from kv_cache.pages.pool import PagePool
+    from kv_cache.model.sequence import PagedSequence
+
+_ORIGINAL = mlx_base.scaled_dot_product_attention
+
+
+# -- prefix views -------------------------------------------------------------------------------
+
+
+class PrefixView:
+    """The keys and values of ``length`` positions held by sealed pages (one table per
+    full-attention group), contiguous per layer: ``[kv_heads, length, head_dim]``."""
+
+    def __init__(self, pool: "PagePool", tables: list[tuple[int, ...]], length: int,
+                 groups: list[int]):
+        self.pool, self.tables, self.length, self.groups = pool, tables, length, groups
+        self.users = 0
+        self.kv: dict[int, tuple[mx.array, mx.array]] = {}  # model layer slot -> (K, V)
+        self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
+        for g, blocks in zip(groups, tables):
+            pool.hold_all(blocks)
+            layers = pool.groups[g].layers
+            run = pool.run_array(list(blocks), length)
+            if run is not None:  # pages restored together: their array is already contiguous
+                kv = [(run[i, 0], run[i, 1]) for i in range(len(layers))]
+            else:
+                kv = [(k[0], v[0]) for k, v in pool.gather_layers(list(blocks), length)]
+                self.copied += sum(k.nbytes + v.nbytes for k, v in kv)
+            self.kv.update(zip(layers, kv))
+        mx.eval([a for kv in self.kv.values() for a in kv])
+
+    def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array]:
+        k, v = self.kv[slot]
+        if n == self.length:
+            return k, v
+        return k[:, :n, :], v[:, :n, :]
+
+    @property
+    def nbytes(self) -> int:
+        """The memory the view takes beyond its pages' own."""
+        return self.copied
+
+    def close(self) -> None:
+        for blocks in self.tables:
+            self.pool.release_all(blocks)
+        self.kv.clear()
+        self.tables = []
+
+
+class PrefixViews:
+    """The live prefix views of one pool, and the sequences that may share them.
+
+    A sequence that starts from at least ``min_pages`` full pages uses the live view with the
+    longest common run of pages, or a new view over all its full pages; a new view is offered to
+    the running sequences that hold the same pages in their own buffers (``adopt``), so a shared
+    prefix is kept once however the sharing began. A view goes when its last user closes.
+    """
+
+    def __init__(self, pool: "PagePool", min_pages: int = 2):
+        self.pool = pool
+        self.min_pages = min_pages
+        self.groups = [i for i, g in enumerate(pool.groups) if g.kind == FULL]
+        self.views: list[PrefixView] = []
+        self.sequences: dict[int, "PagedSequence"] = {}
+
+    def _full_pages(self, tables: Sequence[Sequence[int | None]], n: int) -> list[tuple]:
+        P = self.pool.page_size
+        return [tuple(tables[g][: n // P]) for g in self.groups]
+
+    def best(self, tables: Sequence[Sequence[int | None]], n: int) -> tuple[PrefixView | None, int]:
+        """The live view sharing the most leading pages with ``tables`` (first ``n`` tokens),
+        and how many tokens that is."""
+        if not self.groups:
+            return None, 0
+        mine = self._full_pages(tables, n)[0]
+        best, best_pages = None, 0
+        for view in self.views:
+            theirs, k = view.tables[0], 0
+            limit = min(len(theirs), len(mine))
+            while k < limit and theirs[k] == mine[k]:
+                k += 1
+            if k > best_pages:
+                best, best_pages = view, k
+        return best, best_pages * self.pool.page_size
+
+    def acquire(self, tables: Sequence[Sequence[int | None]], n: int) -> tuple[PrefixView | None, int]:
+        """A view for a sequence whose first ``n`` tokens are held by ``tables``, and the number
+        of its tokens the view covers; ``(None, 0)`` when too short to share. A live view that
+        covers at least ``min_pages`` of them is used as far as it goes (the rest goes to the
+        sequence's own buffers); otherwise a new view over all the full pages. The caller owns
+        one use of the view (``release``)."""
+        P = self.pool.page_size
+        if not self.groups or n // P < self.min_pages:
+            return None, 0
+        view, c = self.best(tables, n)
+        if c < self.min_pages * P:
+            full_pages = self._full_pages(tables, n)
+            if not all(self.pool.all_sealed(t) for t in full_pages):
+                return None, 0
+            view, c = PrefixView(self.pool, full_pages, n // P * P, self.groups), n // P * P
+            self.views.append(view)
+            view.users += 1  # the offers below must not close it
+            for seq in list(self.sequences.values()):
+                seq.adopt(view)
+            view.users -= 1
+        view.users += 1
+        return view, c
+
+    def release(self, view: PrefixView) -> None:
+        view.users -= 1
+        if view.users <= 0:
+            self.views.remove(view)
+            view.close()
+
+    def attach(self, seq: "PagedSequence") -> None:
+        self.sequences[id(seq)] = seq
+
+    def detach(self, seq: "PagedSequence") -> None:
+        self.sequences.pop(id(seq), None)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(v.nbytes for v in self.views)
+
+    def blocks(self) -> list[int]:
+        """The pages the live views hold (each view is one more holder of its pages)."""
+        return [b for v in self.views for t in v.tables for b in t]
+
+
+# -- attention ----------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Reads:
+    """What one sequence's queries read at one layer: an optional shared prefix, its own keys and
+    values ``[1, kv_heads, n, head_dim]`` starting at position ``own_start``, its first query's
+    position, and the layer's window (0: full)."""
+
+    prefix: tuple[mx.array, mx.array] | None
+    view: Any
+    keys: mx.array
+    values: mx.array
+    own_start: int
+    q_start: int
+    window: int
+    buffer: tuple[mx.array, mx.array] | None = None  # the buffers ``keys`` is a slice of,
+    at: int = 0  # from this index (padding can then be a longer slice, not a copy)
+
+    def padded(self, n: int) -> tuple[mx.array, mx.array]:
+        """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""
+        k, v = self.keys, self.values
+        if k.shape[2] == n:
+            return k, v
+        if self.buffer is not None and self.buffer[0].shape[2] >= self.at + n:
+            bk, bv = self.buffer
+            return bk[..., self.at : self.at + n, :], bv[..., self.at : self.at + n, :]
+        return _pad(k, n), _pad(v, n)
+
+
+def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
+    """mlx-lm's ``scaled_dot_product_attention`` with our caches: a batch of sequences, or one
+    sequence with a shared prefix, takes the split path; everything else is mlx-lm's."""
+    reads = getattr(cache, "reads", None)
+    if reads is None:
+        # a layer that reuses another layer's keys (KV sharing): found by the keys themselves
+        entry = _FETCHED.get(id(keys))
+        reads = entry[1].reads if entry is not None and entry[0] is keys else None
+    if reads is None:
+        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    rs = reads()
+    if rs is None:  # one sequence, nothing shared: the fused kernel, the model's mask
+        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    if len(rs) == 1 and _copy_pays(queries, rs[0], mask):
+        # one sequence reading a view: its keys and values after the view's, one copy
+        k, v = rs[0].prefix
+        k = mx.concatenate([k[None], rs[0].keys], axis=2)
+        v = mx.concatenate([v[None], rs[0].values], axis=2)
+        return _ORIGINAL(queries, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    return split_attention(queries, rs, scale, sinks)
+
+
+def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
+    """Whether one sequence's prompt piece costs less through the fused kernel over one copy of
+    the view's keys and values than through the split path. Measured on the CPU backend, per
+    layer (``scripts/bench_split_attention.py``, docs/BENCHMARKS.md section 9): in float32 the
+    split path's passes over its scores cost more than the copy once the scores outnumber the
+    keys and values about 1.5 to 1 (repeats of a key's head x queries >= 3 x head_dim; 76
+    queries of 4 heads over 2 and 16,000 positions: 78.7 against 84.4 ms); in float16 and
+    bfloat16 MLX's fused fallback is the slower one (143.5 split against 188.0 ms), and a decode
+    step (one query) is cheaper split. Elsewhere (Metal, CUDA) the split path is kept: not
+    measured there."""
+    _, Hq, T, D = queries.shape
+    rep = Hq // r.keys.shape[1]
+    return (T > 1 and r.prefix is not None and r.own_start == r.prefix[0].shape[1]
+            and r.q_start + T == r.own_start + r.keys.shape[2]
+            and r.keys.dtype == mx.float32 and rep * T >= 3 * D
+            and (mask is None or isinstance(mask, str)
+                 or mask.shape[-1] == r.own_start + r.keys.shape[2])
+            and mx.default_device().type == mx.DeviceType.cpu)
+
+
+# Inside ``forward()``: id of what update_and_fetch returned -> (that array, the cache). The array
+# is held, so its id cannot be taken by another one while the entry lives.
+_FETCHED: dict[int, tuple[mx.array, Any]] = {}
+_OPEN = [False]
+
+
+def fetched(keys: mx.array, owner: Any) -> None:
+    if _OPEN[0]:
+        _FETCHED[id(keys)] = (keys, owner)
+
+
+@contextmanager
+def forward():
+    """One forward pass over our caches: layers that reuse another layer's keys (KV sharing)
+    find that layer's reads, and masks are built once for all layers; nothing is kept after."""
+    _FETCHED.clear()
+    _MASKS.clear()
+    _OPEN[0] = True
+    try:
+        yield
+    finally:
+        _OPEN[0] = False
+        _FETCHED.clear()
+        _MASKS.clear()
+
+
+# own-position masks of this forward pass, shared by its layers
+_MASKS: dict[tuple, mx.array | None] = {}
+
+
+def split_attention(queries: mx.array, reads: list[Reads], scale: float,
+                    sinks: mx.array | None = None) -> mx.array:
+    """Attention for ``queries [B, heads, T, head_dim]``; ``reads[i]`` says what row ``i``
+    reads. Rows sharing a prefix view are computed together."""
+    B, Hq, T, D = queries.shape
+    groups: dict[tuple, list[int]] = {}
+    for i, r in enumerate(reads):
+        key = (id(r.view), r.prefix[0].shape[1]) if r.prefix is not None else (None, 0)
+        groups.setdefault(key, []).append(i)
+    if len(groups) == 1:
+        return _group(queries, reads, scale, sinks)
+    out: list[mx.array | None] = [None] * B
+    for rows in groups.values():
+        o = _group(queries[mx.array(rows)] if len(rows) < B else queries,
+                   [reads[i] for i in rows], scale, sinks)
+        for j, i in enumerate(rows):
+            out[i] = o[j : j + 1]
+    return mx.concatenate(out, axis=0)
+
+
+def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
+    """Additive mask ``[B, 1, 1, T, N]`` over the padded own keys, or None when every key is
+    visible to every query."""
+    lens = [r.keys.shape[2] for r in reads]
+    if not _OPEN[0]:
+        return _build_mask(reads, lens, T, N)
+    key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window) for r in reads))
+    if key not in _MASKS:
+        _MASKS[key] = _build_mask(reads, lens, T, N)
+    return _MASKS[key]
+
+
+def _build_mask(reads: list[Reads], lens: list[int], T: int, N: int) -> mx.array | None:
+    if T == 1 and all(n == N for n in lens) and all(
+            not r.window or r.q_start - r.own_start < r.window for r in reads):
+        return None
+    j = mx.arange(N)
+    kpos = mx.array([r.own_start for r in reads])[:, None] + j[None]  # [B, N]
+    valid = j[None] < mx.array(lens)[:, None]
+    qpos = mx.array([r.q_start for r in reads])[:, None] + mx.arange(T)[None]  # [B, T]
+    visible = (kpos[:, None, :] <= qpos[:, :, None]) & valid[:, None, :]
+    windows = mx.array([r.window or (1 << 30) for r in reads])[:, None, None]
+    visible = visible & (kpos[:, None, :] > qpos[:, :, None] - windows)
+    return mx.where(visible, 0.0, -mx.inf)[:, None, None].astype(mx.float32)
+
+
+def _group(queries: mx.array, reads: list[Reads], scale: float,
+           sinks: mx.array | None) -> mx.array:
+    B, Hq, T, D = queries.shape
+    Hkv = reads[0].keys.shape[1]
+    rep = Hq // Hkv
+    q = (queries * scale).reshape(B, Hkv, rep * T, D)
+    N = max(r.keys.shape[2] for r in reads)
+    if B == 1:
+        ko, vo = reads[0].keys, reads[0].values
+    else:
+        kv = [r.padded(N) for r in reads]
+        ko = mx.concatenate([k for k, _ in kv], axis=0)
+        vo = mx.concatenate([v for _, v in kv], axis=0)
+    s_own = (q @ ko.swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, rep*T, N]
+    mask = _own_mask(reads, T, N)
+    if mask is not None:
+        s_own = (s_own.reshape(B, Hkv, rep, T, N) + mask).reshape(B, Hkv, rep * T, N)
+    m = s_own.max(axis=-1, keepdims=True)
+    prefix = reads[0].prefix
+    if prefix is not None:
+        kp, vp = prefix  # [Hkv, c, D], the same for every row of the group
+        qp = q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D)
+        s_pre = (qp @ kp.swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, B*rep*T, c]
+        m_pre = s_pre.max(axis=-1, keepdims=True).reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
+        m = mx.maximum(m, m_pre)
+    if sinks is not None:
+        sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1),
+                               (1, Hkv, rep, T)).reshape(1, Hkv, rep * T, 1)
+        m = mx.maximum(m, sink)
+    e_own = mx.exp(s_own - m)
+    denom = e_own.sum(axis=-1, keepdims=True)
+    out = e_own.astype(vo.dtype) @ vo  # [B, Hkv, rep*T, D]
+    if prefix is not None:
+        m_p = m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1)
+        e_pre = mx.exp(s_pre - m_p)
+        denom_p = e_pre.sum(axis=-1, keepdims=True)
+        out_p = e_pre.astype(vp.dtype) @ vp  # [Hkv, B*rep*T, D]
+        out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
+        denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
+    if sinks is not None:
+        denom = denom + mx.exp(sink - m)
+    out = out / denom.astype(out.dtype)
+    return out.reshape(B, Hq, T, D).astype(queries.dtype)
+
+
+def _pad(a: mx.array, n: int) -> mx.array:
+    if a.shape[2] == n:
+        return a
+    return mx.pad(a, [(0, 0), (0, 0), (0, n - a.shape[2]), (0, 0)])
+
+
+# -- the hook -----------------------------------------------------------------------------------
+
+
+def install(model) -> bool:
+    """Route ``model``'s attention through ``attention()``: every module of the model whose
+    ``scaled_dot_product_attention`` is mlx-lm's gets ours. Returns whether every attention
+    module of the model was routed (False: this model computes attention some other way, and
+    runs one sequence at a time with no shared views)."""
+    names = {type(m).__module__ for _, m in model.named_modules()}
+    hooked = False
+    for name in names:
+        mod = sys.modules.get(name)
+        fn = getattr(mod, "scaled_dot_product_attention", None)
+        if fn is _ORIGINAL:
+            setattr(mod, "scaled_dot_product_attention", attention)
+            hooked = True
+        elif fn is attention:
+            hooked = True
+    return hooked

@@ -1,0 +1,91 @@
+"""A running batch: the cache list that lets one forward pass decode many sequences.
+
+``batch_caches(seqs)`` gives, per cache slot of the model, an object that speaks mlx-lm's cache
+protocol for all of them at once: a ``BatchLayer`` over their paged layers (each sequence's new
+keys and values go to its own buffer; ``kv_cache.model.attention`` reads the shared prefix views once
+per group) or an mlx-lm ``ArraysCache`` with their recurrent states stacked along the batch axis.
+``finish_batch`` puts the stepped states back. Sequences stay what they are: a batch is built for
+one step and dropped, so requests join and leave between any two steps.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import mlx.core as mx
+from mlx_lm.models.cache import ArraysCache
+
+from kv_cache.model.attention import Reads, fetched
+from kv_cache.model.layer_cache import PagedLayerCache
+from kv_cache.model.sequence import PagedSequence
+
+
+class BatchLayer:
+    """One paged layer of every sequence in the batch (one new position each per step)."""
+
+    def __init__(self, members: Sequence[PagedLayerCache], lengths: Sequence[int] | None = None):
+        """``lengths``: new positions per member this step (default one each; a prompt batch
+        pads shorter members on the right, and their padding is not stored)."""
+        self.members = list(members)
+        self.lengths = list(lengths) if lengths is not None else None
+        self.window = self.members[0].window
+
+    @property
+    def offset(self) -> mx.array:
+        return mx.array([m.offset for m in self.members])
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        for i, m in enumerate(self.members):
+            if self.lengths is None or self.lengths[i] == keys.shape[2]:
+                m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+            else:
+                n = self.lengths[i]
+                m.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+        fetched(keys, self)
+        return keys, values
+
+    def reads(self) -> list[Reads]:
+        return [m.read() for m in self.members]
+
+    def make_mask(self, N: int, return_array: bool = False, window_size=None):
+        return None  # attention() masks each sequence's own positions itself
+
+    def is_trimmable(self) -> bool:
+        return False
+
+    def empty(self) -> bool:
+        return False
+
+    @property
+    def state(self):
+        raise NotImplementedError("a batch layer is a view for one step")
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+def batch_caches(seqs: Sequence[PagedSequence], lengths: Sequence[int] | None = None) -> list:
+    """The model's cache list for one step of ``seqs`` together: one new position each, or
+    ``lengths[i]`` prompt positions each (right-padded; no recurrent state then)."""
+    first = seqs[0]
+    out: list = []
+    for slot, layer in enumerate(first.layers):
+        if isinstance(layer, PagedLayerCache):
+            out.append(BatchLayer([s.layers[slot] for s in seqs], lengths))
+        elif lengths is not None:
+            raise ValueError("padded prompt batches would corrupt a recurrent state")
+        else:  # recurrent state: stacked along the batch axis
+            stacked = ArraysCache(len(layer.cache))
+            stacked.cache = [mx.concatenate([s.layers[slot].cache[j] for s in seqs], axis=0)
+                             for j in range(len(layer.cache))]
+            out.append(stacked)
+    return out
+
+
+def finish_batch(seqs: Sequence[PagedSequence], caches: list) -> None:
+    """Give each sequence its row of the stepped recurrent states."""
+    for slot, c in enumerate(caches):
+        if isinstance(c, ArraysCache):
+            for i, s in enumerate(seqs):
+                s.layers[slot].cache = [a[i : i + 1] for a in c.cache]

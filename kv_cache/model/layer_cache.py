@@ -1,0 +1,219 @@
+"""Per-layer cache objects that speak mlx-lm's cache protocol, backed by a paged sequence.
+
+While a sequence runs, each full-attention layer keeps its keys and values in a contiguous
+working buffer that grows in steps, exactly as mlx-lm's ``KVCache`` does, so attention runs at
+full speed on any mlx-lm model unchanged. A sliding-window layer keeps only what its window can
+still read (a buffer of O(window) positions, dropped from the front as it slides). The pages in
+the pool are the record: ``PagedSequence.commit`` copies new positions into them, and a sequence
+that starts from stored pages gathers its buffers from them on first use. A full-attention layer
+of a sequence that reads a shared prefix view (``kv_cache.model.attention``) keeps only the positions
+after the view: its buffer starts at ``base`` = the view's length. Recurrent-state layers
+use mlx-lm's own ``ArraysCache`` (their state is snapshotted by the sequence, not paged).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+import mlx.core as mx
+from mlx_lm.models.base import create_causal_mask
+
+from kv_cache.model.attention import Reads, fetched
+
+if TYPE_CHECKING:
+    from kv_cache.model.sequence import PagedSequence
+
+
+class PagedLayerCache:
+    """mlx-lm cache protocol: ``update_and_fetch``, ``offset``, ``state``, ``meta_state``,
+    ``trim``, ``is_trimmable``, ``make_mask``, ``size``, ``empty``, ``nbytes``."""
+
+    step = 256
+
+    window = 0  # full attention
+
+    def __init__(self, sequence: "PagedSequence", layer: int, offset: int = 0):
+        self.sequence = sequence
+        self.layer = layer
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+        self.offset = offset
+        self.base = 0  # the position held at index 0 of the buffer
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self._start_buffer()
+        q_start = self.offset
+        self._append(keys, values)
+        n = self.offset - self.base
+        return self._fetched(self.keys[..., :n, :], self.values[..., :n, :], self.base, q_start)
+
+    def _start_buffer(self) -> None:
+        self.base = self.keep_from(self.offset)
+        if self.offset > self.base:  # gather what the pages hold (every layer at once)
+            self.sequence.materialize()
+
+    def _fetched(self, keys: mx.array, values: mx.array, own_start: int,
+                 q_start: int) -> tuple[mx.array, mx.array]:
+        self._read = (keys, values, own_start, q_start, own_start - self.base)
+        fetched(keys, self)
+        return keys, values
+
+    def read(self) -> Reads:
+        """What the last ``update_and_fetch``'s queries read (for ``attention``)."""
+        keys, values, own_start, q_start, at = self._read
+        view = self.sequence.view if not self.window else None
+        prefix = view.prefix(self.layer, self.base) if view is not None else None
+        return Reads(prefix, view, keys, values, own_start, q_start, self.window,
+                     (self.keys, self.values), at)
+
+    def reads(self) -> list[Reads] | None:
+        """None when the model's own attention over the returned keys is right (no shared
+        prefix before them)."""
+        if self.window or self.sequence.view is None:
+            return None
+        return [self.read()]
+
+    def _append(self, keys: mx.array, values: mx.array) -> None:
+        prev = self.offset - self.base
+        if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
+            B, n_kv_heads, _, k_dim = keys.shape
+            n_steps = (self.step + keys.shape[2] - 1) // self.step
+            new_k = mx.zeros((B, n_kv_heads, n_steps * self.step, k_dim), keys.dtype)
+            new_v = mx.zeros((B, n_kv_heads, n_steps * self.step, values.shape[3]), values.dtype)
+            if self.keys is not None:
+                self.keys = mx.concatenate([self.keys[..., :prev, :], new_k], axis=2)
+                self.values = mx.concatenate([self.values[..., :prev, :], new_v], axis=2)
+            else:
+                self.keys, self.values = new_k, new_v
+        self.offset += keys.shape[2]
+        end = self.offset - self.base
+        self.keys[..., prev:end, :] = keys
+        self.values[..., prev:end, :] = values
+
+    def load(self, keys: mx.array, values: mx.array, base: int = 0) -> None:
+        """Start from gathered pages: ``[1, kv_heads, >= offset - base, head_dim]`` each holding
+        positions ``base..offset-1`` (positions past ``offset`` are room to write into)."""
+        self.keys, self.values, self.base = keys, values, base
+
+    def positions(self, start: int, end: int) -> tuple[mx.array, mx.array]:
+        """Keys and values ``[kv_heads, end - start, head_dim]`` of positions ``start..end-1``."""
+        assert self.base <= start and self.keys is not None, (
+            f"positions from {start} asked of a buffer that starts at {self.base}")
+        a, b = start - self.base, end - self.base
+        return self.keys[0, :, a:b, :], self.values[0, :, a:b, :]
+
+    def drop_buffer(self) -> None:
+        self.keys = self.values = None
+        self.base = 0
+
+    def keep_from(self, length: int) -> int:
+        """The first position a buffer of ``length`` positions must keep: all after the shared
+        prefix view, if the sequence reads one."""
+        return self.sequence.view_len
+
+    def can_trim_to(self, length: int) -> bool:
+        return length >= self.sequence.view_len and (self.keys is None or length >= self.base)
+
+    def size(self) -> int:
+        return self.offset
+
+    def empty(self) -> bool:
+        return self.keys is None and self.offset == 0
+
+    @property
+    def state(self):
+        if self.keys is None:
+            return []
+        n = self.offset - self.base
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    @state.setter
+    def state(self, v):
+        if v:
+            self.keys, self.values = v
+            self.offset, self.base = self.keys.shape[2], 0
+
+    @property
+    def meta_state(self):
+        return str(self.offset)
+
+    @meta_state.setter
+    def meta_state(self, v):
+        self.offset = int(v)
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions (the sequence drops their pages and tokens)."""
+        n = min(self.offset, n)
+        self.offset -= n
+        # NOTE: mlx-lm's trim_prompt_cache trims layer by layer: once the last one is trimmed,
+        # the sequence follows (token ids, pages), so its length and reports are never stale.
+        if all(layer.offset == self.offset for layer in self.sequence.paged_layers):
+            self.sequence._sync_trim()
+        return n
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> mx.array | str | None:
+        if window_size is not None or (N > 1 and return_array):
+            return create_causal_mask(N, self.offset, window_size=window_size)
+        return None if N == 1 else "causal"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the working buffer (the pages are counted by the pool)."""
+        if self.keys is None:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
+
+
+class PagedWindowCache(PagedLayerCache):
+    """A sliding-window layer (mlx-lm's ``RotatingKVCache(max_size=window)``): a query at
+    position ``p`` reads keys ``p - window + 1 .. p``. The buffer keeps from the start of the
+    page that holds the oldest position the next query reads, and drops the rest from its front
+    as the window slides, so it stays O(window)."""
+
+    def __init__(self, sequence: "PagedSequence", layer: int, window: int, offset: int = 0):
+        super().__init__(sequence, layer, offset)
+        self.window = window
+
+    def keep_from(self, length: int) -> int:
+        """The first position a buffer of ``length`` positions must keep (page-aligned)."""
+        P = self.sequence.pool.page_size
+        return max(0, length - self.window + 1) // P * P
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.keys is None:
+            self._start_buffer()
+        prev = self.offset
+        self._slide(prev)
+        self._append(keys, values)
+        first = max(0, prev - self.window + 1)
+        start, end = first - self.base, self.offset - self.base
+        return self._fetched(self.keys[..., start:end, :], self.values[..., start:end, :],
+                             first, prev)
+
+    def _slide(self, length: int) -> None:
+        drop = self.keep_from(length) - self.base
+        # NOTE: dropped in steps of at least a window, so the copy is amortised over many tokens.
+        if self.keys is not None and drop >= max(self.window, self.step):
+            self.keys = mx.contiguous(self.keys[..., drop:, :])
+            self.values = mx.contiguous(self.values[..., drop:, :])
+            self.base += drop
+
+    def can_trim_to(self, length: int) -> bool:
+        return self.keys is None or max(0, length - self.window + 1) >= self.base
+
+    def make_mask(
+        self, N: int, return_array: bool = False, window_size: Optional[int] = None
+    ) -> mx.array | str | None:
+        window = window_size or self.window
+        if N == 1:
+            return None  # update_and_fetch returns exactly the window
+        kept = min(self.offset, self.window - 1)  # earlier keys update_and_fetch returns
+        if kept + N > window or return_array:
+            return create_causal_mask(N, kept, window_size=window)
+        return "causal"

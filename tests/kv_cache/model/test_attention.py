@@ -1,0 +1,93 @@
+"""The split attention (shared prefix + own positions) against MLX's fused kernel, and the
+bookkeeping that lets KV-shared layers find their reads only inside a forward pass."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kv_cache.model import attention
+from kv_cache.model.attention import Reads, split_attention
+
+
+def fused(q, k, v, mask=None, sinks=None):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, sinks=sinks)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_prefix_and_own_positions_merge_to_ordinary_attention(with_sinks):
+    """Three rows share a 40-position prefix and own 5, 9 and 2 positions (padded, masked);
+    two query positions each: the result equals attention over each row's whole context."""
+    mx.random.seed(0)
+    H, Hkv, D, C, T = 4, 2, 16, 40, 2
+    kp, vp = mx.random.normal((Hkv, C, D)), mx.random.normal((Hkv, C, D))
+    sinks = mx.random.normal((H,)) if with_sinks else None
+    own = [5, 9, 2]
+    q = mx.random.normal((len(own), H, T, D))
+    reads, want = [], []
+    for i, n in enumerate(own):
+        k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
+        reads.append(Reads((kp, vp), "view", k, v, C, C + n - T, 0))
+        K = mx.concatenate([kp[None], k], axis=2)
+        V = mx.concatenate([vp[None], v], axis=2)
+        pos = mx.arange(C + n)
+        mask = pos[None] <= (C + n - T + mx.arange(T))[:, None]  # causal for the T queries
+        want.append(fused(q[i : i + 1], K, V, mask=mask, sinks=sinks))
+    got = split_attention(q, reads, 0.3, sinks)
+    assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
+
+
+def test_a_window_reads_only_its_last_positions():
+    mx.random.seed(1)
+    Hkv, D, n, W = 2, 8, 12, 4
+    q = mx.random.normal((1, 2, 1, D))
+    k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
+    got = split_attention(q, [Reads(None, None, k, v, 0, n - 1, W)], 0.3)
+    want = fused(q, k[:, :, -W:], v[:, :, -W:])
+    assert mx.allclose(got, want, atol=2e-5).item()
+
+
+def test_returned_keys_are_found_only_inside_a_forward_pass():
+    """Outside ``forward()`` nothing is recorded (a plain mlx-lm cache's keys are never taken
+    for ours); inside, a lookup needs the very array that was recorded."""
+    keys, owner = mx.zeros((1, 1, 1, 1)), object()
+    attention.fetched(keys, owner)
+    assert attention._FETCHED == {}
+    with attention.forward():
+        attention.fetched(keys, owner)
+        assert attention._FETCHED[id(keys)] == (keys, owner)
+    assert attention._FETCHED == {}
+
+
+class _OneRead:
+    """A cache whose queries read one view and own positions (what PagedLayerCache gives)."""
+
+    def __init__(self, read: Reads):
+        self.read = read
+
+    def reads(self) -> list[Reads]:
+        return [self.read]
+
+
+@pytest.mark.parametrize("T, dtype, copied", [(32, mx.float32, True), (1, mx.float32, False),
+                                              (4, mx.float32, False), (32, mx.bfloat16, False)])
+def test_one_sequence_over_a_view_is_the_fused_kernel_where_a_copy_pays(T, dtype, copied):
+    """One sequence's prompt piece over a view: in float32 with many queries, the view's keys
+    and values are copied once and the fused kernel runs (bit for bit what a sequence with its
+    whole context in its own buffer computes); otherwise the split path, equal within rounding."""
+    mx.random.seed(2)
+    H, Hkv, D, C, n = 4, 2, 16, 64, T + 3  # own: 3 earlier positions, then the T queries
+    kp, vp = mx.random.normal((Hkv, C, D)).astype(dtype), mx.random.normal((Hkv, C, D)).astype(dtype)
+    k, v = mx.random.normal((1, Hkv, n, D)).astype(dtype), mx.random.normal((1, Hkv, n, D)).astype(dtype)
+    q = mx.random.normal((1, H, T, D)).astype(dtype)
+    read = Reads((kp, vp), "view", k, v, C, C + n - T, 0)
+    assert attention._copy_pays(q, read, "causal" if T > 1 else None) == copied
+    K, V = mx.concatenate([kp[None], k], axis=2), mx.concatenate([vp[None], v], axis=2)
+    mask = "causal" if T > 1 else None
+    want = fused(q, K, V, mask=mask)
+    got = attention.attention(q, k, v, _OneRead(read), 0.3, mask)
+    if copied:
+        assert mx.array_equal(got, want).item()
+    else:
+        tol = 2e-5 if dtype == mx.float32 else 3e-2
+        assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol).item()
