@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from tiny_model import CHAT_TEMPLATE, make_tiny_model, make_tiny_model_dir, tiny_config
+from tests.tiny_model import CHAT_TEMPLATE, make_tiny_model, make_tiny_model_dir, tiny_config
 
 from mlx_kvserver import models
 from mlx_kvserver.gguf import build_tokenizer
