@@ -24,6 +24,7 @@ from urllib.parse import urlsplit, urlunsplit
 log = logging.getLogger("kv_cache.store")
 T = TypeVar("T")
 PASSWORD_ENV = "KV_STORE_PASSWORD"
+FAIL_LIMIT, COOL_DOWN = 3, 5.0  # the breaker's defaults: errors in a row, seconds not asked
 SCHEMES = {"redis": "redis", "rediss": "rediss", "valkey": "redis", "valkeys": "rediss",
            "unix": "unix"}
 
@@ -60,9 +61,11 @@ def redact(url: str) -> str:
 class Breaker:
     """Consecutive failures open it for ``cool_down`` seconds; then one trial call decides."""
 
-    def __init__(self, fail_limit: int = 3, cool_down: float = 5.0,
+    def __init__(self, fail_limit: int | None = None, cool_down: float | None = None,
                  clock: Callable[[], float] = time.monotonic):
-        self.fail_limit, self.cool_down, self.clock = fail_limit, cool_down, clock
+        self.fail_limit = FAIL_LIMIT if fail_limit is None else fail_limit
+        self.cool_down = COOL_DOWN if cool_down is None else cool_down
+        self.clock = clock
         self.failures = 0
         self.opened_at: float | None = None
         self.opens = 0

@@ -1,16 +1,18 @@
 """A real ``redis-server`` for tests: its own port and folder, nothing persisted.
 
-Tests that need one take the ``redis_server`` fixture (or ``RedisProc`` directly); where the
+Tests that need one use ``running_redis`` (or ``RedisProc`` directly); where the
 binary is missing they are skipped, saying so (``.ci/run`` installs Debian's ``redis-server``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -69,9 +71,10 @@ class RedisProc:
         return redis.Redis(host="127.0.0.1", port=self.port, **kw)
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    proc = RedisProc(tmp_path / "redis").start()
+@contextlib.contextmanager
+def running_redis(folder: Path, *extra: str) -> Iterator[RedisProc]:
+    """A started ``RedisProc``, stopped at the end (a test's fixture: ``redis_server``)."""
+    proc = RedisProc(folder, *extra).start()
     try:
         yield proc
     finally:

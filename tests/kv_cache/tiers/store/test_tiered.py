@@ -14,7 +14,7 @@ from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.tiers.store import TieredStore, open_shared
 from kv_cache.tiers.store import values as val
 from tests.kv_cache.test_manager import pool_for, reference
-from tests.kv_cache.tiers.store.redis_proc import redis_server  # noqa: F401 - a fixture
+from tests.kv_cache.tiers.store.redis_proc import running_redis
 from tests.tiny_model import make_tiny_model
 
 NS = "t"
@@ -24,6 +24,12 @@ def run(model, seq, tokens):
     logits = model(mx.array(tokens)[None], cache=seq.prepare())[0, -1]
     seq.append_tokens(tokens)
     return logits
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    with running_redis(tmp_path / "redis") as proc:
+        yield proc
 
 
 @pytest.fixture(scope="module")
