@@ -32,7 +32,6 @@ from kv_cache.errors import OutOfBlocksError
 from kv_cache.pages.pool import PagePool
 from kv_cache.restore import Restore
 from kv_cache.model.sequence import PagedSequence, Snapshot
-from kv_cache.model.spec import SLIDING
 from kv_cache.model.state_points import PointEntries
 from kv_cache.tokens import common_prefix
 
@@ -187,24 +186,20 @@ class CacheManager(Restore, DiskSaving, PointEntries):
 
     def _usable(self, prompt, limit, tokens, tables, has_state: bool) -> int:
         n = min(common_prefix(tokens, prompt), limit)
-        if self.pool.spec.has_state and (n != len(tokens) or not has_state):
+        if any(not s.kind.usable(n, len(tokens), has_state) for s in self.pool.spec.states):
             return 0
         return n if self._window_ok(tables, n) else 0
 
     def _window_ok(self, tables, n: int) -> bool:
-        """Whether every sliding-window group holds the pages it reads after ``n`` positions."""
+        """Whether every group holds the pages it reads after ``n`` positions (a sliding
+        window's may have been released)."""
         P = self.pool.page_size
-        for g, table in zip(self.pool.groups, tables):
-            if g.kind == SLIDING and n:
-                need = table[g.first_needed(n) // P : -(-n // P)]
-                if len(need) < -(-n // P) - g.first_needed(n) // P or None in need:
-                    return False
-        return True
+        return all(g.kind.holds(table, n, P) for g, table in zip(self.pool.groups, tables))
 
     def _by_prefix(self, prompt, limit) -> tuple[int, list[list[int | None]]]:
         """The longest reuse the pool's prefix index finds by tokens alone."""
         pool, P = self.pool, self.pool.page_size
-        full = [g for g, spec in enumerate(pool.groups) if spec.kind != SLIDING]
+        full = [g for g, spec in enumerate(pool.groups) if spec.kind.reads_all]
         found = {g: pool.match_prefix(prompt, g) for g in full}
         pages = min((len(b) for b in found.values()), default=len(prompt) // P)
         n = min(pages * P, limit)
@@ -223,12 +218,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
     def _cut(self, tables, n: int) -> list[list[int | None]]:
         """``tables`` cut to the pages that the first ``n`` positions use (and a window reads)."""
         P = self.pool.page_size
-        out = []
-        for g, table in zip(self.pool.groups, tables):
-            t = list(table[: -(-n // P)])
-            skip = min(g.first_needed(n) // P, len(t))
-            out.append([None] * skip + t[skip:])
-        return out
+        return [g.kind.cut(table, n, P) for g, table in zip(self.pool.groups, tables)]
 
     def keep(self, seq: PagedSequence) -> None:
         """Keep ``seq`` (finished) resident with its working buffers: a request that continues

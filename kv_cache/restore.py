@@ -17,7 +17,6 @@ from kv_cache.tiers.disk.lookup import DiskFind, DiskTails
 from kv_cache.tiers.disk.store import StoredEntry
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.model.sequence import Snapshot
-from kv_cache.model.spec import SLIDING
 
 log = logging.getLogger("kv_cache.manager")
 PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
@@ -56,18 +55,17 @@ class Restore:
         tables: list[list[int | None]] = []
         covered = n
         for g, spec in enumerate(pool.groups):
-            if spec.kind != SLIDING:
+            if spec.kind.reads_all:
                 self._load_run(tokens, hashes[g][: n // P], g)
         fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
-                                  for h in hashes[g][spec.first_needed(n) // P : -(-n // P)]
+                                  for h in hashes[g][spec.kind.pages(n, P)]
                                   if h is not None and pool.lookup(h) is None])
         try:
             for g, spec in enumerate(pool.groups):
-                skip = spec.first_needed(n) // P
-                table: list[int | None] = [None] * skip
+                table: list[int | None] = [None] * spec.kind.first_page(n, P)
                 tables.append(table)
                 chain: list[bytes] | None = None
-                for h in hashes[g][skip : -(-n // P)]:  # what the pool has (a run just read)
+                for h in hashes[g][spec.kind.pages(n, P)]:  # what the pool has (a run just read)
                     block = None if h is None else pool.lookup(h)
                     if block is None:
                         break
@@ -104,7 +102,7 @@ class Restore:
         except OutOfBlocksError as e:
             log.warning("memory full while loading %s from disk: %s", what, e)
             covered = 0
-        single = len(pool.groups) == 1 and pool.groups[0].kind != SLIDING and not state
+        single = len(pool.groups) == 1 and pool.groups[0].kind.reads_all and not state
         if covered < n and not single:
             covered = 0
         tables = self._cut_loaded(tables, covered)

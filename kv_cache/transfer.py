@@ -36,8 +36,8 @@ def _gather(pool, tables, n: int) -> dict[str, mx.array]:
     full attention)."""
     P, out = pool.page_size, {}
     for g, (spec, table) in enumerate(zip(pool.groups, tables)):
-        start = spec.first_needed(n) // P * P
-        blocks = table[start // P : -(-n // P)]
+        start = spec.kind.keep_from(n, P)
+        blocks = table[spec.kind.pages(n, P)]
         if None in blocks:
             return {}
         out[f"kv.{g}"] = pool.gather(blocks, n - start)
@@ -138,7 +138,7 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
     n, P = len(tokens), pool.page_size
     want = {}
     for g, spec in enumerate(pool.groups):
-        want[f"kv.{g}"] = (spec.shape(n - spec.first_needed(n) // P * P), spec.mx_dtype)
+        want[f"kv.{g}"] = (spec.shape(n - spec.kind.keep_from(n, P)), spec.mx_dtype)
     for si, s in enumerate(pool.spec.states):
         for i, (shape, dt) in enumerate(zip(s.shapes, s.dtypes)):
             want[f"state.{si}.{i}"] = (tuple(shape), getattr(mx, dt))

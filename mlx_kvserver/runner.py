@@ -34,7 +34,7 @@ class Runner:
     def prefill(self, seq: PagedSequence, tokens: Sequence[int]) -> mx.array:
         """Run ``tokens`` on ``seq``; the last position's logits (evaluated)."""
         with forward():
-            logits = self.model(mx.array(list(tokens))[None], cache=seq.layers)[0, -1]
+            logits = self.model(mx.array(list(tokens))[None], cache=seq.prepare())[0, -1]
             mx.eval(logits)
         seq.append_tokens(tokens)
         return logits
@@ -59,7 +59,7 @@ class Runner:
         """One new token per sequence; logits ``[len(seqs), vocab]`` (lazy)."""
         with forward():
             if len(seqs) == 1:
-                logits = self.model(mx.array([[tokens[0]]]), cache=seqs[0].layers)[:, -1]
+                logits = self.model(mx.array([[tokens[0]]]), cache=seqs[0].prepare())[:, -1]
             else:
                 caches = batch_caches(seqs)
                 logits = self.model(mx.array(list(tokens))[:, None], cache=caches)[:, -1]

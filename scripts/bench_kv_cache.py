@@ -112,7 +112,7 @@ def shared_prefix(lm, prompt, n_seqs, extra, page_size):
     rng = list(range(100, 100 + extra))
     for i, seq in enumerate(seqs):  # each adds its own tokens, one sequence at a time
         new = [(t * 7 + i * 13) % 5000 + 10 for t in rng]
-        lm.model(mx.array(new)[None], cache=seq.layers)
+        lm.model(mx.array(new)[None], cache=seq.prepare())
         seq.append_tokens(new)
         seq.drop_buffers()  # commit; pages are what an idle sequence holds
     peak = mx.get_peak_memory() - start_active
@@ -149,7 +149,7 @@ def branches(lm, prompt, n_branches, new_tokens, page_size):
     for i, seq in enumerate(forks):  # branches decode one after another
         first = mx.array(logits)
         first[i] = first.max() + 1  # each branch starts from a different token
-        run_decode(lm.model, seq.layers, first, new_tokens,
+        run_decode(lm.model, seq.prepare(), first, new_tokens,
                    on_token=lambda tok, s=seq: s.append_tokens([tok]))
         seq.drop_buffers()
     peak = mx.get_peak_memory() - start_active

@@ -128,7 +128,7 @@ def paged_bytes(g: Geometry, prefix: int, own: int, n: int, seed: int = 0) -> tu
     forks = [root.fork() for _ in range(n)]
     root.close()  # the conversations hold the prefix now
     for seq in forks:
-        _feed(seq.layers, g, own)
+        _feed(seq.prepare(), g, own)
         seq.append_tokens(rng.integers(0, 32000, own).tolist())  # distinct tokens per fork
         seq.commit()
         seq.drop_buffers()

@@ -31,17 +31,15 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from kv_cache.model.spec import FULL
-
 if TYPE_CHECKING:
     from kv_cache.pages.pool import PagePool
-    from kv_cache.model.sequence import PagedSequence
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 
@@ -57,6 +55,7 @@ class PrefixView:
                  groups: list[int]):
         self.pool, self.tables, self.length, self.groups = pool, tables, length, groups
         self.users = 0
+        self.serial = 0  # its place among the views made (PrefixViews.since)
         self.kv: dict[int, tuple[mx.array, mx.array]] = {}  # model layer slot -> (K, V)
         self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
         for g, blocks in zip(groups, tables):
@@ -90,20 +89,22 @@ class PrefixView:
 
 
 class PrefixViews:
-    """The live prefix views of one pool, and the sequences that may share them.
+    """The live prefix views of one pool.
 
     A sequence that starts from at least ``min_pages`` full pages uses the live view with the
-    longest common run of pages, or a new view over all its full pages; a new view is offered to
-    the running sequences that hold the same pages in their own buffers (``adopt``), so a shared
-    prefix is kept once however the sharing began. A view goes when its last user closes.
+    longest common run of pages, or a new view over all its full pages. A running sequence that
+    holds a new view's pages in its own buffers takes the view up at its own next step, between
+    forward passes (``PagedSequence.prepare`` asks for the views made ``since`` it last looked),
+    so a shared prefix is kept once however the sharing began, and starting one sequence never
+    rewrites another's buffers. A view goes when its last user closes.
     """
 
     def __init__(self, pool: "PagePool", min_pages: int = 2):
         self.pool = pool
         self.min_pages = min_pages
-        self.groups = [i for i, g in enumerate(pool.groups) if g.kind == FULL]
+        self.groups = [i for i, g in enumerate(pool.groups) if g.kind.reads_all]
         self.views: list[PrefixView] = []
-        self.sequences: dict[int, "PagedSequence"] = {}
+        self.made = 0  # views made so far: the newest one's serial
 
     def _full_pages(self, tables: Sequence[Sequence[int | None]], n: int) -> list[tuple]:
         P = self.pool.page_size
@@ -140,25 +141,21 @@ class PrefixViews:
             if not all(self.pool.all_sealed(t) for t in full_pages):
                 return None, 0
             view, c = PrefixView(self.pool, full_pages, n // P * P, self.groups), n // P * P
+            self.made += 1
+            view.serial = self.made
             self.views.append(view)
-            view.users += 1  # the offers below must not close it
-            for seq in list(self.sequences.values()):
-                seq.adopt(view)
-            view.users -= 1
         view.users += 1
         return view, c
+
+    def since(self, seen: int) -> list[PrefixView]:
+        """The live views made after the ``seen``-th, oldest first."""
+        return [v for v in self.views if v.serial > seen]
 
     def release(self, view: PrefixView) -> None:
         view.users -= 1
         if view.users <= 0:
             self.views.remove(view)
             view.close()
-
-    def attach(self, seq: "PagedSequence") -> None:
-        self.sequences[id(seq)] = seq
-
-    def detach(self, seq: "PagedSequence") -> None:
-        self.sequences.pop(id(seq), None)
 
     @property
     def nbytes(self) -> int:
@@ -205,7 +202,8 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
     reads = getattr(cache, "reads", None)
     if reads is None:
         # a layer that reuses another layer's keys (KV sharing): found by the keys themselves
-        entry = _FETCHED.get(id(keys))
+        p = _PASS.get()
+        entry = p.fetched.get(id(keys)) if p is not None else None
         reads = entry[1].reads if entry is not None and entry[0] is keys else None
     if reads is None:
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
@@ -241,34 +239,42 @@ def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
             and mx.default_device().type == mx.DeviceType.cpu)
 
 
-# Inside ``forward()``: id of what update_and_fetch returned -> (that array, the cache). The array
-# is held, so its id cannot be taken by another one while the entry lives.
-_FETCHED: dict[int, tuple[mx.array, Any]] = {}
-_OPEN = [False]
+class Pass:
+    """What one forward pass over our caches shares between its layers: what each cache's
+    ``update_and_fetch`` returned (``fetched``: id of that array -> (the array, the cache); the
+    array is held, so its id cannot be taken by another one while the pass lives), so a layer
+    that reuses another layer's keys (KV sharing, called with no cache) finds that layer's
+    reads; and the own-position masks (``masks``), built once for all layers."""
+
+    __slots__ = ("fetched", "masks")
+
+    def __init__(self) -> None:
+        self.fetched: dict[int, tuple[mx.array, Any]] = {}
+        self.masks: dict[tuple, mx.array | None] = {}
+
+
+# The pass running in this thread (or task): set by ``forward()`` only, for its duration.
+_PASS: ContextVar[Pass | None] = ContextVar("kv_cache_forward_pass", default=None)
 
 
 def fetched(keys: mx.array, owner: Any) -> None:
-    if _OPEN[0]:
-        _FETCHED[id(keys)] = (keys, owner)
+    """Record what ``owner.update_and_fetch`` returned, inside a ``forward()`` (else nothing:
+    a plain mlx-lm cache's keys are never taken for ours)."""
+    p = _PASS.get()
+    if p is not None:
+        p.fetched[id(keys)] = (keys, owner)
 
 
 @contextmanager
-def forward():
-    """One forward pass over our caches: layers that reuse another layer's keys (KV sharing)
-    find that layer's reads, and masks are built once for all layers; nothing is kept after."""
-    _FETCHED.clear()
-    _MASKS.clear()
-    _OPEN[0] = True
+def forward() -> Iterator[Pass]:
+    """One forward pass over our caches, with its own ``Pass`` (per thread: models running on
+    different threads never share one); nothing of it is kept after."""
+    p = Pass()
+    token = _PASS.set(p)
     try:
-        yield
+        yield p
     finally:
-        _OPEN[0] = False
-        _FETCHED.clear()
-        _MASKS.clear()
-
-
-# own-position masks of this forward pass, shared by its layers
-_MASKS: dict[tuple, mx.array | None] = {}
+        _PASS.reset(token)
 
 
 def split_attention(queries: mx.array, reads: list[Reads], scale: float,
@@ -295,12 +301,13 @@ def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
     """Additive mask ``[B, 1, 1, T, N]`` over the padded own keys, or None when every key is
     visible to every query."""
     lens = [r.keys.shape[2] for r in reads]
-    if not _OPEN[0]:
+    p = _PASS.get()
+    if p is None:
         return _build_mask(reads, lens, T, N)
     key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window) for r in reads))
-    if key not in _MASKS:
-        _MASKS[key] = _build_mask(reads, lens, T, N)
-    return _MASKS[key]
+    if key not in p.masks:
+        p.masks[key] = _build_mask(reads, lens, T, N)
+    return p.masks[key]
 
 
 def _build_mask(reads: list[Reads], lens: list[int], T: int, N: int) -> mx.array | None:

@@ -67,17 +67,18 @@ class BatchLayer:
 
 def batch_caches(seqs: Sequence[PagedSequence], lengths: Sequence[int] | None = None) -> list:
     """The model's cache list for one step of ``seqs`` together: one new position each, or
-    ``lengths[i]`` prompt positions each (right-padded; no recurrent state then)."""
-    first = seqs[0]
+    ``lengths[i]`` prompt positions each (right-padded; no recurrent state then). Each sequence
+    is prepared for the step first (``PagedSequence.prepare``)."""
+    caches = [s.prepare() for s in seqs]
     out: list = []
-    for slot, layer in enumerate(first.layers):
+    for slot, layer in enumerate(caches[0]):
         if isinstance(layer, PagedLayerCache):
-            out.append(BatchLayer([s.layers[slot] for s in seqs], lengths))
+            out.append(BatchLayer([c[slot] for c in caches], lengths))
         elif lengths is not None:
             raise ValueError("padded prompt batches would corrupt a recurrent state")
         else:  # recurrent state: stacked along the batch axis
             stacked = ArraysCache(len(layer.cache))
-            stacked.cache = [mx.concatenate([s.layers[slot].cache[j] for s in seqs], axis=0)
+            stacked.cache = [mx.concatenate([c[slot].cache[j] for c in caches], axis=0)
                              for j in range(len(layer.cache))]
             out.append(stacked)
     return out

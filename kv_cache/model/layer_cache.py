@@ -1,27 +1,30 @@
-"""Per-layer cache objects that speak mlx-lm's cache protocol, backed by a paged sequence.
+"""Per-layer cache objects that speak mlx-lm's cache protocol: buffers a sequence prepares.
 
 While a sequence runs, each full-attention layer keeps its keys and values in a contiguous
 working buffer that grows in steps, exactly as mlx-lm's ``KVCache`` does, so attention runs at
 full speed on any mlx-lm model unchanged. A sliding-window layer keeps only what its window can
 still read (a buffer of O(window) positions, dropped from the front as it slides). The pages in
 the pool are the record: ``PagedSequence.commit`` copies new positions into them, and a sequence
-that starts from stored pages gathers its buffers from them on first use. A full-attention layer
-of a sequence that reads a shared prefix view (``kv_cache.model.attention``) keeps only the positions
-after the view: its buffer starts at ``base`` = the view's length. Recurrent-state layers
-use mlx-lm's own ``ArraysCache`` (their state is snapshotted by the sequence, not paged).
+that starts from stored pages gathers its buffers from them before its first forward pass
+(``PagedSequence.prepare``). A full-attention layer that reads a shared prefix view
+(``kv_cache.model.attention``) keeps only the positions after the view: its buffer starts at
+``base`` = the view's length. Recurrent-state layers use mlx-lm's own ``ArraysCache`` (their state
+is snapshotted by the sequence, not paged).
+
+A layer cache knows nothing of its sequence: the sequence gives it what it reads (its buffers,
+its view) between forward passes, and follows what mlx-lm's protocol does to it (``trim``) at
+its own next step.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Any, Optional
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from kv_cache.model.attention import Reads, fetched
-
-if TYPE_CHECKING:
-    from kv_cache.model.sequence import PagedSequence
+from kv_cache.model.kinds import FullAttention, PagedKind, SlidingWindow
 
 
 class PagedLayerCache:
@@ -30,15 +33,15 @@ class PagedLayerCache:
 
     step = 256
 
-    window = 0  # full attention
-
-    def __init__(self, sequence: "PagedSequence", layer: int, offset: int = 0):
-        self.sequence = sequence
-        self.layer = layer
+    def __init__(self, kind: PagedKind, layer: int, page_size: int, offset: int = 0):
+        self.kind, self.window, self.page_size = kind, kind.window, page_size
+        self.layer = layer  # the model's cache slot
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
         self.offset = offset
         self.base = 0  # the position held at index 0 of the buffer
+        self.view: Any = None  # the shared prefix view read before the buffer (full attention)
+        self.view_len = 0  # how many positions of it
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:
@@ -50,8 +53,8 @@ class PagedLayerCache:
 
     def _start_buffer(self) -> None:
         self.base = self.keep_from(self.offset)
-        if self.offset > self.base:  # gather what the pages hold (every layer at once)
-            self.sequence.materialize()
+        assert self.offset == self.base, (
+            f"a layer holding {self.offset} positions was not prepared (PagedSequence.prepare)")
 
     def _fetched(self, keys: mx.array, values: mx.array, own_start: int,
                  q_start: int) -> tuple[mx.array, mx.array]:
@@ -62,7 +65,7 @@ class PagedLayerCache:
     def read(self) -> Reads:
         """What the last ``update_and_fetch``'s queries read (for ``attention``)."""
         keys, values, own_start, q_start, at = self._read
-        view = self.sequence.view if not self.window else None
+        view = self.view
         prefix = view.prefix(self.layer, self.base) if view is not None else None
         return Reads(prefix, view, keys, values, own_start, q_start, self.window,
                      (self.keys, self.values), at)
@@ -70,9 +73,19 @@ class PagedLayerCache:
     def reads(self) -> list[Reads] | None:
         """None when the model's own attention over the returned keys is right (no shared
         prefix before them)."""
-        if self.window or self.sequence.view is None:
+        if self.view is None:
             return None
         return [self.read()]
+
+    def use_view(self, view: Any, length: int) -> None:
+        """Read the first ``length`` positions from ``view`` (None: from nothing): a buffer
+        that holds them drops them (between forward passes only)."""
+        if self.keys is not None and length > self.base:
+            cut = length - self.base
+            self.keys = mx.contiguous(self.keys[..., cut:, :])
+            self.values = mx.contiguous(self.values[..., cut:, :])
+            self.base = length
+        self.view, self.view_len = view, length
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
         prev = self.offset - self.base
@@ -109,11 +122,11 @@ class PagedLayerCache:
 
     def keep_from(self, length: int) -> int:
         """The first position a buffer of ``length`` positions must keep: all after the shared
-        prefix view, if the sequence reads one."""
-        return self.sequence.view_len
+        prefix view, if the layer reads one."""
+        return self.view_len
 
     def can_trim_to(self, length: int) -> bool:
-        return length >= self.sequence.view_len and (self.keys is None or length >= self.base)
+        return length >= self.view_len and (self.keys is None or length >= self.base)
 
     def size(self) -> int:
         return self.offset
@@ -146,13 +159,10 @@ class PagedLayerCache:
         return True
 
     def trim(self, n: int) -> int:
-        """Drop the last ``n`` positions (the sequence drops their pages and tokens)."""
+        """Drop the last ``n`` positions (mlx-lm's ``trim_prompt_cache`` trims layer by layer;
+        the sequence drops their token ids and pages at its next step: ``PagedSequence.sync``)."""
         n = min(self.offset, n)
         self.offset -= n
-        # NOTE: mlx-lm's trim_prompt_cache trims layer by layer: once the last one is trimmed,
-        # the sequence follows (token ids, pages), so its length and reports are never stale.
-        if all(layer.offset == self.offset for layer in self.sequence.paged_layers):
-            self.sequence._sync_trim()
         return n
 
     def make_mask(
@@ -176,14 +186,9 @@ class PagedWindowCache(PagedLayerCache):
     page that holds the oldest position the next query reads, and drops the rest from its front
     as the window slides, so it stays O(window)."""
 
-    def __init__(self, sequence: "PagedSequence", layer: int, window: int, offset: int = 0):
-        super().__init__(sequence, layer, offset)
-        self.window = window
-
     def keep_from(self, length: int) -> int:
         """The first position a buffer of ``length`` positions must keep (page-aligned)."""
-        P = self.sequence.pool.page_size
-        return max(0, length - self.window + 1) // P * P
+        return self.kind.keep_from(length, self.page_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.keys is None:
@@ -191,7 +196,7 @@ class PagedWindowCache(PagedLayerCache):
         prev = self.offset
         self._slide(prev)
         self._append(keys, values)
-        first = max(0, prev - self.window + 1)
+        first = self.kind.first_needed(prev)
         start, end = first - self.base, self.offset - self.base
         return self._fetched(self.keys[..., start:end, :], self.values[..., start:end, :],
                              first, prev)
@@ -205,7 +210,7 @@ class PagedWindowCache(PagedLayerCache):
             self.base += drop
 
     def can_trim_to(self, length: int) -> bool:
-        return self.keys is None or max(0, length - self.window + 1) >= self.base
+        return self.keys is None or self.kind.first_needed(length) >= self.base
 
     def make_mask(
         self, N: int, return_array: bool = False, window_size: Optional[int] = None
@@ -217,3 +222,12 @@ class PagedWindowCache(PagedLayerCache):
         if kept + N > window or return_array:
             return create_causal_mask(N, kept, window_size=window)
         return "causal"
+
+
+_CACHES: dict[type, type[PagedLayerCache]] = {FullAttention: PagedLayerCache,
+                                             SlidingWindow: PagedWindowCache}
+
+
+def layer_cache(kind: PagedKind, layer: int, page_size: int, offset: int = 0) -> PagedLayerCache:
+    """The layer cache of a paged group's ``kind`` for the model's cache slot ``layer``."""
+    return _CACHES[type(kind)](kind, layer, page_size, offset)

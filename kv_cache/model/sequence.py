@@ -1,5 +1,11 @@
 """A sequence: its token ids, one page table per cache group, recurrent-state layers, and one
-mlx-lm cache object per cache slot of the model."""
+mlx-lm cache object per cache slot of the model.
+
+The sequence owns its layer caches and does all the work that needs more than one layer (or the
+pages) between forward passes: ``prepare()`` before a pass (follow mlx-lm's trims, take up a new
+shared prefix view, gather buffers from the pages), ``append_tokens`` and ``commit`` after. A
+layer cache never calls back into its sequence.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +16,10 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from kv_cache.pages.hashing import chain_hashes
-from kv_cache.model.layer_cache import PagedLayerCache, PagedWindowCache
+from kv_cache.model.layer_cache import PagedLayerCache, layer_cache
+from kv_cache.model.page_writes import release_before, write_group
 from kv_cache.pages.pool import PagePool
 from kv_cache.pages.block_table import PageTable
-from kv_cache.model.spec import SLIDING
 from kv_cache.model.state_points import StatePoints
 from kv_cache.tokens import token_list
 
@@ -42,7 +48,8 @@ def copy_snapshot(snapshot: Snapshot) -> Snapshot:
 
 
 class PagedSequence:
-    """One conversation's cache: pass ``seq.layers`` as the ``cache`` of an mlx-lm model.
+    """One conversation's cache: pass ``seq.prepare()`` (``seq.layers``, made ready for the
+    pass) as the ``cache`` of an mlx-lm model.
 
     After a forward pass over token ids, call ``append_tokens(ids)``; ``commit()`` copies the new
     positions into pages (open tail page written in place when the sequence alone holds it, copied
@@ -58,7 +65,7 @@ class PagedSequence:
         reads a page), and ``state``, the recurrent state after ``tokens`` (a reused prefix; the
         sequence takes its own holds and copies). With ``views``, the full-attention layers read
         the leading pages through a shared prefix view (``kv_cache.model.attention``) and keep only
-        the rest in their buffers."""
+        the rest in their buffers; views made later are taken up by ``prepare``."""
         self.pool = pool
         self.views = views
         self.view: PrefixView | None = None
@@ -82,8 +89,7 @@ class PagedSequence:
         layers: list = [None] * spec.num_slots
         self.group_layers: list[list[PagedLayerCache]] = []
         for g in spec.groups:
-            cls = [PagedWindowCache(self, i, g.window, n) if g.kind == SLIDING
-                   else PagedLayerCache(self, i, n) for i in g.layers]
+            cls = [layer_cache(g.kind, i, P, n) for i in g.layers]
             self.group_layers.append(cls)
             for i, layer in zip(g.layers, cls):
                 layers[i] = layer
@@ -99,9 +105,12 @@ class PagedSequence:
         self.paged_layers = [layer for g in self.group_layers for layer in g]
         self.points = StatePoints()  # state snapshots at message boundaries (state_points.py)
         self.closed = False
+        self._seen = 0  # the views made up to here were looked at (PrefixViews.since)
         if views is not None:
-            self.view, self.view_len = views.acquire([t.blocks for t in self.tables], n)
-            views.attach(self)
+            view, c = views.acquire([t.blocks for t in self.tables], n)
+            self._seen = views.made
+            if view is not None:
+                self._use_view(view, c)
 
     def adopt(self, view: PrefixView) -> None:
         """Read the first ``view.length`` positions from ``view`` when this sequence's pages
@@ -114,17 +123,16 @@ class PagedSequence:
         for g, blocks in zip(view.groups, view.tables):
             if tuple(self.tables[g].blocks[: c // P]) != blocks:
                 return
-        for g in view.groups:
-            for layer in self.group_layers[g]:
-                if layer.keys is not None:
-                    cut = c - layer.base
-                    layer.keys = mx.contiguous(layer.keys[..., cut:, :])
-                    layer.values = mx.contiguous(layer.values[..., cut:, :])
-                    layer.base = c
         if self.view is not None:
             self.views.release(self.view)
         view.users += 1
+        self._use_view(view, c)
+
+    def _use_view(self, view: PrefixView | None, c: int) -> None:
         self.view, self.view_len = view, c
+        for g in self.views.groups:
+            for layer in self.group_layers[g]:
+                layer.use_view(view, c)
 
     @property
     def table(self) -> PageTable:
@@ -140,9 +148,28 @@ class PagedSequence:
 
     # -- running --------------------------------------------------------------------------------
 
+    def prepare(self) -> list:
+        """The model's cache list made ready for the next forward pass (call before each):
+        follows what mlx-lm's ``trim`` did to the layers (``sync``), takes up a prefix view made
+        since the last step that begins with this sequence's pages (``adopt``), and gathers the
+        buffers from the pages where they hold none yet (a sequence started from stored pages,
+        or after ``drop_buffers``)."""
+        self.sync()
+        views = self.views
+        if views is not None and views.made != self._seen:
+            for view in views.since(self._seen):
+                self.adopt(view)
+            self._seen = views.made
+        for layers in self.group_layers:
+            first = layers[0]
+            if first.keys is None and first.offset > first.keep_from(first.offset):
+                self.materialize()
+                break
+        return self.layers
+
     def append_tokens(self, ids: Sequence[int]) -> None:
         """Record the token ids of the positions the last forward pass added."""
-        self._sync_trim()
+        self.sync()
         self.tokens.extend(int(t) for t in ids)
         assert len(self.tokens) == self.offset, (
             f"{len(self.tokens)} token ids for {self.offset} cached positions"
@@ -181,14 +208,15 @@ class PagedSequence:
     def commit(self) -> None:
         """Copy every position not yet in pages into pages; release the pages that a sliding
         window no longer reads."""
-        self._sync_trim()
+        self.sync()
         start, end = self.committed, self.offset
         assert len(self.tokens) == end, f"{len(self.tokens)} token ids for {end} positions"
         if end == start:
             return
         written: list[tuple[int, int]] = []
         for g in range(len(self.tables)):
-            written += [(g, i) for i in self._write_group(g, start, end)]
+            written += [(g, i) for i in write_group(
+                self.pool, g, self.tables[g], self.group_layers[g], self.tokens, start, end)]
         self.committed = end
         mx.eval([self.pool.data(self.tables[g].blocks[i]) for g, i in written])
         P = self.pool.page_size
@@ -196,62 +224,8 @@ class PagedSequence:
             table = self.tables[g]
             if self.pool.num_tokens(table.blocks[i]) == P:
                 table.blocks[i] = self.pool.seal(table.blocks[i], self._parent(g, i))
-        for g, layers in enumerate(self.group_layers):
-            if layers[0].window:  # a window's pages behind it (a prefix view's stay held)
-                self._release_before(g, layers[0].keep_from(end))
-
-    def _write_group(self, g: int, start: int, end: int) -> list[int]:
-        P, pool, table, layers = self.pool.page_size, self.pool, self.tables[g], self.group_layers[g]
-        if isinstance(layers[0], PagedWindowCache):
-            lo = layers[0].keep_from(end)
-            if lo > start:
-                # Positions before the window's start at ``end`` are never read again: no pages.
-                self._release_before(g, lo)
-                table.blocks.extend([None] * (lo // P - len(table.blocks)))
-                table.num_tokens = start = lo
-            else:
-                # A page the window reads was released before a trim brought it back into the
-                # window: write it again from the buffer (sealing finds the same page if cached).
-                missing = next((i for i in range(lo // P, len(table.blocks))
-                                if table.blocks[i] is None), None)
-                if missing is not None:
-                    for b in table.truncate(missing * P):
-                        if b is not None:
-                            pool.release(b)
-                    start = missing * P
-        kv = mx.stack([mx.stack(parts) for parts in
-                       zip(*(layer.positions(start, end) for layer in layers))], axis=1)
-        if start % P and not pool.is_writable(table.blocks[-1], start % P):
-            # NOTE: copy-on-write: the tail page is shared, sealed or longer than our view.
-            copy = pool.copy(table.blocks[-1], start % P)
-            pool.release(table.blocks[-1])
-            table.blocks[-1] = copy
-        new_blocks = pool.allocate(table.blocks_needed(end - start), g)
-        pos, written = start, []
-        if start % P:  # the open tail page, ours alone now
-            idx, at = len(table.blocks) - 1, start % P
-            take = min(P - at, end - start)
-            pool.write(table.blocks[idx], _page_slice(kv, 0, take), self.tokens[pos : pos + take])
-            written.append(idx)
-            pos += take
-        first_new = len(table.blocks)
-        table.blocks.extend(new_blocks)
-        for j, block in enumerate(new_blocks):
-            take = min(P, end - pos)
-            pool.write(block, _page_slice(kv, pos - start, pos - start + take),
-                       self.tokens[pos : pos + take])
-            written.append(first_new + j)
-            pos += take
-        table.num_tokens = end
-        return written
-
-    def _release_before(self, g: int, position: int) -> None:
-        """Release group ``g``'s pages that end at or before ``position``."""
-        blocks = self.tables[g].blocks
-        for i in range(min(position // self.pool.page_size, len(blocks))):
-            if blocks[i] is not None:
-                self.pool.release(blocks[i])
-                blocks[i] = None
+        for table, spec in zip(self.tables, self.pool.groups):  # a window's pages behind it
+            release_before(self.pool, table.blocks, spec.kind.keep_from(end, P))
 
     def _parent(self, g: int, index: int) -> bytes:
         if index == 0:
@@ -274,29 +248,33 @@ class PagedSequence:
 
     def trim(self, n: int) -> int:
         """Drop the last ``n`` tokens: their positions, token ids and pages."""
+        self.sync()
         n = min(n, self.offset)
         if n and not self.can_trim_to(self.offset - n):
             raise ValueError(f"this sequence cannot drop its last {n} positions")
         for layer in self.paged_layers:
             layer.trim(n)
-        self._sync_trim()
+        self.sync()
         return n
 
-    def _sync_trim(self) -> None:
-        # mlx-lm's trim_prompt_cache trims each layer; follow it here.
-        if not self.paged_layers:
-            return
+    def sync(self) -> None:
+        """Follow what mlx-lm's ``trim_prompt_cache`` did to the layers (it trims each layer
+        cache alone): drop the token ids and pages past their length. Done by every step of the
+        sequence (``prepare``, ``append_tokens``, ``commit``, ``trim``); call it to read the
+        sequence right after trimming its layers."""
+        if not self.paged_layers or self.paged_layers[0].offset >= len(self.tokens):
+            return  # NOTE: no trim since the last step (the decode path: one comparison)
         offsets = {layer.offset for layer in self.paged_layers}
         assert len(offsets) == 1, f"layers disagree on the cache length: {sorted(offsets)}"
         end = offsets.pop()
         if end < len(self.tokens):
             del self.tokens[end:]
-            if end < self.committed:
+            if any(t.num_tokens > end for t in self.tables):  # a failed commit's groups too
                 for t in self.tables:
-                    for b in t.truncate(end):
+                    for b in t.truncate(end) if t.num_tokens > end else ():
                         if b is not None:
                             self.pool.release(b)
-                self.committed = end
+                self.committed = min(self.committed, end)
                 keep = end // self.pool.page_size
                 self._chains = [c[:keep] for c in self._chains]
 
@@ -338,12 +316,8 @@ class PagedSequence:
         the pages a sliding window at ``n_tokens`` does not read."""
         if n_tokens > self.committed:
             raise ValueError(f"only {self.committed} tokens are in pages, {n_tokens} asked")
-        P, out = self.pool.page_size, []
-        for table, g in zip(self.tables, self.pool.groups):
-            blocks = table.blocks[: -(-n_tokens // P)]
-            skip = g.first_needed(n_tokens) // P
-            out.append([None] * skip + blocks[skip:])
-        return out
+        P = self.pool.page_size
+        return [g.kind.cut(t.blocks, n_tokens, P) for t, g in zip(self.tables, self.pool.groups)]
 
     def memory_report(self) -> MemoryReport:
         own, shared, divergence = 0, 0, None
@@ -378,10 +352,9 @@ class PagedSequence:
             layer.drop_buffer()
             layer.offset = 0
         if self.views is not None:
-            self.views.detach(self)
             if self.view is not None:
                 self.views.release(self.view)
-            self.view, self.view_len = None, 0
+            self._use_view(None, 0)
         for c in self.state_layers:
             c.cache = [None] * len(c.cache)
         self.points.clear()
@@ -394,6 +367,3 @@ class PagedSequence:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def _page_slice(kv: mx.array, a: int, b: int) -> mx.array:
-    return kv if (a == 0 and b == kv.shape[3]) else mx.contiguous(kv[:, :, :, a:b, :])

@@ -9,8 +9,9 @@ A model's cache is a list of slots, one per layer that keeps a cache (what mlx-l
 - recurrent state (``ArraysCache``: conv and SSM / gated-delta states): a few fixed-size arrays
   that summarise everything so far; not paged, snapshotted where a chat may resume.
 
-Paged slots with the same kind, window, head count, head size and dtype form a *group*; a page
-of a group holds ``page_size`` positions of every layer in it, stored as one array
+Kinds of layer, and every rule that depends on them, are ``kv_cache.model.kinds``. Paged slots
+with the same kind (a window's size included), head count, head size and dtype form a *group*;
+a page of a group holds ``page_size`` positions of every layer in it, stored as one array
 ``[layers, 2, kv_heads, n, head_dim]``. Groups have their own pages, hash chains and block tables
 (vLLM's ``KVCacheSpec`` / ``KVCacheGroupSpec`` are the model for this split).
 
@@ -22,11 +23,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, ClassVar, Sequence
 
 import mlx.core as mx
 
-FULL, SLIDING, STATE = "full", "sliding", "state"
+from kv_cache.model.kinds import FULL, STATE, PagedKind, RecurrentState, SlidingWindow, paged_kind
+
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
 
@@ -49,12 +51,16 @@ def dtype_of(name: str) -> mx.Dtype:
 class GroupSpec:
     """Paged layers that share a page layout: ``[len(layers), 2, kv_heads, n, head_dim]``."""
 
-    kind: str  # FULL or SLIDING
+    kind: PagedKind  # FULL or SlidingWindow(window)
     layers: tuple[int, ...]  # cache slots of the model, in order
     num_kv_heads: int
     head_dim: int
     dtype: str
-    window: int = 0  # SLIDING: a query at position p reads keys p-window+1 .. p
+
+    @property
+    def window(self) -> int:
+        """A sliding window's size (0: full attention)."""
+        return self.kind.window
 
     @property
     def mx_dtype(self) -> mx.Dtype:
@@ -67,10 +73,6 @@ class GroupSpec:
         return len(self.layers) * 2 * self.num_kv_heads * page_size * self.head_dim \
             * self.mx_dtype.size
 
-    def first_needed(self, length: int) -> int:
-        """The first position a query after ``length`` cached positions reads."""
-        return max(0, length - self.window + 1) if self.kind == SLIDING else 0
-
 
 @dataclass(frozen=True, slots=True)
 class StateSpec:
@@ -79,6 +81,7 @@ class StateSpec:
     layer: int
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
+    kind: ClassVar[RecurrentState] = STATE
 
     @property
     def nbytes(self) -> int:
@@ -108,31 +111,21 @@ class CacheSpec:
         g = GroupSpec(FULL, tuple(range(num_layers)), num_kv_heads, head_dim, dtype_name(dtype))
         return cls(num_layers, (g,))
 
-    def slot(self, layer: int) -> tuple[str, int, int]:
-        """``(kind, group or state index, index within the group)`` of cache slot ``layer``."""
-        for gi, g in enumerate(self.groups):
-            if layer in g.layers:
-                return g.kind, gi, g.layers.index(layer)
-        for si, s in enumerate(self.states):
-            if s.layer == layer:
-                return STATE, si, 0
-        raise IndexError(f"no cache slot {layer}")
-
     @property
     def has_state(self) -> bool:
         return bool(self.states)
 
     @property
     def has_window(self) -> bool:
-        return any(g.kind == SLIDING for g in self.groups)
+        return any(not g.kind.reads_all for g in self.groups)
 
     def describe(self) -> dict[str, Any]:
         """A JSON-able description (for fingerprints and file headers)."""
         return {
             "num_slots": self.num_slots,
-            "groups": [{"kind": g.kind, "layers": list(g.layers), "num_kv_heads": g.num_kv_heads,
-                        "head_dim": g.head_dim, "dtype": g.dtype, "window": g.window}
-                       for g in self.groups],
+            "groups": [{"kind": g.kind.name, "layers": list(g.layers),
+                        "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "dtype": g.dtype,
+                        "window": g.window} for g in self.groups],
             "states": [{"layer": s.layer, "shapes": [list(x) for x in s.shapes],
                         "dtypes": list(s.dtypes)} for s in self.states],
         }
@@ -143,8 +136,8 @@ class CacheSpec:
     @classmethod
     def from_json(cls, text: str) -> "CacheSpec":
         d = json.loads(text)
-        groups = tuple(GroupSpec(g["kind"], tuple(g["layers"]), int(g["num_kv_heads"]),
-                                 int(g["head_dim"]), g["dtype"], int(g["window"]))
+        groups = tuple(GroupSpec(paged_kind(g["kind"], int(g["window"])), tuple(g["layers"]),
+                                 int(g["num_kv_heads"]), int(g["head_dim"]), g["dtype"])
                        for g in d["groups"])
         states = tuple(StateSpec(int(s["layer"]), tuple(tuple(x) for x in s["shapes"]),
                                  tuple(s["dtypes"])) for s in d["states"])
@@ -188,7 +181,7 @@ def spec_from_caches(caches: Sequence[Any], model_type: str = "model") -> CacheS
                     f"{model_type}: layer {i} has keys {tuple(k.shape)} and values "
                     f"{tuple(v.shape)} of different shapes; not supported")
             window = c.max_size if kind is RotatingKVCache else 0
-            key = (SLIDING if window else FULL, window, int(k.shape[1]), int(k.shape[3]),
+            key = (SlidingWindow(window) if window else FULL, int(k.shape[1]), int(k.shape[3]),
                    dtype_name(k.dtype))
             paged.setdefault(key, []).append(i)
         elif kind is ArraysCache:
@@ -198,8 +191,8 @@ def spec_from_caches(caches: Sequence[Any], model_type: str = "model") -> CacheS
                                             "state empty after a forward pass")
             states.append(StateSpec(i, tuple(tuple(int(d) for d in a.shape) for a in arrays),
                                     tuple(str(a.dtype).split(".")[-1] for a in arrays)))
-    groups = tuple(GroupSpec(kind, tuple(layers), heads, dim, dt, window)
-                   for (kind, window, heads, dim, dt), layers in
+    groups = tuple(GroupSpec(kind, tuple(layers), heads, dim, dt)
+                   for (kind, heads, dim, dt), layers in
                    sorted(paged.items(), key=lambda kv: kv[1][0]))
     return CacheSpec(len(caches), groups, tuple(states))
 

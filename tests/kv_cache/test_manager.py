@@ -27,7 +27,7 @@ def pool_for(model, max_bytes=1 << 24):
 
 
 def run(model, seq, tokens):
-    logits = model(mx.array(tokens)[None], cache=seq.layers)[0, -1]
+    logits = model(mx.array(tokens)[None], cache=seq.prepare())[0, -1]
     seq.append_tokens(tokens)
     return logits
 

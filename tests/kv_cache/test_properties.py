@@ -86,7 +86,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         full = self.own[sid] + ids
         kv = self.model.kv(full)
         new = kv[:, :, :, len(self.own[sid]):]
-        for i, layer in enumerate(seq.layers):
+        for i, layer in enumerate(seq.prepare()):
             k, v = layer.update_and_fetch(mx.array(new[i, 0][None]), mx.array(new[i, 1][None]))
             # The pass attends over everything: gathered pages plus the buffer plus the new.
             np.testing.assert_array_equal(np.array(k[0]), kv[i, 0])
@@ -179,6 +179,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         seq = self.seqs[sid]
         if mlx_lm:
             got = trim_prompt_cache(seq.layers, n)
+            seq.sync()  # the sequence follows its layers at its next step; read it now
         else:
             got = seq.trim(n)
         assert got == min(n, len(self.own[sid]))

@@ -420,7 +420,7 @@ def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
         raise FormatError("entry key, tokens, pages and tail do not agree")
     at, parents = 0, []
     for g, (skip, count) in enumerate(layout):
-        if skip and groups[g].kind != "sliding":
+        if skip and groups[g].kind.reads_all:
             raise FormatError("a full-attention group skips pages")
         chain = chain_hashes(geo.root(g), tokens, P)
         if chain[skip:] != hashes[at : at + count]:

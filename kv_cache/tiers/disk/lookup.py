@@ -27,7 +27,6 @@ import mlx.core as mx
 import numpy as np
 
 from kv_cache.pages.hashing import chain_hashes
-from kv_cache.model.spec import SLIDING
 from kv_cache.tokens import common_prefix
 
 if TYPE_CHECKING:
@@ -64,7 +63,7 @@ class ContentLookup:
             toks = np.asarray(prompt[:limit], dtype=np.int64)
             groups = self.geo.spec.groups
             # Every entry stores all of a full-attention group 0's pages and its tail's holder.
-            pruned = bool(groups) and groups[0].kind != SLIDING
+            pruned = bool(groups) and groups[0].kind.reads_all
             best, best_n = None, 0
             for parent in [self.geo.root(0)] + chain_hashes(self.geo.root(0), toks,
                                                             self.page_size):
@@ -90,11 +89,11 @@ class ContentLookup:
         hashes: list[list[bytes]] = [[] for _ in groups]
         have: list[list[bool]] = [[] for _ in groups]
         for g, spec in enumerate(groups):  # full attention first: they bound the others
-            if spec.kind != SLIDING:
+            if spec.kind.reads_all:
                 hashes[g], have[g] = self._chain(toks, g, pages, stop=True)
                 pages = min(pages, len(hashes[g]))
         for g, spec in enumerate(groups):
-            if spec.kind == SLIDING:
+            if not spec.kind.reads_all:
                 hashes[g], have[g] = self._chain(toks, g, pages, stop=False)
         tails = {}
         for g in range(len(groups)):  # the partial page after ``pages`` full ones
@@ -137,13 +136,11 @@ class ContentLookup:
         return best, rank[0] if best is not None else 0
 
     def _window_ok(self, have: list[list[bool]], n: int) -> bool:
-        """Whether every sliding-window group has the full pages its window reads after ``n``
-        positions (the partial page, if any, was found apart)."""
+        """Whether every group has the full pages it reads after ``n`` positions (a sliding
+        window's may be missing; ``have`` covers full pages only: the partial page, if any, was
+        found apart)."""
         P = self.page_size
-        for spec, ok in zip(self.geo.spec.groups, have):
-            if spec.kind == SLIDING and not all(ok[spec.first_needed(n) // P : n // P]):
-                return False
-        return True
+        return all(all(ok[spec.kind.pages(n, P)]) for spec, ok in zip(self.geo.spec.groups, have))
 
 
 class DiskTails:

@@ -1,5 +1,6 @@
-"""The split attention (shared prefix + own positions) against MLX's fused kernel, and the
-bookkeeping that lets KV-shared layers find their reads only inside a forward pass."""
+"""The split attention (shared prefix + own positions) against MLX's fused kernel, the
+bookkeeping that lets KV-shared layers find their reads only inside a forward pass, and when
+sequences take up shared prefix views."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import mlx.core as mx
 import pytest
 
 from kv_cache.model import attention
-from kv_cache.model.attention import Reads, split_attention
+from kv_cache.model.attention import PrefixViews, Reads, split_attention
+from kv_cache.model.sequence import PagedSequence
+from tests.kv_cache.model.test_sequence import TOKS, Run, make_pool
 
 
 def fused(q, k, v, mask=None, sinks=None):
@@ -51,12 +54,18 @@ def test_returned_keys_are_found_only_inside_a_forward_pass():
     """Outside ``forward()`` nothing is recorded (a plain mlx-lm cache's keys are never taken
     for ours); inside, a lookup needs the very array that was recorded."""
     keys, owner = mx.zeros((1, 1, 1, 1)), object()
-    attention.fetched(keys, owner)
-    assert attention._FETCHED == {}
-    with attention.forward():
+    attention.fetched(keys, owner)  # no pass: nowhere to record it
+    with attention.forward() as p:
         attention.fetched(keys, owner)
-        assert attention._FETCHED[id(keys)] == (keys, owner)
-    assert attention._FETCHED == {}
+        assert p.fetched == {id(keys): (keys, owner)}
+        with attention.forward() as inner:  # a pass of its own: nothing of the outer one
+            assert inner.fetched == {} and inner.masks == {}
+        attention.fetched(keys, owner)
+        assert p.fetched == {id(keys): (keys, owner)}
+    with attention.forward() as later:
+        assert later.fetched == {} and later.masks == {}
+    assert not any(isinstance(v, (dict, list)) and v for k, v in vars(attention).items()
+                   if not k.startswith("__")), "module-level state left behind"
 
 
 class _OneRead:
@@ -91,3 +100,29 @@ def test_one_sequence_over_a_view_is_the_fused_kernel_where_a_copy_pays(T, dtype
     else:
         tol = 2e-5 if dtype == mx.float32 else 3e-2
         assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol).item()
+
+
+def test_a_new_view_leaves_running_sequences_alone_until_their_own_next_step():
+    """Starting a sequence that makes a view over another's pages does not touch the other's
+    buffers; the other takes the view up when it prepares its next forward pass (its buffers then
+    hold only the positions after the view), and reads what it fed."""
+    pool = make_pool()
+    views = PrefixViews(pool)
+    a = Run(PagedSequence(pool, views=views))
+    a.feed(TOKS)
+    a.seq.commit()  # pages of 4, 4 and 2: the first two sealed
+    before = [(layer.keys, layer.base) for layer in a.seq.paged_layers]
+    b = PagedSequence(pool, TOKS[:8], a.seq.table.blocks[:2], views=views)
+    assert b.view is views.views[0] and b.view_len == 8
+    assert a.seq.view is None
+    assert [(layer.keys, layer.base) for layer in a.seq.paged_layers] == before
+    a.feed([7])  # a's next step
+    assert a.seq.view is b.view and b.view.users == 2
+    for i, layer in enumerate(a.seq.paged_layers):
+        assert layer.base == 8 and layer.view is b.view
+        assert a.fetched[i].shape[2] == 3  # positions 8, 9 and the new 10
+        assert mx.array_equal(mx.array(a.fetched[i]), mx.array(a.kv[i, :, :, 8:])).item()
+    b.close()
+    assert views.views == [a.seq.view]
+    a.seq.close()
+    assert views.views == []

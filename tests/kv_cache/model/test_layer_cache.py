@@ -159,7 +159,8 @@ class Driver:
         self.steps = 0
 
     def forward(self, ids) -> int:
-        out = self.model(mx.array([list(ids)]), cache=self.cache)
+        cache = self.seq.prepare() if self.seq is not None else self.cache
+        out = self.model(mx.array([list(ids)]), cache=cache)
         last = out[0, -1]
         mx.eval(last)
         if self.seq is not None:

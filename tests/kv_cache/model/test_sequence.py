@@ -7,7 +7,8 @@ import pytest
 from mlx_lm.models.cache import trim_prompt_cache
 
 from kv_cache.errors import OutOfBlocksError
-from kv_cache.pages.pool import PagePool, page_hash
+from kv_cache.pages.hashing import page_hash
+from kv_cache.pages.pool import PagePool
 from kv_cache.model.sequence import PagedSequence
 
 L, H, D, P = 2, 2, 3, 4
@@ -34,7 +35,7 @@ class Run:
         n = len(ids)
         new = self.rng.standard_normal((L, 2, H, n, D)).astype(np.float32)
         self.fetched = []
-        for i, layer in enumerate(self.seq.layers):
+        for i, layer in enumerate(self.seq.prepare()):
             k, v = layer.update_and_fetch(mx.array(new[i, 0][None]), mx.array(new[i, 1][None]))
             self.fetched.append(np.stack([np.array(k[0]), np.array(v[0])]))
         self.seq.append_tokens(ids)

@@ -39,7 +39,7 @@ def run(model, cache, tokens, chunk=37, seq=None):
     out = []
     for i in range(0, len(tokens), chunk):
         piece = tokens[i : i + chunk]
-        out.append(model(mx.array([piece]), cache=cache)[0, -1])
+        out.append(model(mx.array([piece]), cache=seq.prepare() if seq else cache)[0, -1])
         mx.eval(out[-1])
         if seq is not None:
             seq.append_tokens(piece)
@@ -51,7 +51,7 @@ def greedy(model, cache, logits, n, seq=None):
     for _ in range(n):
         t = int(mx.argmax(logits).item())
         tokens.append(t)
-        logits = model(mx.array([[t]]), cache=cache)[0, -1]
+        logits = model(mx.array([[t]]), cache=seq.prepare() if seq else cache)[0, -1]
         if seq is not None:
             seq.append_tokens([t])
     return tokens, logits

@@ -5,8 +5,9 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from kv_cache.model.spec import (FULL, SLIDING, STATE, CacheSpec, GroupSpec, UnsupportedCacheError,
-                           spec_from_caches, spec_of_model)
+from kv_cache.model.kinds import FULL, STATE, SlidingWindow
+from kv_cache.model.spec import (CacheSpec, GroupSpec, UnsupportedCacheError, spec_from_caches,
+                                 spec_of_model)
 from mlx_kvserver.models import resolve_and_load
 from tests.tiny_families import SLIDING_WINDOW, make_tiny_family_dir, make_tiny_family_model
 from tests.tiny_model import make_tiny_model, make_tiny_model_dir
@@ -18,9 +19,7 @@ def test_plain_spec_is_one_full_group():
     assert spec.states == () and not spec.has_state and not spec.has_window
     assert spec.groups[0].page_bytes(4) == 3 * 2 * 2 * 4 * 8 * 2
     assert spec.groups[0].shape(5) == (3, 2, 2, 5, 8)
-    assert spec.slot(1) == (FULL, 0, 1)
-    with pytest.raises(IndexError):
-        spec.slot(3)
+    assert spec.groups[0].window == 0 and spec.groups[0].kind.reads_all
 
 
 def test_llama_spec():
@@ -31,21 +30,39 @@ def test_llama_spec():
 def test_gemma3_sliding_and_global_layers_are_two_groups():
     spec = spec_of_model(make_tiny_family_model("gemma3_text"), "gemma3_text")
     assert spec.groups == (
-        GroupSpec(SLIDING, (0, 2), 2, 16, "float32", SLIDING_WINDOW),
+        GroupSpec(SlidingWindow(SLIDING_WINDOW), (0, 2), 2, 16, "float32"),
         GroupSpec(FULL, (1, 3), 2, 16, "float32"),
     )
     assert spec.has_window and not spec.has_state
-    g = spec.groups[0]
+    g = spec.groups[0].kind
     # A query after 40 positions reads positions 25..40: the window's last 16 (itself included).
     assert g.first_needed(40) == 40 - SLIDING_WINDOW + 1 and g.first_needed(3) == 0
-    assert spec.groups[1].first_needed(40) == 0
+    assert spec.groups[1].kind.first_needed(40) == 0
+    # Pages of 8: it reads pages 3..4 (positions 24..39), keeps from 24, releases pages 0..2.
+    assert g.pages(40, 8) == slice(3, 5) and g.keep_from(40, 8) == 24
+    assert g.holds([None] * 3 + [1, 2], 40, 8) and not g.holds([None] * 4 + [2], 40, 8)
+    assert not g.holds([None] * 3 + [1], 40, 8)  # the last page is missing
+    assert g.cut(list(range(6)), 40, 8) == [None] * 3 + [3, 4]
+    full = spec.groups[1].kind
+    assert full.pages(40, 8) == slice(0, 5) and full.cut(list(range(6)), 33, 8) == [0, 1, 2, 3, 4]
+
+
+def test_the_cache_spec_json_names_kinds_as_it_always_has():
+    """The canonical JSON is part of the model fingerprint and of every file header: kinds are
+    written as the strings ``"full"`` / ``"sliding"`` with the window beside them."""
+    spec = spec_of_model(make_tiny_family_model("gemma3_text"), "gemma3_text")
+    assert spec.to_json() == (
+        '{"groups":[{"dtype":"float32","head_dim":16,"kind":"sliding","layers":[0,2],'
+        '"num_kv_heads":2,"window":16},{"dtype":"float32","head_dim":16,"kind":"full",'
+        '"layers":[1,3],"num_kv_heads":2,"window":0}],"num_slots":4,"states":[]}')
+    assert CacheSpec.from_json(spec.to_json()) == spec
 
 
 def test_gemma4_groups_by_head_size_and_shares_kv_layers():
     spec = spec_of_model(make_tiny_family_model("gemma4_text"), "gemma4_text")
     assert spec.num_slots == 4  # 6 layers, the last 2 reuse earlier layers' keys and values
     kinds = {(g.kind, g.head_dim) for g in spec.groups}
-    assert kinds == {(SLIDING, 16), (FULL, 32)}
+    assert kinds == {(SlidingWindow(SLIDING_WINDOW), 16), (FULL, 32)}
     assert sorted(i for g in spec.groups for i in g.layers) == [0, 1, 2, 3]
 
 
@@ -56,7 +73,7 @@ def test_recurrent_layers_are_state_slots(family, states, full):
     assert tuple(s.layer for s in spec.states) == states
     assert spec.groups[0].layers == full and spec.has_state
     assert all(s.nbytes > 0 for s in spec.states)
-    assert spec.slot(states[0])[0] == STATE
+    assert all(s.kind == STATE for s in spec.states)
 
 
 def test_json_round_trip():
