@@ -73,14 +73,10 @@ def fill(url: str, geo: Geometry, tokens: int):
     return shared, hashes
 
 
-def median_time(fn, repeat: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def plain_gets(client, names: list[str], batch: int) -> int:
@@ -104,11 +100,15 @@ def clients(proc: RedisProc, names: list[str], batch: int, repeat: int) -> dict:
         makers[f"valkey ({parser})"] = lambda: valkey.Valkey(port=proc.port)
     except ImportError:
         pass
+    made = {name: make() for name, make in makers.items()}
+    times: dict[str, list[float]] = {name: [] for name in made}
+    size = plain_gets(made["redis+hiredis"], names, batch)
+    for _ in range(repeat + 1):  # rounds of every client in turn: the machine's drift shared
+        for name, client in made.items():
+            times[name].append(timed(lambda: plain_gets(client, names, batch)))
     out = {}
-    for name, make in makers.items():
-        client = make()
-        size = plain_gets(client, names, batch)
-        t = median_time(lambda: plain_gets(client, names, batch), repeat)
+    for name, client in made.items():
+        t = statistics.median(times[name][1:])
         out[name] = {"MB_per_s": round(size / t / 1e6, 1), "seconds": round(t, 4)}
         client.close()
     return out
@@ -119,7 +119,6 @@ def throughput(proc: RedisProc, geo: Geometry, tokens: int, repeat: int, work: P
     names = [shared.keys.page(h) for h in hashes]
     client = shared.link.client
     size = plain_gets(client, names, shared.batch)
-    plain = median_time(lambda: plain_gets(client, names, shared.batch), repeat)
     disk = DiskStore(work / "disk", fingerprint=geo.fingerprint, spec=geo.spec,
                      page_size=PAGE, max_bytes=1 << 30)
     tier = TieredStore(disk, shared)
@@ -129,7 +128,12 @@ def throughput(proc: RedisProc, geo: Geometry, tokens: int, repeat: int, work: P
         assert k == len(hashes)
         mx.eval(arr)
 
-    t = median_time(restore, repeat)
+    restore()
+    plains, tiers = [], []
+    for _ in range(repeat):  # alternated: the machine's drift shared
+        plains.append(timed(lambda: plain_gets(client, names, shared.batch)))
+        tiers.append(timed(restore))
+    plain, t = statistics.median(plains), statistics.median(tiers)
     result = {"pages": len(hashes), "bytes": size, "batch": shared.batch,
               "plain_gets_MB_per_s": round(size / plain / 1e6, 1),
               "tier_MB_per_s": round(size / t / 1e6, 1), "tier_over_plain": round(plain / t, 2),

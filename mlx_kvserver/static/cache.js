@@ -52,6 +52,14 @@ function modelStats(name, s) {
     row(t, "disk entries", String(d.entries)).dataset.stat = "disk-entries";
   } else row(t, "disk", "off").dataset.stat = "disk";
   row(t, "evictions", `RAM ${r.evictions}, disk ${d ? d.evictions : "-"}`).dataset.stat = "evictions";
+  const st = s.store;
+  if (st) {
+    const state = st.breaker === "closed" ? "" : ` — ${st.breaker}, not asked`;
+    row(t, "shared store", `${st.hits} hits, ${st.misses} misses; ${st.pages_read} pages read ` +
+      `(${bytes(st.bytes_read)}), ${st.pages_written} written${state}`).dataset.stat = "store";
+    row(t, "store problems", `${st.errors} errors, ${st.bad_values} bad values, ` +
+      `${st.dropped_pages} pages dropped`).dataset.stat = "store-problems";
+  }
   const rr = s.reread;
   if (rr) {
     const last = rr.last;

@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 
 from kv_cache.pages.hashing import chain_hashes, page_hash
-from kv_cache.tiers.base import FoundPrefix, LoadedEntry, StoredEntry, Tier, host_array
-from kv_cache.tiers.disk.file_data import to_array
+from kv_cache.tiers.base import FoundPrefix, LoadedEntry, StoredEntry, Tier
+from kv_cache.tiers.disk.file_data import as_page, run_dest, to_array
 from kv_cache.tiers.store.shared import SharedStore, WriteJob
 
 MANIFESTS = 8  # manifests fetched by ``get``, kept for the ``load_entry`` that follows
@@ -132,22 +132,20 @@ class TieredStore:
         return out
 
     def load_run(self, hashes: Sequence[bytes], group: int) -> tuple[mx.array | None, int]:
+        """The disk's run; where the disk has none of it, the store's: each page checked and
+        copied once, straight into the run's MLX array (``run_dest``). A run the disk has a
+        part of stays the disk's (the rest then loads page by page, from the store too)."""
         arr, k = self.disk.load_run(hashes, group)
-        if k == len(hashes):
+        if k or not hashes:
             return arr, k
-        P = self.geo.page_size
-        got = self.shared.load_pages(hashes[k:])
-        views = []
-        for found in got:
-            if found is None:
-                break
-            views.append(found)
-        if not views:
-            return arr, k
-        dt = views[0][1]
-        parts = [] if not k else [host_array(arr[:, :, :, : k * P, :])]
-        run = np.concatenate(parts + [v for v, _ in views], axis=3)
-        return to_array(run, dt), k + len(views)
+        got = self.shared.load_pages(hashes)
+        n = (got + [None]).index(None)
+        if n == 0:
+            return None, 0
+        arr, parts = run_dest(self.geo, group, len(hashes))
+        for part, (view, _) in zip(parts, got[:n]):
+            part[...] = view.view(np.uint8).reshape(part.shape)
+        return as_page(arr, self.geo, group), n
 
     def load_holder(self, h: bytes) -> mx.array | None:
         return self.disk.load_holder(h)
