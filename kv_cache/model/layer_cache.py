@@ -25,6 +25,7 @@ from mlx_lm.models.base import create_causal_mask
 
 from kv_cache.model.attention import Reads, fetched
 from kv_cache.model.kinds import FullAttention, PagedKind, SlidingWindow
+from kv_cache.pages.quant import KVQuant
 
 
 class PagedLayerCache:
@@ -33,8 +34,10 @@ class PagedLayerCache:
 
     step = 256
 
-    def __init__(self, kind: PagedKind, layer: int, page_size: int, offset: int = 0):
+    def __init__(self, kind: PagedKind, layer: int, page_size: int, offset: int = 0,
+                 quant: KVQuant | None = None):
         self.kind, self.window, self.page_size = kind, kind.window, page_size
+        self.quant = quant  # pages in bits: new keys and values are read as pages hold them
         self.layer = layer  # the model's cache slot
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -88,6 +91,11 @@ class PagedLayerCache:
         self.view, self.view_len = view, length
 
     def _append(self, keys: mx.array, values: mx.array) -> None:
+        if self.quant is not None:
+            # NOTE: the model reads exactly what the page will hold (a projection: storing
+            # these values gives them back bit for bit), so a turn restored from pages computes
+            # what the warm one did, and cache on equals cache off under the same setting.
+            keys, values = self.quant.round_trip_pair(keys, values)
         prev = self.offset - self.base
         if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
             B, n_kv_heads, _, k_dim = keys.shape
@@ -228,6 +236,7 @@ _CACHES: dict[type, type[PagedLayerCache]] = {FullAttention: PagedLayerCache,
                                              SlidingWindow: PagedWindowCache}
 
 
-def layer_cache(kind: PagedKind, layer: int, page_size: int, offset: int = 0) -> PagedLayerCache:
+def layer_cache(kind: PagedKind, layer: int, page_size: int, offset: int = 0,
+                quant: KVQuant | None = None) -> PagedLayerCache:
     """The layer cache of a paged group's ``kind`` for the model's cache slot ``layer``."""
-    return _CACHES[type(kind)](kind, layer, page_size, offset)
+    return _CACHES[type(kind)](kind, layer, page_size, offset, quant)

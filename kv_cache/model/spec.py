@@ -22,11 +22,12 @@ prefix) is refused with an error naming the model type and the layer, when the m
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Sequence
 
 import mlx.core as mx
 
+from kv_cache.pages.quant import KVQuant
 from kv_cache.model.kinds import FULL, STATE, PagedKind, RecurrentState, SlidingWindow, paged_kind
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
@@ -56,6 +57,7 @@ class GroupSpec:
     num_kv_heads: int
     head_dim: int
     dtype: str
+    quant: KVQuant | None = None  # pages held in 8 or 4 bits (``--kv-bits``), else in ``dtype``
 
     @property
     def window(self) -> int:
@@ -71,7 +73,29 @@ class GroupSpec:
 
     def page_bytes(self, page_size: int) -> int:
         return len(self.layers) * 2 * self.num_kv_heads * page_size * self.head_dim \
-            * self.mx_dtype.size
+            * self.mx_dtype.size if self.quant is None else self.quant.page_bytes(
+                len(self.layers), self.num_kv_heads, self.head_dim, page_size, self.mx_dtype)
+
+    # A page as stored (in memory, on disk, in a store, in an export): the values, or with
+    # ``quant`` one ``uint32`` array of codes, scales and biases (``KVQuant.encode``).
+
+    def stored_shape(self, n: int) -> tuple[int, int, int, int, int]:
+        if self.quant is None:
+            return self.shape(n)
+        return (*self.shape(n)[:4], self.quant.words(self.head_dim, self.mx_dtype))
+
+    @property
+    def stored_dtype(self) -> str:
+        return self.dtype if self.quant is None else "uint32"
+
+    def encode(self, kv: mx.array) -> mx.array:
+        """Values ``shape(n)`` as stored."""
+        kv = kv.astype(self.mx_dtype)
+        return kv if self.quant is None else self.quant.encode(kv)
+
+    def decode(self, page: mx.array) -> mx.array:
+        """A stored page's values (exact: see ``kv_cache.pages.quant``)."""
+        return page if self.quant is None else self.quant.decode(page, self.mx_dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +135,14 @@ class CacheSpec:
         g = GroupSpec(FULL, tuple(range(num_layers)), num_kv_heads, head_dim, dtype_name(dtype))
         return cls(num_layers, (g,))
 
+    def with_quant(self, quant: KVQuant | None) -> "CacheSpec":
+        """The same cache with its pages held by ``quant`` (None: in the model's dtype); part of
+        the description, so of the fingerprint: pages of two settings never mix."""
+        for g in self.groups:
+            if quant is not None:
+                quant.check(g.head_dim)
+        return replace(self, groups=tuple(replace(g, quant=quant) for g in self.groups))
+
     @property
     def has_state(self) -> bool:
         return bool(self.states)
@@ -125,7 +157,8 @@ class CacheSpec:
             "num_slots": self.num_slots,
             "groups": [{"kind": g.kind.name, "layers": list(g.layers),
                         "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim, "dtype": g.dtype,
-                        "window": g.window} for g in self.groups],
+                        "window": g.window, **(g.quant.describe() if g.quant else {})}
+                       for g in self.groups],
             "states": [{"layer": s.layer, "shapes": [list(x) for x in s.shapes],
                         "dtypes": list(s.dtypes)} for s in self.states],
         }
@@ -137,7 +170,9 @@ class CacheSpec:
     def from_json(cls, text: str) -> "CacheSpec":
         d = json.loads(text)
         groups = tuple(GroupSpec(paged_kind(g["kind"], int(g["window"])), tuple(g["layers"]),
-                                 int(g["num_kv_heads"]), int(g["head_dim"]), g["dtype"])
+                                 int(g["num_kv_heads"]), int(g["head_dim"]), g["dtype"],
+                                 KVQuant(int(g["kv_bits"]), int(g["kv_group_size"]))
+                                 if "kv_bits" in g else None)
                        for g in d["groups"])
         states = tuple(StateSpec(int(s["layer"]), tuple(tuple(x) for x in s["shapes"]),
                                  tuple(s["dtypes"])) for s in d["states"])
