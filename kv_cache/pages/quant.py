@@ -160,6 +160,33 @@ class KVQuant:
         w, scales, biases = q
         return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
 
+    # -- a page as one array ------------------------------------------------------------------
+
+    def words(self, head_dim: int, dtype: mx.Dtype) -> int:
+        """``uint32`` words of one stored position of one head: codes, then scales and biases
+        (their bits, in ``dtype``)."""
+        return self.row_bytes(head_dim, dtype) // 4
+
+    def encode(self, kv: mx.array) -> mx.array:
+        """``kv`` ``[..., head_dim]`` as one ``uint32`` array ``[..., words]``: a stored page
+        stays one array cut and joined along positions, read and written as it is by every tier
+        (memory runs, disk files, the shared store, exports)."""
+        w, scales, biases = self.quantize(kv)
+        return mx.concatenate([w, mx.concatenate([scales, biases], axis=-1).view(mx.uint32)],
+                              axis=-1)
+
+    def decode(self, page: mx.array, dtype: mx.Dtype) -> mx.array:
+        """The values an ``encode``d ``page`` holds, in ``dtype`` (the model's)."""
+        n_codes = page.shape[-1] - 2 * self.groups(page.shape[-1], dtype) * dtype.size // 4
+        sb = page[..., n_codes:].view(dtype)
+        half = sb.shape[-1] // 2
+        return self.dequantize((page[..., :n_codes], sb[..., :half], sb[..., half:]))
+
+    def groups(self, words: int, dtype: mx.Dtype) -> int:
+        """Groups per row of a stored row of ``words`` words."""
+        # words = groups * (group_size * bits / 32 + 2 * dtype.size / 4)
+        return words * 32 // (self.group_size * self.bits + 16 * dtype.size)
+
     def round_trip(self, kv: mx.array) -> mx.array:
         """Exactly ``dequantize(quantize(kv))``, without packing: what the model reads of a
         fresh key or value, and what the page will give back."""
@@ -177,18 +204,3 @@ class KVQuant:
 def make_quant(bits: int | None, group_size: int = 64) -> KVQuant | None:
     """The codec for ``--kv-bits`` (None or 0: pages at the model's precision)."""
     return KVQuant(bits, group_size) if bits else None
-
-
-# -- quantized page data: the same three arrays, cut and joined along positions (axis 3) ----------
-
-def nbytes(q: QuantizedKV) -> int:
-    return sum(a.nbytes for a in q)
-
-
-def concat(parts: list[QuantizedKV], axis: int = 3) -> QuantizedKV:
-    return tuple(mx.concatenate([p[i] for p in parts], axis=axis) for i in range(3))
-
-
-def positions(q: QuantizedKV, start: int, end: int) -> QuantizedKV:
-    """Positions ``start..end-1`` of a page ``[layers, 2, kv_heads, n, ...]``."""
-    return tuple(mx.contiguous(a[:, :, :, start:end, :]) for a in q)
