@@ -30,6 +30,7 @@ from kv_cache.tiers.disk.store import DiskStore, StoredEntry
 from kv_cache.saving import DiskSaving, DiskWriter
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.pages.pool import PagePool
+from kv_cache.queries import Queries
 from kv_cache.restore import Restore
 from kv_cache.model.sequence import PagedSequence, Snapshot
 from kv_cache.model.state_points import PointEntries
@@ -78,7 +79,7 @@ class ManagerStats:
     disk_save_failures: int = 0
 
 
-class CacheManager(Restore, DiskSaving, PointEntries):
+class CacheManager(Restore, DiskSaving, PointEntries, Queries):
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
     def __init__(self, pool: PagePool, store: DiskStore | None = None, max_resident: int = 4,

@@ -1,4 +1,9 @@
-"""Export and import of one entry's cache as a single self-describing safetensors file."""
+"""Export and import of one entry's cache as a single self-describing safetensors file.
+
+Both go through the manager's public surface: an export reads the entry's pages while the
+manager holds them (``CacheManager.holding``); an import writes the file's keys and values into
+pool pages, as a restore from disk does, and keeps them with ``CacheManager.save``.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,10 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from kv_cache.errors import FormatError
 from kv_cache.manager import CacheManager, Entry
 from kv_cache.model.sequence import PagedSequence
+from kv_cache.tiers.disk.file_format import read_header
 
 FORMAT = "mlx-kvcache-export"
 VERSION = "2"
@@ -48,29 +55,12 @@ def entry_kv(manager: CacheManager, key: str) -> tuple[tuple[int, ...], dict[str
     """The tokens and tensors (``kv.<group>`` pages, ``state.<slot>.<i>``) of ``key``, from
     memory or disk; None when neither has it whole."""
     pool = manager.pool
-    entry = manager.get(key)
-    if entry is not None:
-        if pool.spec.has_state and entry.state is None:
+    with manager.holding(key) as found:
+        if found is None:
             return None
-        tensors = _gather(pool, entry.tables, len(entry.tokens))
-        state = entry.state
-        tokens = entry.tokens
-    else:
-        stored = manager.store.get(key) if manager.store is not None else None
-        if stored is None:
-            return None
-        n, tables, state = manager._load(stored, len(stored.tokens))
-        try:
-            if n < len(stored.tokens):
-                return None  # part of it is gone or corrupt
-            tensors = _gather(pool, tables, n)
-            mx.eval(list(tensors.values()))
-        finally:
-            for t in tables:
-                for b in t:
-                    if b is not None:
-                        pool.release(b)
-        tokens = stored.tokens
+        tokens, tables, state = found
+        tensors = _gather(pool, tables, len(tokens))
+        mx.eval(list(tensors.values()))
     if len(tensors) != len(pool.groups):
         return None
     for si, arrays in enumerate(state or []):
@@ -98,6 +88,20 @@ def export_entry(manager: CacheManager, key: str) -> bytes | None:
         return Path(path).read_bytes()
     finally:
         os.unlink(path)
+
+
+def export_key(path: str | Path) -> str | None:
+    """The ``key`` an export file's metadata names (unchecked), after a strict check that its
+    header is well-formed safetensors that fits the file (before MLX parses it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            header = read_header(fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+    except FormatError as e:
+        raise TransferError(str(e))
+    return header.metadata.get("key")
 
 
 def read_export(path: str | Path) -> tuple[dict, dict[str, mx.array]]:
@@ -138,7 +142,8 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
     n, P = len(tokens), pool.page_size
     want = {}
     for g, spec in enumerate(pool.groups):
-        want[f"kv.{g}"] = (spec.shape(n - spec.kind.keep_from(n, P)), spec.mx_dtype)
+        want[f"kv.{g}"] = (spec.stored_shape(n - spec.kind.keep_from(n, P)),
+                           getattr(mx, spec.stored_dtype))
     for si, s in enumerate(pool.spec.states):
         for i, (shape, dt) in enumerate(zip(s.shapes, s.dtypes)):
             want[f"state.{si}.{i}"] = (tuple(shape), getattr(mx, dt))
@@ -150,17 +155,34 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
         raise TransferError("the export names no key and none was given")
     state = [[arrays[f"state.{si}.{i}"] for i in range(len(s.shapes))]
              for si, s in enumerate(pool.spec.states)] or None
-    seq = PagedSequence(pool)
+    tables: list[list[int | None]] = []
     try:
-        for g, layers in enumerate(seq.group_layers):
-            kv = arrays[f"kv.{g}"]
-            base = n - kv.shape[3]
-            for i, layer in enumerate(layers):
-                layer.load(kv[i, 0][None], kv[i, 1][None], base)
-                layer.offset = n
-        seq.tokens = list(tokens)
-        for c, arrays_ in zip(seq.state_layers, state or []):
-            c.cache = list(arrays_)
-        return manager.save(key, seq)
+        for g in range(len(pool.groups)):
+            tables.append([])
+            _write_pages(pool, g, tokens, arrays[f"kv.{g}"], tables[-1])
+        with PagedSequence(pool, tokens, tables, state) as seq:
+            return manager.save(key, seq)
     finally:
-        seq.close()
+        for t in tables:
+            pool.release_all(t)
+
+
+def _write_pages(pool, g: int, tokens: list[int], kv: mx.array, table: list) -> None:
+    """Group ``g``'s pages of ``tokens`` from ``kv``, which holds the positions from the first
+    page a window at the end reads (all, for full attention), appended to ``table`` held: full
+    pages sealed (the pool's own copy where it has one), the open tail written to a new page."""
+    n, P = len(tokens), pool.page_size
+    skip = pool.groups[g].kind.first_page(n, P)
+    chain = pool.chain(tokens[: n // P * P], g)
+    table += [None] * skip
+    for i in range(skip, -(-n // P)):
+        a, b = i * P, min((i + 1) * P, n)
+        data = mx.contiguous(kv[:, :, :, a - skip * P : b - skip * P, :])
+        if b - a == P:
+            parent = chain[i - 1] if i else pool.roots[g]
+            table.append(pool.add_sealed(parent, tokens[a:b], data, g, chain[i]))
+        else:
+            (block,) = pool.allocate(1, g)
+            table.append(block)
+            pool.write(block, data, tokens[a:b])
+    mx.eval([pool.data(b) for b in table if b is not None])

@@ -8,9 +8,10 @@ import logging
 import os
 from pathlib import Path
 
-from .config import GB, ServerConfig, default_cache_dir, env_float
+from .config import ServerConfig, default_cache_dir, env_float
 
 log = logging.getLogger("mlx_kvserver")
+D = ServerConfig  # the defaults
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,29 +26,36 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer requests for model NAME (a glob such as 'claude-*' is allowed) "
                         "with the served model SERVED ('default': the first); repeatable. "
                         "Agents ask for their own model names: e.g. --model-alias '*=default'")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8080)
-    p.add_argument("--max-tokens", type=int, default=512,
+    p.add_argument("--host", default=D.host, help=f"address to bind (default {D.host})")
+    p.add_argument("--port", type=int, default=D.port)
+    p.add_argument("--max-tokens", type=int, default=D.max_tokens,
                    help="default completion length when a request sets none")
-    p.add_argument("--temp", type=float, default=0.0, help="default sampling temperature")
+    p.add_argument("--temp", type=float, default=D.temperature,
+                   help="default sampling temperature")
     p.add_argument("--kv-cache-dir", type=Path, default=None,
                    help="where the KV cache persists (default ~/.cache/mlx-kvserver/kv)")
     p.add_argument("--no-disk-cache", action="store_true",
                    help="keep the KV cache in memory only")
     p.add_argument("--max-kv-size-gb", type=float,
-                   default=env_float("MAX_KV_SIZE_GB", 10.0),
-                   help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default 10)")
-    p.add_argument("--max-kv-ram-gb", type=float, default=env_float("MAX_KV_RAM_GB", 2.0),
-                   help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default 2)")
-    p.add_argument("--page-size", type=int, default=32, help="tokens per KV page")
-    p.add_argument("--max-resident-sequences", type=int, default=4,
+                   default=env_float("MAX_KV_SIZE_GB", D.max_kv_size_gb),
+                   help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default "
+                        f"{D.max_kv_size_gb:g})")
+    p.add_argument("--max-kv-ram-gb", type=float,
+                   default=env_float("MAX_KV_RAM_GB", D.max_kv_ram_gb),
+                   help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default "
+                        f"{D.max_kv_ram_gb:g})")
+    p.add_argument("--page-size", type=int, default=D.page_size, help="tokens per KV page")
+    p.add_argument("--max-resident-sequences", type=int, default=D.max_resident_sequences,
                    help="finished conversations kept with their working buffers, so that their "
                         "next turn skips gathering pages (0: none)")
-    p.add_argument("--eviction-policy", default="lru", choices=["lru", "fifo", "s3fifo"])
-    p.add_argument("--max-batch", type=int, default=32,
-                   help="answers decoded together in one forward pass, at most (default 32)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
-                   help="prompt tokens read per step while other answers stream (default 256)")
+    p.add_argument("--eviction-policy", default=D.eviction_policy,
+                   choices=["lru", "fifo", "s3fifo"])
+    p.add_argument("--max-batch", type=int, default=D.max_batch,
+                   help="answers decoded together in one forward pass, at most (default "
+                        f"{D.max_batch})")
+    p.add_argument("--prefill-chunk", type=int, default=D.prefill_chunk,
+                   help="prompt tokens read per step while other answers stream (default "
+                        f"{D.prefill_chunk})")
     p.add_argument("--api-key", default=os.environ.get("MLX_KVSERVER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
@@ -100,21 +108,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         volatile_rule_files=args.volatile_rules)
 
 
-def make_engine(models: list, config: ServerConfig):
-    """The generation engine for loaded ``models`` with ``config``'s cache settings."""
-    from .engine import CacheConfig, Engine
-
-    cache = CacheConfig(page_size=config.page_size, max_ram_bytes=int(config.max_kv_ram_gb * GB),
-                        policy=config.eviction_policy, disk_dir=config.kv_cache_dir,
-                        max_disk_bytes=int(config.max_kv_size_gb * GB),
-                        disk_policy=config.eviction_policy,
-                        max_resident=config.max_resident_sequences)
-    return Engine(models, cache, max_queue=config.max_queue, max_batch=config.max_batch,
-                  prefill_chunk=config.prefill_chunk)
-
-
 def load_engine(config: ServerConfig):
     """Load the configured models and build the registry and the engine."""
+    from .engine import Engine
     from .models import ModelRegistry, resolve_and_load
 
     models = []
@@ -125,7 +121,7 @@ def load_engine(config: ServerConfig):
         registry = ModelRegistry(models, config.model_aliases)
     except ValueError as e:
         raise SystemExit(str(e))
-    return registry, make_engine(models, config)
+    return registry, Engine(models, config)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from .chat.output import Error, Event, ReasoningDelta, TextDelta, ToolCallStart, Usage
+
 __all__ = ["CONTENT_TYPE_LATEST", "ChatWatch", "Metrics", "RequestCounter", "route_label"]
 
 P = "mlx_kvserver_"
@@ -98,7 +100,7 @@ class Metrics:
 
 
 class ChatWatch:
-    """Follows one chat completion's events (``delta``, ``usage``, ``error``); ``close`` at the
+    """Follows one chat completion's events (deltas, ``Usage``, ``Error``); ``close`` at the
     end records the decode rate."""
 
     def __init__(self, metrics: Metrics, model: str) -> None:
@@ -106,22 +108,23 @@ class ChatWatch:
         self.t0, self.t_first = time.perf_counter(), None
         self.completion = 0
 
-    def event(self, kind: str, data: Any) -> None:
+    def event(self, event: Event) -> None:
         """One of a job's events (``chat/output.py`` types): the first delta that carries
         output (text, reasoning or a tool call) is the first token."""
         m, model = self.metrics, self.model
-        if kind == "delta" and self.t_first is None and \
-                (getattr(data, "text", None) or getattr(data, "name", None)):
-            self.t_first = time.perf_counter()
-            m.ttft.labels(model).observe(self.t_first - self.t0)
-        elif kind == "usage":
-            m.prompt_tokens.labels(model).inc(data.prompt_tokens)
-            m.cached_tokens.labels(model).inc(data.cached_tokens)
-            m.completion_tokens.labels(model).inc(data.completion_tokens)
-            self.completion = data.completion_tokens
-            if data.divergence is not None:
-                m.reread.labels(model).inc(data.divergence.reread_tokens)
-        elif kind == "error":
+        if isinstance(event, (TextDelta, ReasoningDelta, ToolCallStart)):
+            if self.t_first is None and (event.name if isinstance(event, ToolCallStart)
+                                         else event.text):
+                self.t_first = time.perf_counter()
+                m.ttft.labels(model).observe(self.t_first - self.t0)
+        elif isinstance(event, Usage):
+            m.prompt_tokens.labels(model).inc(event.prompt_tokens)
+            m.cached_tokens.labels(model).inc(event.cached_tokens)
+            m.completion_tokens.labels(model).inc(event.completion_tokens)
+            self.completion = event.completion_tokens
+            if event.divergence is not None:
+                m.reread.labels(model).inc(event.divergence.reread_tokens)
+        elif isinstance(event, Error):
             m.errors.labels(model).inc()
 
     def close(self) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from kv_cache.model.spec import CacheSpec, spec_of_model
+from kv_cache import CacheSpec, spec_of_model
 
 from .gguf import dequantize_to_float32, is_gguf, load_gguf
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kv_cache.model.sequence import PagedSequence
+from kv_cache import PagedSequence
 
 from .chat.conversation import Message, Reasoning, Text, ToolResult
 from .chat.output import Finish

@@ -15,16 +15,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
-
 import mlx.core as mx
 
-from kv_cache.manager import Match
-from kv_cache.model.sequence import PagedSequence
-from kv_cache.model.state_points import boundaries
+from kv_cache import Match, PagedSequence, boundaries
 
 from .chat.conversation import Conversation
-from .chat.output import Divergence, Finish, TextDelta, TokenLogprob, Usage
+from .chat.output import Delta, Divergence, Event, Finish, TextDelta, TokenLogprob, Usage
 from .chat.parse import OutputParser
 from .chat.render import render
 from .chat.support import chat_support
@@ -39,10 +35,9 @@ def new_message_id() -> str:
 
 @dataclass
 class Job:
-    """One request as an API module submits it; events flow back on ``events`` as
-    ``(kind, data)``: ``accepted`` (prompt checked, cache looked up), ``start``/``delta``/
-    ``finish`` per choice, ``usage``, ``error`` and finally ``done``; ``data`` is one of the
-    types of ``chat/output.py`` (a ``RequestError`` for ``error``)."""
+    """One request as an API module submits it; its events (``chat/output.py``: ``Accepted``,
+    per choice ``Start``, deltas and ``Finish``, then ``Usage``, or an ``Error``; ``Done`` last)
+    come back on ``events``, put there by the engine thread (``send``)."""
 
     conversation: Conversation
     lm: LoadedModel
@@ -53,8 +48,8 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     answer_ids: list[str] = field(default_factory=list)  # message ids the API chose, by choice
 
-    def emit(self, kind: str, data: Any = None) -> None:
-        self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, data))
+    def send(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -95,13 +90,13 @@ class Choice:
     def sample(self, logits: mx.array) -> mx.array:
         return self.sampler(logits)
 
-    def accept(self, token: int, logits: mx.array | None = None) -> None:
+    def accept(self, token: int, logits: mx.array | None = None) -> list[Delta]:
         """Take one sampled token: finish on an end token, a stop string, the grammar's end or
-        the length limit, and stream the text that can no longer become part of a stop string."""
+        the length limit; the deltas of the text that can no longer become part of a stop
+        string."""
         r = self.request
         if token in r.lm.tokenizer.eos_token_ids:
-            self._finish("stop")
-            return
+            return self._finish("stop")
         self.sampler.advance(token)
         self.tokens.append(token)
         if r.top_logprobs is not None and logits is not None:
@@ -114,45 +109,47 @@ class Choice:
             hit = self.stops.match(self.text, self.emitted)
             if hit is not None:
                 self.text, self.stop_sequence = self.text[:hit[0]], hit[1]
-                self._finish("stop", flush=False)
-                return
+                return self._finish("stop", flush=False)
             end = self.stops.safe_end(self.text)
+        out: list[Delta] = []
         if end > self.emitted:
-            self._out(self.text[self.emitted:end])
+            out = self._out(self.text[self.emitted:end])
             self.emitted = end
         if self.sampler.finished:
-            self._finish("stop")
-        elif len(self.tokens) >= r.max_tokens:
-            self._finish("length")
-        else:
-            self.next_token = token
+            return out + self._finish("stop")
+        if len(self.tokens) >= r.max_tokens:
+            return out + self._finish("length")
+        self.next_token = token
+        return out
 
-    def _out(self, text: str) -> None:
+    def _out(self, text: str) -> list[Delta]:
         if self.parser is None:
-            deltas = [TextDelta(self.index, text)] if text else []
-        else:
-            deltas = self.parser.feed(text)
-        self._send(deltas)
+            return self._with_logprobs([TextDelta(self.index, text)] if text else [])
+        return self._with_logprobs(self.parser.feed(text))
 
-    def _send(self, deltas: list) -> None:
-        job = self.request.job
+    def _with_logprobs(self, deltas: list[Delta]) -> list[Delta]:
+        """The log-probabilities of the tokens sampled since the last text go with the next."""
+        out = []
         for d in deltas:
             if isinstance(d, TextDelta) and self._pending_logprobs:
                 d = TextDelta(d.index, d.text, tuple(self._pending_logprobs))
                 self._pending_logprobs = []
-            job.emit("delta", d)
+            out.append(d)
+        return out
 
-    def _finish(self, reason: str, flush: bool = True) -> None:
+    def _finish(self, reason: str, flush: bool = True) -> list[Delta]:
         self.finish_reason, self.next_token = reason, None
         if flush:
             self.text += self.detok.flush()
+        out: list[Delta] = []
         if len(self.text) > self.emitted:
-            self._out(self.text[self.emitted:])
+            out = self._out(self.text[self.emitted:])
             self.emitted = len(self.text)
         if self.parser is not None:
-            self._send(self.parser.finish())
+            out += self._with_logprobs(self.parser.finish())
             if self.parser.tool_calls and reason == "stop":
                 self.finish_reason = "tool_calls"
+        return out
 
     def finish_event(self) -> Finish:
         p = self.parser

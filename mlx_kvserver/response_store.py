@@ -23,8 +23,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from kv_cache.tiers.disk import atomic_fs as afs
-from kv_cache.errors import FormatError
+from kv_cache import FormatError, atomic_fs as afs
 
 from .chat.conversation import Message, Reasoning, Text, ToolCall, ToolResult
 

@@ -11,8 +11,7 @@ import mlx.core as mx
 
 from kv_cache.model.attention import forward, install
 from kv_cache.model.batch import batch_caches, finish_batch
-from kv_cache.manager import CacheManager
-from kv_cache.model.sequence import PagedSequence
+from kv_cache import CacheManager, PagedSequence
 
 log = logging.getLogger("mlx_kvserver.runner")
 
@@ -20,14 +19,18 @@ log = logging.getLogger("mlx_kvserver.runner")
 class Runner:
     """Runs one model. ``batched`` says whether many sequences decode in one forward pass and
     read shared prefixes through views: true when the model's attention is routed through
-    ``kv_cache.model.attention`` and a probe at start-up gives the same logits batched as alone."""
+    ``kv_cache.model.attention`` and a probe at start-up gives the same logits batched as alone.
+    Then the manager's sequences read shared prefixes through views from here on (the probe's own
+    sequences read none)."""
 
     def __init__(self, model, manager: CacheManager, name: str = "model"):
         self.model = model
         self.batched = install(model) and self._probe(manager)
         # several short prompts in one forward pass (right-padded): attention layers only
         self.batched_prompts = self.batched and not manager.pool.spec.has_state
-        if not self.batched:
+        if self.batched:
+            manager.share_prefixes()
+        else:
             log.info("%s decodes one sequence per forward pass (its attention is not routed)",
                      name)
 

@@ -12,6 +12,9 @@ Each ``step()``:
 3. decodes one token for every running choice in one forward pass (``Runner.decode``), samples
    each with its own sampler, streams text and finishes choices.
 
+``step()`` returns the events it produced, each with its job (``chat/output.py``: ``Accepted``,
+``Start``, deltas, ``Finish``, ``Usage``, ``Error``, ``Done``); the engine hands them over.
+
 A prompt's pages are committed after each chunk, so a request that arrives while another with the
 same document is still reading it starts from those pages (a prompt starts only when its first
 piece runs, oldest first). ``n > 1`` choices fork the
@@ -32,10 +35,10 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache.errors import OutOfBlocksError
-from kv_cache.manager import CacheManager
+from kv_cache import CacheManager, OutOfBlocksError
 
-from .chat.output import Accepted, Start
+from .chat.output import Accepted, Done, Error, Event, Start
+from .config import ServerConfig
 from .divergence import RecentTurns, explain
 from .errors import RequestError
 from .prepare import Prepare, next_turn_tokens, prepared_key
@@ -44,16 +47,15 @@ from .runner import Runner
 
 log = logging.getLogger("mlx_kvserver.engine")
 
-# NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take ~0.9 s,
-# so a prompt arriving mid-stream stalls the other streams by about that much per step.
-PREFILL_CHUNK = 256
-MAX_BATCH = 32
 MAX_PREPARES = 8
+
+Events = list[tuple[Job, Event]]
 
 
 class Scheduler:
     def __init__(self, manager: CacheManager, runner: Runner, *,
-                 prefill_chunk: int = PREFILL_CHUNK, max_batch: int = MAX_BATCH):
+                 prefill_chunk: int = ServerConfig.prefill_chunk,
+                 max_batch: int = ServerConfig.max_batch):
         self.manager, self.runner = manager, runner
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
@@ -62,6 +64,7 @@ class Scheduler:
         self.recent = RecentTurns()  # the last answered turns: why a prompt re-read tokens
         self.reread = {"tokens": 0, "turns": 0, "last": None}  # for the cache stats
         self._arrivals = 0
+        self._events: Events = []  # what this step produced, for its jobs
 
     # -- admission ------------------------------------------------------------------------------
 
@@ -80,17 +83,26 @@ class Scheduler:
 
     # -- one step -------------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self) -> Events:
+        """One step; the events it produced, in order, each with its job."""
         for r in [r for r in self.requests if r.cancelled]:
             log.info("%s cancelled by the client", r.id)
             self._end(r)
         if not self.requests and self.prepares:
             self._prepare_step()
-            return
-        if len(self.decoding) < self.max_batch:
-            self._prefill(self._prompt_tasks())
-        if self.decoding:
-            self._decode()
+        else:
+            if len(self.decoding) < self.max_batch:
+                self._prefill(self._prompt_tasks())
+            if self.decoding:
+                self._decode()
+        return self._take_events()
+
+    def _send(self, r: Request, *events: Event) -> None:
+        self._events += [(r.job, e) for e in events]
+
+    def _take_events(self) -> Events:
+        events, self._events = self._events, []
+        return events
 
     def _prompt_tasks(self) -> list[tuple[Request, Choice | None]]:
         """Prompts not done yet, oldest first: (request, None) for a request's prompt, or
@@ -148,8 +160,7 @@ class Scheduler:
                                              if self.manager.pool.spec.has_state else ())
                 r.done_tokens = r.match.tokens
                 self._why_reread(r)
-                r.job.emit("accepted", Accepted(len(r.prompt), r.match.tokens,
-                                                r.match.source))
+                self._send(r, Accepted(len(r.prompt), r.match.tokens, r.match.source))
             return r.seq, r.prompt, r.done_tokens
         if choice.seq is None:
             choice.seq, m = self._start(r, choice.resume, [])
@@ -201,8 +212,8 @@ class Scheduler:
                 self._first_token(c, logits)
 
     def _first_token(self, c: Choice, logits: mx.array) -> None:
-        c.request.job.emit("start", Start(c.index, c.message_id))
-        c.accept(int(c.sample(logits).item()), logits)
+        self._send(c.request, Start(c.index, c.message_id),
+                   *c.accept(int(c.sample(logits).item()), logits))
         if c.done:
             self._finish(c)
 
@@ -226,7 +237,7 @@ class Scheduler:
                     self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
                 continue
             for i, (c, t) in enumerate(zip(group, tokens)):
-                c.accept(int(t.item()), logits[i])
+                self._send(c.request, *c.accept(int(t.item()), logits[i]))
                 if c.done:
                     self._finish(c)
 
@@ -234,7 +245,7 @@ class Scheduler:
         r = c.request
         if c in self.decoding:
             self.decoding.remove(c)
-        r.job.emit("finish", c.finish_event())
+        self._send(r, c.finish_event())
         seq, c.seq = c.seq, None
         if r.use_cache:
             self._save(c.message_id, seq)
@@ -305,7 +316,7 @@ class Scheduler:
 
     def _retire(self, r: Request) -> None:
         if r.choices and all(c.done for c in r.choices) and r in self.requests:
-            r.job.emit("usage", r.usage())
+            self._send(r, r.usage())
             self._end(r, finished=True)
 
     def _save(self, key: str, seq) -> None:
@@ -370,11 +381,11 @@ class Scheduler:
     # -- ending ---------------------------------------------------------------------------------
 
     def _fail(self, r: Request, error: RequestError) -> None:
-        r.job.emit("error", error)
+        self._send(r, Error(error))
         self._end(r)
 
     def _end(self, r: Request, finished: bool = False) -> None:
-        """Free everything ``r`` holds and say ``done``."""
+        """Free everything ``r`` holds and say it is ``Done``."""
         if r.seq is not None:
             r.seq.close()
             r.seq = None
@@ -386,13 +397,16 @@ class Scheduler:
                 c.seq = None
         if r in self.requests:
             self.requests.remove(r)
-        r.job.emit("done")
+        self._send(r, Done())
 
-    def fail_all(self, error: RequestError) -> None:
+    def fail_all(self, error: RequestError) -> Events:
+        """Fail every admitted request (a step that broke); their events."""
         for r in list(self.requests):
             self._fail(r, error)
+        return self._take_events()
 
-    def close(self) -> None:
+    def close(self) -> Events:
         while self.prepares:
             self._drop_prepare()
-        self.fail_all(RequestError(503, "the server is shutting down", type="server_error"))
+        return self.fail_all(RequestError(503, "the server is shutting down",
+                                          type="server_error"))

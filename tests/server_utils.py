@@ -18,9 +18,7 @@ from mlx_kvserver.engine import Engine
 
 
 def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:
-    from mlx_kvserver.cli import make_engine as build
-
-    return build(models, config)
+    return Engine(models, config)
 
 
 @contextlib.contextmanager

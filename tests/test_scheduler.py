@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from kv_cache.model.attention import PrefixViews
-from kv_cache.manager import CacheManager
+from kv_cache import open_cache
 from kv_cache.pages.pool import PagePool
 from mlx_kvserver.api.openai_chat import parse
+from mlx_kvserver.chat.output import Done, Error, Finish, Start
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models import LoadedModel, resolve_and_load
 from mlx_kvserver.request import Job
@@ -28,25 +28,30 @@ WORDS = "the sea and mountains are old but rivers run fast over stones in winter
 
 
 class Collect(Job):
-    """A job whose events are kept in a list (the engine thread is the test itself)."""
+    """A job whose events are kept in a list (the engine thread is the test itself: ``step``
+    hands them over)."""
 
     def __init__(self, body: dict, lm: LoadedModel):
         super().__init__(parse(body, ServerConfig(max_tokens=16, temperature=0.0)), lm,
                          loop=None)
-        self.log: list[tuple[str, object]] = []
+        self.log: list = []
 
-    def emit(self, kind, data=None) -> None:
-        self.log.append((kind, data))
+    def send(self, event) -> None:
+        self.log.append(event)
 
     def answers(self) -> dict[int, tuple[str, str]]:
-        return {d.index: (d.text, d.reason) for k, d in self.log if k == "finish"}
+        return {e.index: (e.text, e.reason) for e in self.log if isinstance(e, Finish)}
 
     @property
     def finished(self) -> bool:
-        return any(k == "done" for k, _ in self.log)
+        return any(isinstance(e, Done) for e in self.log)
+
+    @property
+    def started(self) -> bool:
+        return any(isinstance(e, Start) for e in self.log)
 
     def errors(self) -> list:
-        return [d for k, d in self.log if k == "error"]
+        return [e.error for e in self.log if isinstance(e, Error)]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -56,13 +61,15 @@ def lm(request, tmp_path_factory) -> LoadedModel:
 
 
 def scheduler(lm: LoadedModel, max_bytes: int = 64 << 20, **kw) -> Scheduler:
-    pool = PagePool(spec=lm.cache_spec, page_size=8, max_bytes=max_bytes,
-                    fingerprint=lm.fingerprint)
-    manager = CacheManager(pool)
-    runner = Runner(lm.model, manager, lm.name)
-    if runner.batched:
-        manager.views = PrefixViews(pool)
-    return Scheduler(manager, runner, **kw)
+    manager = open_cache(lm.cache_spec, lm.fingerprint, page_size=8, max_ram_bytes=max_bytes,
+                         policy="lru", disk_dir=None, max_disk_bytes=0, max_resident=4)
+    return Scheduler(manager, Runner(lm.model, manager, lm.name), **kw)
+
+
+def step(s: Scheduler) -> None:
+    """One step, its events handed to their jobs (the engine's part)."""
+    for job, event in s.step():
+        job.send(event)
 
 
 def text(seed: int, n: int) -> str:
@@ -86,14 +93,14 @@ def run(s: Scheduler, joins: dict[int, list[Collect]], cancel: dict[int, Collect
     batch seen and whether shared views were in use while decoding."""
     seen = {"batch": 0, "views": 0}
     jobs = [j for js in joins.values() for j in js]
-    for step in range(limit):
-        for job in joins.get(step, []):
+    for i in range(limit):
+        for job in joins.get(i, []):
             s.add(job)
-        if step in cancel:
-            cancel[step].cancel()
-        if not s.busy and step > max(joins):
+        if i in cancel:
+            cancel[i].cancel()
+        if not s.busy and i > max(joins):
             break
-        s.step()
+        step(s)
         seen["batch"] = max(seen["batch"], s.batch_size)
         if s.manager.views is not None:
             seen["views"] = max(seen["views"], len(s.manager.views.views))
@@ -131,7 +138,7 @@ def test_shared_prefix_is_read_once_while_sequences_decode(lm):
     for j in jobs:
         s.add(j)
     for _ in range(100):
-        s.step()
+        step(s)
         if all(r.choices for r in s.requests):
             break
     assert len(s.decoding) >= 6  # (a random-weight model may end an answer early)
@@ -148,7 +155,7 @@ def test_shared_prefix_is_read_once_while_sequences_decode(lm):
                 assert 0 < own < doc_len
                 assert layer.keys.shape[2] - own <= layer.step  # own positions and room
     while s.busy:
-        s.step()
+        step(s)
 
 
 def test_cancelled_request_leaves_the_others_exact_and_frees_its_sequences(lm):
@@ -191,19 +198,19 @@ def test_long_prompt_runs_in_chunks_between_decode_steps(lm):
     first = Collect(body(0, shared=False, max_tokens=40), lm)
     s.add(first)
     while not s.decoding:
-        s.step()
+        step(s)
     running = s.decoding[0]
     long = Collect(body(1, shared=False, max_tokens=4), lm)
     s.add(long)
     chunks = 0
-    while not any(k == "start" for k, _ in long.log):
+    while not long.started:
         before = len(running.tokens)
-        s.step()
+        step(s)
         chunks += 1
         assert len(running.tokens) == before + 1 or running.done
     assert chunks >= 4  # the long prompt took several steps
     while s.busy:
-        s.step()
+        step(s)
 
 
 def test_out_of_pages_preempts_the_youngest_and_every_answer_stays_exact(lm, caplog):
@@ -233,8 +240,8 @@ def test_short_prompts_are_read_together_and_answer_as_alone(lm):
     jobs = [Collect(b, lm) for b in bodies]
     for j in jobs:
         s.add(j)
-    s.step()
-    started = sum(1 for j in jobs if any(k == "start" for k, _ in j.log))
+    step(s)
+    started = sum(1 for j in jobs if j.started)
     # (with recurrent state, one at a time; its piece also stops where its message ends, at
     # a state point: kv_cache/state_points.py)
     assert started <= 1 if lm.cache_spec.has_state else started == 4

@@ -38,7 +38,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
                                  Text, ToolCall, ToolChoice, ToolResult)
-from ..chat.output import (Finish, Usage)
+from ..chat.output import Error, Finish, Usage
 from ..errors import RequestError, bad_request
 from .anthropic_output import message_body, stream
 from .http import SSE_HEADERS, job_events, read_object
@@ -276,8 +276,8 @@ async def handle(served, request: Request) -> Response:
                                  media_type="text/event-stream", headers=SSE_HEADERS)
     finish = None
     async for ev in job_events(job, watch):
-        if isinstance(ev, RequestError):
-            raise ev  # the app's guard renders it in Anthropic's shape
+        if isinstance(ev, Error):
+            raise ev.error  # the app's guard renders it in Anthropic's shape
         if isinstance(ev, Finish):
             finish = ev
         elif isinstance(ev, Usage):

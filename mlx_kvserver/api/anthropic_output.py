@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import AsyncIterator
 
 from ..chat.conversation import ToolCall
-from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
-                           Usage)
-from ..errors import RequestError
+from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta,
+                           ToolCallStart, Usage)
 from .http import anthropic_error_body, job_events, sse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -108,8 +107,8 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
             out += close()
         elif isinstance(ev, Usage):
             usage = ev
-        elif isinstance(ev, RequestError):
-            yield sse(anthropic_error_body(ev), event="error")
+        elif isinstance(ev, Error):
+            yield sse(anthropic_error_body(ev.error), event="error")
             return
         for s in out:
             yield s

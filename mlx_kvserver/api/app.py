@@ -17,7 +17,7 @@ from starlette.routing import Route
 
 from ..chat.conversation import Conversation
 from ..chat.normalize import Normalizer
-from ..chat.output import Accepted
+from ..chat.output import Accepted, Error
 from ..config import ServerConfig
 from ..engine import Engine
 from ..errors import RequestError
@@ -84,16 +84,16 @@ class App:
             job.id = job_id
         self.engine.submit(job)
         try:
-            kind, data = await job.events.get()  # "accepted" or an error, before any byte
-            if kind == "error":
-                raise data
-            if kind != "accepted" or not isinstance(data, Accepted):
+            event = await job.events.get()  # Accepted or an Error, before any byte
+            if isinstance(event, Error):
+                raise event.error
+            if not isinstance(event, Accepted):
                 raise RequestError(500, "the generation worker stopped", type="server_error")
         except BaseException:
             watch.close()
             job.cancel()
             raise
-        return job, data, watch
+        return job, event, watch
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": self.registry.names(),

@@ -10,8 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import Conversation
-from ..chat.output import Finish, Start, TextDelta, Usage
-from ..errors import RequestError, bad_request
+from ..chat.output import Error, Finish, Start, TextDelta, Usage
+from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .openai_chat import include_usage, sampling, usage_body
 from .validate import boolean, model_name, number, string
@@ -93,8 +93,8 @@ async def handle(served, request: Request) -> Response:
                     yield chunk([choice(ev.index, "", ev.reason)])
                 elif isinstance(ev, Usage) and usage_chunk:
                     yield chunk([], usage_body(ev))
-                elif isinstance(ev, RequestError):
-                    yield sse(openai_error_body(ev))
+                elif isinstance(ev, Error):
+                    yield sse(openai_error_body(ev.error))
             yield "data: [DONE]\n\n"
         return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
 

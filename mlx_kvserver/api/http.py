@@ -9,6 +9,7 @@ from typing import Any, AsyncIterator, Callable
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse
 
+from ..chat.output import Done, Error, Event, Finish, Usage
 from ..errors import RequestError, bad_request
 
 # Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
@@ -88,17 +89,17 @@ async def read_object(request: Request, limit: int) -> dict:
     return body
 
 
-async def job_events(job, watch) -> AsyncIterator[Any]:
-    """A job's events after ``Accepted`` until it is done (the ``chat/output.py`` types, or a
-    ``RequestError``); the job is cancelled when the reader stops early (a client that went
-    away cancels its generation)."""
+async def job_events(job, watch) -> AsyncIterator[Event]:
+    """A job's events after ``Accepted`` until ``Done`` (the ``chat/output.py`` types); the job
+    is cancelled when the reader stops early (a client that went away cancels its
+    generation)."""
     try:
         while True:
-            kind, data = await job.events.get()
-            if kind == "done":
+            event = await job.events.get()
+            if isinstance(event, Done):
                 return
-            watch.event(kind, data)
-            yield data
+            watch.event(event)
+            yield event
     finally:
         watch.close()
         job.cancel()
@@ -107,13 +108,11 @@ async def job_events(job, watch) -> AsyncIterator[Any]:
 async def collect(job, watch, accepted) -> tuple[dict, Any]:
     """A whole answer for a body that is not streamed: ``({index: Finish}, Usage)``; raises
     the job's ``RequestError`` when it failed."""
-    from ..chat.output import Finish, Usage
-
     answers: dict = {}
     usage = Usage(accepted.prompt_tokens, 0, accepted.cached_tokens)
     async for ev in job_events(job, watch):
-        if isinstance(ev, RequestError):
-            raise ev
+        if isinstance(ev, Error):
+            raise ev.error
         if isinstance(ev, Finish):
             answers[ev.index] = ev
         elif isinstance(ev, Usage):

@@ -8,8 +8,7 @@ import tempfile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kv_cache.tiers.disk.file_format import FormatError, read_header
-from kv_cache.transfer import TransferError
+from kv_cache import TransferError, export_key
 
 from ..errors import RequestError, bad_request
 from .http import body_chunks
@@ -61,13 +60,13 @@ class KVRoutes:
             with os.fdopen(fd, "wb") as f:
                 async for chunk in body_chunks(request, limit, "the file"):
                     f.write(chunk)
-            named = export_key(path)  # checks the header before MLX reads the file
-            if key is None:
-                if named is None:
-                    raise bad_request("the file names no message_id; pass ?message_id=",
-                                      "message_id", code="invalid_kv_cache_file")
-                key = check_message_id(named, "message_id")
             try:
+                named = export_key(path)  # checks the header before MLX reads the file
+                if key is None:
+                    if named is None:
+                        raise bad_request("the file names no message_id; pass ?message_id=",
+                                          "message_id", code="invalid_kv_cache_file")
+                    key = check_message_id(named, "message_id")
                 info = await self.engine.call(lambda: self.engine.import_entry(lm.name, path,
                                                                                key))
             except TransferError as e:
@@ -75,20 +74,6 @@ class KVRoutes:
             return JSONResponse(info)
         finally:
             os.unlink(path)
-
-
-def export_key(path: str):
-    """The ``key`` an export file's metadata names (unchecked), after a strict check that its
-    header is well-formed safetensors that fits the file (before MLX parses it)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            header = read_header(fd, os.fstat(fd).st_size)
-        finally:
-            os.close(fd)
-    except FormatError as e:
-        raise bad_request(f"cannot import this file: {e}", code="invalid_kv_cache_file")
-    return header.metadata.get("key")
 
 
 def path_key(request: Request) -> str:

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
                                  Text, ToolCall, ToolChoice, ToolResult)
-from ..chat.output import (Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
+from ..chat.output import (Error, Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
                            ToolCallDelta, ToolCallStart, Usage)
-from ..errors import RequestError, bad_request
+from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .validate import (ROLES, boolean, check_history, check_message_id, json_schema,
                        model_name, number, obj, seed_value, stop_list, string, text_value, tool,
@@ -281,6 +281,6 @@ async def _stream(job, watch, include_usage: bool) -> AsyncIterator[str]:
             yield chunk(ev.index, {}, finish=ev.reason)
         elif isinstance(ev, Usage) and include_usage:
             yield chunk(None, None, usage=usage_body(ev))
-        elif isinstance(ev, RequestError):
-            yield sse(openai_error_body(ev))
+        elif isinstance(ev, Error):
+            yield sse(openai_error_body(ev.error))
     yield "data: [DONE]\n\n"

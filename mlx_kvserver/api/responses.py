@@ -35,8 +35,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Text,
                                  ToolCall, ToolResult)
-from ..chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
-                           Usage)
+from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta,
+                           ToolCallStart, Usage)
 from ..errors import RequestError, bad_request
 from ..response_store import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
@@ -294,11 +294,11 @@ class _Run:
                 events = self.out.arguments(ev.call, ev.arguments)
             elif isinstance(ev, Finish):
                 finish, events = ev, self.out.finish(ev)
-            elif isinstance(ev, RequestError):
-                self.error = ev
+            elif isinstance(ev, Error):
+                self.error = err = ev.error
                 self.response = self._body("failed", error={
-                    "code": "server_error" if ev.status >= 500 else "invalid_prompt",
-                    "message": ev.message})
+                    "code": "server_error" if err.status >= 500 else "invalid_prompt",
+                    "message": err.message})
                 yield {"type": "response.failed", "response": self.response}
                 return
             else:

@@ -2,9 +2,10 @@
 
 A job's events, in order: ``Accepted`` (prompt checked, cache looked up; before any byte goes
 out), then per choice ``Start``, deltas (``TextDelta``, ``ReasoningDelta``, ``ToolCallStart``,
-``ToolCallDelta``) and ``Finish``; then ``Usage`` once all choices are done. An error is a
-``RequestError`` (``mlx_kvserver.errors``) in their place. Each API module turns these into its
-own stream or body.
+``ToolCallDelta``) and ``Finish``; then ``Usage`` once all choices are done; last ``Done``. An
+``Error`` (a ``RequestError``: ``mlx_kvserver.errors``) takes the place of what is left before
+``Done``. The scheduler's ``step()`` returns them, the engine hands them to their jobs, and each
+API module dispatches on their type to build its own stream or body.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Union
 
+from ..errors import RequestError
 from .conversation import ToolCall
 
 
@@ -116,6 +118,21 @@ class Usage:
     @property
     def total_tokens(self) -> int:
         return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Error:
+    """The request failed: nothing more comes but ``Done``."""
+
+    error: RequestError
+
+
+@dataclass(frozen=True)
+class Done:
+    """A job's last event: the engine holds nothing of it any more."""
+
+
+Event = Union[Accepted, Start, Delta, Finish, Usage, Error, Done]
 
 
 @dataclass

@@ -19,8 +19,8 @@ from mlx_kvserver.api import anthropic as am
 from mlx_kvserver.api import anthropic_output as ao
 from mlx_kvserver.chat.conversation import (Message, Reasoning, ResponseFormat, Text, ToolCall,
                                             ToolChoice, ToolResult)
-from mlx_kvserver.chat.output import (Finish, ReasoningDelta, TextDelta, ToolCallDelta,
-                                      ToolCallStart, Usage)
+from mlx_kvserver.chat.output import (Done, Error, Finish, ReasoningDelta, TextDelta,
+                                      ToolCallDelta, ToolCallStart, Usage)
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.errors import RequestError
 from tests.server_utils import running_server
@@ -227,7 +227,7 @@ def test_count_tokens_body_needs_no_max_tokens():
 # -- the stream's events, from the engine's events --------------------------------------------
 
 class _Watch:
-    def event(self, kind, data): pass
+    def event(self, event): pass
     def close(self): pass
 
 
@@ -256,14 +256,14 @@ def _run_stream(events) -> list[tuple[str, dict]]:
 
 
 def test_stream_event_sequence_closes_each_block_in_order():
-    events = [("delta", ReasoningDelta(0, "hmm")), ("delta", ReasoningDelta(0, " ok")),
-              ("delta", TextDelta(0, "Let me")), ("delta", TextDelta(0, " check.")),
-              ("delta", ToolCallStart(0, 0, "call_1", "get_weather")),
-              ("delta", ToolCallDelta(0, 0, '{"city": "Paris"}')),
-              ("finish", Finish(0, "tool_calls", "msg_1", "Let me check.", "hmm ok",
-                                (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),))),
-              ("usage", Usage(10, 7, 4)), ("done", None)]
-    out = _run_stream([(k, e) for k, e in events])
+    events = [ReasoningDelta(0, "hmm"), ReasoningDelta(0, " ok"),
+              TextDelta(0, "Let me"), TextDelta(0, " check."),
+              ToolCallStart(0, 0, "call_1", "get_weather"),
+              ToolCallDelta(0, 0, '{"city": "Paris"}'),
+              Finish(0, "tool_calls", "msg_1", "Let me check.", "hmm ok",
+                     (ToolCall("call_1", "get_weather", '{"city": "Paris"}'),)),
+              Usage(10, 7, 4), Done()]
+    out = _run_stream(events)
     kinds = [k if k != "content_block_delta" else p["delta"]["type"] for k, p in out]
     assert kinds == [
         "message_start", "ping",
@@ -285,9 +285,9 @@ def test_stream_event_sequence_closes_each_block_in_order():
 
 
 def test_stream_error_mid_answer_is_an_error_event():
-    out = _run_stream([("delta", TextDelta(0, "partial")),
-                       ("error", RequestError(500, "the worker died", type="server_error")),
-                       ("done", None)])
+    out = _run_stream([TextDelta(0, "partial"),
+                       Error(RequestError(500, "the worker died", type="server_error")),
+                       Done()])
     assert [k for k, _ in out][-1] == "error"
     assert out[-1][1] == {"type": "error", "error": {"type": "api_error",
                                                      "message": "the worker died"}}

@@ -22,8 +22,8 @@ from mlx_kvserver.api import openai_chat, responses
 from mlx_kvserver.api.http import error_responder
 from mlx_kvserver.chat.conversation import (Message, Reasoning, Text, ToolCall, ToolChoice,
                                             ToolResult)
-from mlx_kvserver.chat.output import (Finish, ReasoningDelta, Start, TextDelta, ToolCallDelta,
-                                      ToolCallStart, Usage)
+from mlx_kvserver.chat.output import (Done, Error, Finish, ReasoningDelta, Start, TextDelta,
+                                      ToolCallDelta, ToolCallStart, Usage)
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.errors import RequestError
 from mlx_kvserver.response_store import ResponseStore
@@ -221,13 +221,11 @@ class FakeServed:
         self.ids.append((job_id, answer_ids))
         events = asyncio.Queue()
         for ev in self.scripts.pop(0):
-            kind = {Start: "start", Finish: "finish", Usage: "usage",
-                    RequestError: "error"}.get(type(ev), "delta")
-            events.put_nowait((kind, ev))
-        events.put_nowait(("done", None))
+            events.put_nowait(ev)
+        events.put_nowait(Done())
         job = SimpleNamespace(id=job_id, created=123, lm=SimpleNamespace(name="tiny"),
                               events=events, cancel=lambda: None)
-        watch = SimpleNamespace(event=lambda k, d: None, close=lambda: None)
+        watch = SimpleNamespace(event=lambda e: None, close=lambda: None)
         return job, SimpleNamespace(prompt_tokens=10, cached_tokens=4), watch
 
 
@@ -373,9 +371,9 @@ def test_get_and_delete():
 
 def test_length_is_incomplete_and_errors_fail():
     served = FakeServed([text_script("abc", "length"), text_script("abc", "length"),
-                         [Start(0, "x"), TextDelta(0, "ab"), RequestError(500, "boom",
-                                                                          type="server_error")],
-                         [Start(0, "x"), RequestError(500, "boom", type="server_error")]])
+                         [Start(0, "x"), TextDelta(0, "ab"),
+                          Error(RequestError(500, "boom", type="server_error"))],
+                         [Start(0, "x"), Error(RequestError(500, "boom", type="server_error"))]])
     client, http = fake_client(served)
     r = client.responses.create(model="tiny", input="q", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"

@@ -66,7 +66,7 @@ def ask(s: Scheduler, msgs: list[dict], use_cache: bool = True) -> tuple[str, Ac
                    "use_kv_cache": use_cache}, s.lm)
     run(s, {0: [job]})
     assert not job.errors()
-    (accepted,) = [d for k, d in job.log if k == "accepted"]
+    (accepted,) = [e for e in job.log if isinstance(e, Accepted)]
     return job.answers()[0][0], accepted
 
 
