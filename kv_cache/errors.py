@@ -10,7 +10,14 @@ class KVCacheError(Exception):
 
 
 class OutOfBlocksError(KVCacheError):
-    """The allocator (or the pool's byte budget) has no room for the blocks asked for."""
+    """The allocator (or the pool's byte budget) has no room for the blocks asked for.
+
+    ``pages`` and ``group``: what the page pool was asked for, where it was the pool, so the
+    caller can make that much room (``CacheManager.make_room``) and try again."""
+
+    def __init__(self, message: str, pages: int | None = None, group: int = 0):
+        super().__init__(message)
+        self.pages, self.group = pages, group
 
 
 class InvalidBlockError(KVCacheError, ValueError):

@@ -29,10 +29,10 @@ class Queries:
         self.sync()
         pool, m = self.pool, self.stats
         s = pool.stats()
-        shared = sum(pool.block_bytes(b) for b, n in pool.ref_counts().items() if n > 1)
         ram = {"entries": len(self), "pages": s.used_pages, "pages_held": s.held_pages,
-               "pages_cached": s.cached_pages, "bytes": s.used_bytes, "bytes_shared": shared,
-               "budget_bytes": pool.max_bytes, "page_size": s.page_size,
+               "pages_cached": s.cached_pages, "bytes": s.used_bytes,
+               "bytes_shared": s.shared_bytes, "budget_bytes": s.budget_bytes,
+               "page_size": s.page_size,
                "resident_sequence_tokens": self.resident_tokens(),
                "prefix_view_bytes": self.views.nbytes if self.views else 0,
                "evictions": s.evictions}

@@ -20,7 +20,9 @@ same document is still reading it starts from those pages (a prompt starts only 
 piece runs, oldest first). ``n > 1`` choices fork the
 prompt's sequence: siblings share its pages and one prefix view, and decode in the same batch.
 
-Memory: when pages run out (``OutOfBlocksError``), the youngest other running choice is preempted:
+Memory: when pages run out (``OutOfBlocksError``), the manager makes room first (resident
+sequences, then entries: ``CacheManager.with_room``); when that is not enough, prepared next turns
+give way, then the youngest other running choice is preempted:
 its sequence is closed and it is queued to recompute its tokens (its streamed text stands; with
 the cache its prompt is found again in pages or on disk). When no other choice runs, the request
 goes on uncached: a running sequence keeps its own positions in working buffers, so pages are the
@@ -195,8 +197,8 @@ class Scheduler:
         seqs = [seq]
         if r.n > 1 and r.use_cache:
             try:
-                seq.share_prefix()
-                seqs += [seq.fork() for _ in range(r.n - 1)]
+                self.manager.with_room(seq.share_prefix)
+                seqs += [self.manager.with_room(seq.fork) for _ in range(r.n - 1)]
             except OutOfBlocksError as e:  # the prompt does not fit the page pool
                 log.warning("%s: %s; each choice recomputes the prompt", r.id, e)
                 for s in seqs[1:]:
@@ -297,7 +299,7 @@ class Scheduler:
                 p.done = match.tokens
             piece = p.tokens[p.done : p.done + self.prefill_chunk]
             self.runner.prefill(p.seq, piece)
-            p.seq.commit()
+            self.manager.with_room(p.seq.commit)
             p.done += len(piece)
             if p.done == len(p.tokens):
                 self.manager.save(p.key, p.seq)
@@ -338,13 +340,13 @@ class Scheduler:
             self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
 
     def _with_room(self, r: Request, fn: Callable[[], Any]) -> bool:
-        """Run ``fn``, which takes pages; when they run out, preempt the youngest other running
-        choice and try again. False when nothing else runs and they still do not suffice (the
+        """Run ``fn``, which takes pages, with the room the manager can make; when that is not
+        enough, preempt the youngest other running choice and try again. False when nothing else runs and they still do not suffice (the
         caller goes on without caching: running sequences keep their positions in their own
         buffers, so a request never needs pages to be answered)."""
         while True:
             try:
-                fn()
+                self.manager.with_room(fn)
                 return True
             except OutOfBlocksError:
                 if self.prepares:  # prepared next turns give way first

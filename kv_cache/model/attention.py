@@ -38,6 +38,8 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from kv_cache.pages.holders import VIEW
+
 if TYPE_CHECKING:
     from kv_cache.pages.pool import PagePool
 
@@ -59,7 +61,7 @@ class PrefixView:
         self.kv: dict[int, tuple[mx.array, mx.array]] = {}  # model layer slot -> (K, V)
         self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
         for g, blocks in zip(groups, tables):
-            pool.hold_all(blocks)
+            pool.hold_all(blocks, VIEW)
             layers = pool.groups[g].layers
             run = pool.run_array(list(blocks), length)
             if run is not None:  # pages restored together: their array is already contiguous
@@ -83,7 +85,7 @@ class PrefixView:
 
     def close(self) -> None:
         for blocks in self.tables:
-            self.pool.release_all(blocks)
+            self.pool.release_all(blocks, VIEW)
         self.kv.clear()
         self.tables = []
 

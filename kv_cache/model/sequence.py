@@ -214,18 +214,28 @@ class PagedSequence:
         if end == start:
             return
         written: list[tuple[int, int]] = []
-        for g in range(len(self.tables)):
-            written += [(g, i) for i in write_group(
-                self.pool, g, self.tables[g], self.group_layers[g], self.tokens, start, end)]
+        try:
+            for g in range(len(self.tables)):
+                # NOTE: a commit that ran out of pages (``OutOfBlocksError``) is tried again once
+                # its caller made room: the groups it wrote before that are not written twice.
+                if self.tables[g].num_tokens != end:
+                    written += [(g, i) for i in write_group(
+                        self.pool, g, self.tables[g], self.group_layers[g], self.tokens, start,
+                        end)]
+        finally:
+            self._seal(written)
         self.committed = end
-        mx.eval([self.pool.data(self.tables[g].blocks[i]) for g, i in written])
         P = self.pool.page_size
-        for g, i in written:
-            table = self.tables[g]
-            if self.pool.num_tokens(table.blocks[i]) == P:
-                table.blocks[i] = self.pool.seal(table.blocks[i], self._parent(g, i))
         for table, spec in zip(self.tables, self.pool.groups):  # a window's pages behind it
             release_before(self.pool, table.blocks, spec.kind.keep_from(end, P))
+
+    def _seal(self, written: list[tuple[int, int]]) -> None:
+        """Evaluate the pages ``written`` (group, index) and seal the full ones."""
+        mx.eval([self.pool.data(self.tables[g].blocks[i]) for g, i in written])
+        for g, i in written:
+            table = self.tables[g]
+            if self.pool.num_tokens(table.blocks[i]) == self.pool.page_size:
+                table.blocks[i] = self.pool.seal(table.blocks[i], self._parent(g, i))
 
     def _parent(self, g: int, index: int) -> bytes:
         if index == 0:

@@ -31,9 +31,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def can_alloc(self, n: int = 1) -> bool:
-        return 0 <= n <= len(self._free)
-
     def alloc(self) -> int:
         """One block id; ``OutOfBlocksError`` when none is free."""
         if not self._free:

@@ -235,7 +235,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
                 assert pool.is_sealed(b) and pool._meta[b].indexed
         assert pool.allocator.num_used == len(rc)
         assert pool.stats().cached_pages == sum(1 for n in rc.values() if n == 0)
-        assert set(pool._data) <= set(rc)
+        assert set(pool.storage.arrays) <= set(rc)
         assert pool.stats().used_bytes <= pool.max_bytes
         if not self.seqs:
             assert all(n == 0 for n in rc.values())
@@ -261,10 +261,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
         pool = self.pool
         indexed = {m.hash: m for m in pool._meta.values() if m.indexed}
         children = Counter(m.parent for m in indexed.values())
-        assert dict(children) == pool._children
+        assert dict(children) == pool.index.children
         for m in indexed.values():
             assert m.parent == pool.root or m.parent in indexed
-        assert {h: b for b, m in pool._meta.items() if m.indexed for h in [m.hash]} == pool._index
+        indexed_blocks = {m.hash: b for b, m in pool._meta.items() if m.indexed}
+        assert indexed_blocks == pool.index.blocks
         assert len(pool.policy) == len(indexed)
 
     @invariant()
@@ -298,8 +299,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
         assert all(n == 0 for n in pool.ref_counts().values())
         pool.evict_all_cached()
         assert pool.allocator.num_free == pool.capacity
-        assert pool.ref_counts() == {} and pool._data == {} and pool._index == {}
-        assert pool._children == {} and len(pool.policy) == 0
+        assert pool.ref_counts() == {} and pool.storage.arrays == {} and pool.index.blocks == {}
+        assert pool.index.children == {} and len(pool.policy) == 0
 
 
 PagedCacheMachine.TestCase.settings = settings(

@@ -487,4 +487,4 @@ def test_close_releases_everything():
     assert (st.used_pages, st.held_pages, st.cached_pages) == (2, 0, 2)
     assert pool.match_prefix(TOKS) == [0, 1]
     assert pool.evict_all_cached() == 2
-    assert pool.allocator.num_free == pool.capacity and pool._data == {}
+    assert pool.allocator.num_free == pool.capacity and pool.storage.arrays == {}

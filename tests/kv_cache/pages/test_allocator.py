@@ -70,7 +70,6 @@ def test_exhaustion_raises_out_of_blocks():
 def test_zero_blocks():
     a = BlockAllocator(0)
     assert (a.num_free, a.num_used) == (0, 0)
-    assert a.can_alloc(0) and not a.can_alloc(1)
     with pytest.raises(OutOfBlocksError):
         a.alloc()
     with pytest.raises(InvalidBlockError):
@@ -80,16 +79,6 @@ def test_zero_blocks():
 def test_negative_num_blocks_is_rejected():
     with pytest.raises(ValueError):
         BlockAllocator(-1)
-
-
-def test_can_alloc():
-    a = BlockAllocator(3)
-    assert [a.can_alloc(n) for n in (-1, 0, 1, 3, 4)] == [False, True, True, True, False]
-    a.alloc()
-    assert a.can_alloc(2) and not a.can_alloc(3)
-    assert a.can_alloc()  # default n=1
-    a.alloc_n(2)
-    assert not a.can_alloc()
 
 
 def test_double_free_raises_double_free_error():

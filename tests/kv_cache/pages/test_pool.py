@@ -1,14 +1,18 @@
-"""PagePool: allocation, holders, seals, dedup, copy-on-write support, gather, byte budget,
-reclaimer and eviction (only unheld leaf pages, exact order per policy)."""
+"""PagePool: allocation, holders (by kind), seals, dedup, copy-on-write support, gather, byte
+budget, running out (the caller makes room) and eviction (only unheld leaf pages, exact order per
+policy)."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import kv_cache.pages.pool as page_pool_mod
+import kv_cache.pages.prefix_index as prefix_index_mod
+import kv_cache.pages.sealing as sealing_mod
 from kv_cache.errors import InvalidBlockError, OutOfBlocksError
 from kv_cache.pages.eviction import LRUPolicy
-from kv_cache.pages.pool import PagePool, page_hash, root_hash
+from kv_cache.pages.hashing import page_hash, root_hash
+from kv_cache.pages.holders import ENTRY, RESIDENT, SEQUENCE, VIEW
+from kv_cache.pages.pool import PagePool
 
 L, H, D, P = 2, 1, 2, 2
 PAGE_BYTES = L * 2 * H * P * D * 4  # float32: 64 bytes
@@ -140,7 +144,7 @@ def test_a_released_open_page_is_freed():
     assert pool.ref_count(a) == 1
     pool.release(a)
     assert not pool.allocator.is_allocated(a)
-    assert a not in pool.ref_counts() and a not in pool._data
+    assert a not in pool.ref_counts() and a not in pool.storage.arrays
     with pytest.raises(InvalidBlockError):
         pool.ref_count(a)
     with pytest.raises(InvalidBlockError):
@@ -245,20 +249,11 @@ def test_seal_hashes_indexes_and_chains():
     assert pool.hash_of(a) == page_hash(pool.root, (1, 2))
     b = sealed(pool, (3, 4), parent=pool.hash_of(a))
     assert pool.hash_of(b) == page_hash(pool.hash_of(a), (3, 4))
-    assert pool.parent_hash([a, b], 0) == pool.root
-    assert pool.parent_hash([a, b], 1) == pool.hash_of(a)
     assert pool.match_prefix([1, 2, 3, 4, 5]) == [a, b]
     assert pool.match_prefix([1, 2, 3]) == [a]  # a partial page never matches
     assert pool.match_prefix([1, 2, 3, 5]) == [a]
     assert pool.match_prefix([3, 4]) == []  # (3, 4) exists only after (1, 2)
     assert pool.match_prefix([]) == []
-
-
-def test_parent_hash_of_an_unsealed_page_is_an_assertion():
-    pool = make_pool(2)
-    a, b = pool.allocate(2)
-    with pytest.raises(AssertionError):
-        pool.parent_hash([a, b], 1)
 
 
 def test_seal_misuse():
@@ -286,7 +281,7 @@ def test_seal_dedups_an_identical_page():
     pool.write(b, kv(2, base=500.0), [1, 2])
     assert pool.seal(b, pool.root) == a  # the existing block, the caller's hold moved to it
     assert pool.ref_count(a) == 2
-    assert not pool.allocator.is_allocated(b) and b not in pool._data
+    assert not pool.allocator.is_allocated(b) and b not in pool.storage.arrays
     assert np.array_equal(np_(pool.data(a)), a_data)
     assert pool.stats().used_pages == 1
 
@@ -311,7 +306,8 @@ def test_same_tokens_under_another_parent_is_another_page():
 
 def test_a_hash_hit_compares_tokens_too(monkeypatch):
     """With every hash colliding, only the tokens can tell pages apart."""
-    monkeypatch.setattr(page_pool_mod, "page_hash", lambda parent, tokens: b"collision")
+    for mod in (sealing_mod, prefix_index_mod):
+        monkeypatch.setattr(mod, "page_hash", lambda parent, tokens: b"collision")
     pool = make_pool(4)
     a = sealed(pool, (1, 2))
     b = sealed(pool, (3, 4))
@@ -417,13 +413,13 @@ def test_gather_rejects_a_token_count_that_does_not_fit(blocks, n):
 
 def test_storage_exists_only_for_written_pages():
     pool = make_pool(1000)
-    assert pool.capacity == 1000 and len(pool._data) == 0
+    assert pool.capacity == 1000 and len(pool.storage.arrays) == 0
     blocks = pool.allocate(10)
-    assert len(pool._data) == 0
+    assert len(pool.storage.arrays) == 0
     pool.write(blocks[3], kv(1), [1])
-    assert list(pool._data) == [blocks[3]]
+    assert list(pool.storage.arrays) == [blocks[3]]
     pool.release(blocks[3])
-    assert len(pool._data) == 0
+    assert len(pool.storage.arrays) == 0
 
 
 def test_a_large_budget_reserves_no_memory():
@@ -434,7 +430,7 @@ def test_a_large_budget_reserves_no_memory():
     blocks = pool.allocate(500)  # ids only: 2 GiB of pages if storage were reserved
     assert len(blocks) == 500
     assert mx.get_active_memory() - before < (1 << 20)
-    assert len(pool._data) == 0
+    assert len(pool.storage.arrays) == 0
 
 
 def test_used_bytes_stay_within_the_budget():
@@ -447,42 +443,83 @@ def test_used_bytes_stay_within_the_budget():
     assert st.used_bytes == 3 * PAGE_BYTES
 
 
-# -- reclaimer -------------------------------------------------------------------------------------
+# -- running out: the caller makes room -----------------------------------------------------------
 
 
-def test_reclaimer_is_asked_when_pages_run_short():
+def test_running_out_says_what_was_needed_and_changes_nothing():
     pool = make_pool(2)
     a, b = pool.allocate(2)
-    calls = []
-
-    def reclaim(n, group):
-        calls.append((n, group))
-        pool.release(a)
-
-    pool.reclaimer = reclaim
-    assert pool.allocate(1) == [a]
-    assert calls == [(1, 0)]
+    with pytest.raises(OutOfBlocksError) as e:
+        pool.allocate(1)
+    assert (e.value.pages, e.value.group) == (1, 0)
+    assert pool.ref_counts() == {a: 1, b: 1}
+    pool.release(a)  # the caller makes room (CacheManager.make_room drops holders) ...
+    assert pool.allocate(1) == [a]  # ... and tries again
 
 
-def test_reclaimer_is_not_asked_when_free_or_cached_pages_suffice():
+def test_free_or_cached_pages_suffice_without_the_caller():
     pool = make_pool(3)
-    calls = []
-    pool.reclaimer = lambda n, group: calls.append((n, group))
     pool.allocate(1)
     b = cached(pool, (1, 2))
     pool.allocate(1)  # the last free page
     assert pool.allocate(1) == [b]  # evicts the cached page
-    assert calls == []
 
 
-def test_reclaimer_is_asked_once_then_out_of_blocks():
+def test_running_out_of_leaves_says_what_was_needed_too():
+    """Cached pages that a held page continues are not leaves: not evictable yet."""
     pool = make_pool(2)
-    pool.allocate(2)
-    calls = []
-    pool.reclaimer = lambda n, group: calls.append((n, group))
-    with pytest.raises(OutOfBlocksError):
-        pool.allocate(2)
-    assert calls == [(2, 0)]
+    a = cached(pool, (1, 2))
+    b = sealed(pool, (3, 4), parent=pool.hash_of(a))
+    assert pool.can_allocate(1)
+    with pytest.raises(OutOfBlocksError, match="continued") as e:
+        pool.allocate(1)
+    assert (e.value.pages, e.value.group) == (1, 0)
+    assert pool.ref_counts() == {a: 0, b: 1}
+
+
+# -- holders by kind -------------------------------------------------------------------------------
+
+
+def test_holds_are_counted_by_kind_of_holder():
+    pool = make_pool(4)
+    a, b = pool.allocate(2)  # a sequence's pages
+    pool.hold(a, ENTRY)
+    pool.hold_all([a, None, b], VIEW)
+    assert pool.holders.of(a) == {SEQUENCE: 1, ENTRY: 1, VIEW: 1}
+    assert sum(pool.holders.of(a).values()) == pool.ref_count(a) == 3
+    pool.holders.move([a, None], SEQUENCE, RESIDENT)  # the sequence is kept resident
+    assert pool.holders.held_by(SEQUENCE) == {b: 1} and pool.holders.held_by(RESIDENT) == {a: 1}
+    assert pool.ref_count(a) == 3
+    with pytest.raises(AssertionError, match="does not hold"):
+        pool.release(a)  # no running sequence holds it now
+    with pytest.raises(ValueError, match="kind of holder"):
+        pool.hold(a, "friend")
+    pool.release(a, RESIDENT)
+    pool.release(a, ENTRY)
+    pool.release_all([a, b], VIEW)
+    pool.release(b)
+    assert pool.ref_counts() == {}  # open pages: freed at zero
+    assert all(pool.holders.held_by(k) == {} for k in (SEQUENCE, RESIDENT, ENTRY, VIEW))
+
+
+def test_a_moved_hold_needs_a_hold_to_move():
+    pool = make_pool(2)
+    (a,) = pool.allocate(1)
+    with pytest.raises(AssertionError, match="no entry hold"):
+        pool.holders.move([a], ENTRY, VIEW)
+    assert pool.holders.of(a) == {SEQUENCE: 1}
+
+
+def test_stats_report_shared_bytes_and_the_budget():
+    pool = make_pool(4)
+    a = sealed(pool, (1, 2))
+    b = cached(pool, (3, 4), parent=pool.hash_of(a))
+    pool.hold(a, ENTRY)
+    st = pool.stats()
+    assert (st.used_pages, st.held_pages, st.cached_pages, st.sealed_pages) == (2, 1, 1, 2)
+    assert (st.shared_bytes, st.used_bytes, st.budget_bytes) == (PAGE_BYTES, 2 * PAGE_BYTES,
+                                                                 4 * PAGE_BYTES)
+    assert pool.ref_count(b) == 0
 
 
 # -- eviction --------------------------------------------------------------------------------------

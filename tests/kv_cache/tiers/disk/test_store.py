@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from kv_cache.tiers.disk import file_format as fmt
 from kv_cache.tiers.disk import atomic_fs as afs
 from kv_cache.tiers.disk.store import DiskStore, DiskStoreLockedError, PageRecord, entry_name
-from kv_cache.pages.pool import page_hash, root_hash
+from kv_cache.pages.hashing import page_hash, root_hash
 
 FP = "model-a"
 GEO = dict(fingerprint=FP, num_layers=2, num_kv_heads=2, head_dim=4, page_size=4,
