@@ -159,7 +159,7 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
     try:
         for g in range(len(pool.groups)):
             tables.append([])
-            _write_pages(pool, g, tokens, arrays[f"kv.{g}"], tables[-1])
+            _write_pages(pool, g, tokens, arrays[f"kv.{g}"], tables[-1], manager.with_room)
         with PagedSequence(pool, tokens, tables, state) as seq:
             return manager.save(key, seq)
     finally:
@@ -167,10 +167,12 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
             pool.release_all(t)
 
 
-def _write_pages(pool, g: int, tokens: list[int], kv: mx.array, table: list) -> None:
+def _write_pages(pool, g: int, tokens: list[int], kv: mx.array, table: list,
+                 with_room) -> None:
     """Group ``g``'s pages of ``tokens`` from ``kv``, which holds the positions from the first
     page a window at the end reads (all, for full attention), appended to ``table`` held: full
-    pages sealed (the pool's own copy where it has one), the open tail written to a new page."""
+    pages sealed (the pool's own copy where it has one), the open tail written to a new page.
+    ``with_room``: the manager's (``CacheManager.with_room``), room made for each page."""
     n, P = len(tokens), pool.page_size
     skip = pool.groups[g].kind.first_page(n, P)
     chain = pool.chain(tokens[: n // P * P], g)
@@ -180,9 +182,9 @@ def _write_pages(pool, g: int, tokens: list[int], kv: mx.array, table: list) -> 
         data = mx.contiguous(kv[:, :, :, a - skip * P : b - skip * P, :])
         if b - a == P:
             parent = chain[i - 1] if i else pool.roots[g]
-            table.append(pool.add_sealed(parent, tokens[a:b], data, g, chain[i]))
+            table.append(with_room(lambda: pool.add_sealed(parent, tokens[a:b], data, g, chain[i])))
         else:
-            (block,) = pool.allocate(1, g)
+            (block,) = with_room(lambda: pool.allocate(1, g))
             table.append(block)
             pool.write(block, data, tokens[a:b])
     mx.eval([pool.data(b) for b in table if b is not None])
