@@ -89,7 +89,7 @@ class PagedSequence:
         layers: list = [None] * spec.num_slots
         self.group_layers: list[list[PagedLayerCache]] = []
         for g in spec.groups:
-            cls = [layer_cache(g.kind, i, P, n) for i in g.layers]
+            cls = [layer_cache(g.kind, i, P, n, g.quant) for i in g.layers]
             self.group_layers.append(cls)
             for i, layer in zip(g.layers, cls):
                 layers[i] = layer

@@ -250,19 +250,19 @@ class PagePool(Sealing):
         return not meta.sealed and meta.ref_count == 1 and len(meta.tokens) == at
 
     def write(self, block: int, kv: mx.array, tokens: Sequence[int]) -> None:
-        """Append ``kv`` (``[group layers, 2, kv_heads, n, head_dim]``) for ``tokens`` to an open
-        page."""
+        """Append ``kv`` for ``tokens`` to an open page, as stored (``GroupSpec.encode``:
+        ``[group layers, 2, kv_heads, n, head_dim]`` values, or their codes in bits)."""
         meta = self._get(block)
         # NOTE: docs/ARCHITECTURE.md, invariant 1: a sealed page never changes; a shared page
         # is copied before a write.
         assert not meta.sealed, f"write to sealed block {block}"
         assert meta.ref_count == 1, f"write to block {block} held {meta.ref_count} times"
         n, group = len(tokens), self.groups[meta.group]
-        if kv.shape != group.shape(n):
+        if kv.shape != group.stored_shape(n):
             raise ValueError(f"page data of shape {kv.shape} does not fit this pool")
         if len(meta.tokens) + n > self.page_size:
             raise ValueError(f"block {block} has room for {self.page_size - len(meta.tokens)}")
-        self.storage.append(block, kv.astype(group.mx_dtype))
+        self.storage.append(block, kv.astype(getattr(mx, group.stored_dtype)))
         meta.tokens = meta.tokens + tuple(map(int, tokens))
 
     def copy(self, block: int, n_tokens: int | None = None) -> int:
@@ -281,8 +281,11 @@ class PagePool(Sealing):
         return new
 
     def run_array(self, blocks: Sequence[int], num_tokens: int) -> mx.array | None:
-        """The one array holding exactly ``blocks`` (a run restored together), when
-        ``num_tokens`` fills them; else None."""
+        """The one array of values holding exactly ``blocks`` (a run restored together), when
+        ``num_tokens`` fills them; else None (also for pages in bits: their values are a
+        decoded copy, ``gather_layers``)."""
+        if blocks and self.groups[self._get(blocks[0]).group].quant is not None:
+            return None
         return self.storage.run_array(blocks, num_tokens)
 
     def gather(self, blocks: Sequence[int], num_tokens: int) -> mx.array:
@@ -293,8 +296,9 @@ class PagePool(Sealing):
     def gather_layers(self, blocks: Sequence[int], num_tokens: int,
                       room: int = 0) -> list[tuple[mx.array, mx.array]]:
         """Per layer, keys and values ``[1, kv_heads, num_tokens + room, head_dim]``: the first
-        ``num_tokens`` positions, then ``room`` zero positions (``PageStorage.gather_layers``)."""
-        group = self.groups[self._get(blocks[0]).group] if room and blocks else None
+        ``num_tokens`` positions, then ``room`` zero positions (``PageStorage.gather_layers``);
+        values, decoded from pages in bits."""
+        group = self.groups[self._get(blocks[0]).group] if blocks else None
         return self.storage.gather_layers(blocks, num_tokens, room, group)
 
     # -- eviction -------------------------------------------------------------------------------

@@ -85,8 +85,10 @@ class PageStorage:
         the data, straight into each layer's own buffer. Without room, the copy is one array
         for all layers and each layer's keys and values are contiguous slices of it (one
         operation however many pages and layers: a prefix view's read-only data). ``group``:
-        the pages' group (its shape pads the room)."""
+        the pages' group (its shape pads the room, its codec decodes pages in bits)."""
         pieces = self._pieces(blocks, num_tokens)
+        if group is not None and group.quant is not None:  # one decode of all the pages
+            pieces = [group.decode(mx.concatenate(pieces, axis=3))]
         if not room:
             every = pieces[0] if len(pieces) == 1 else mx.concatenate(pieces, axis=3)
             return [(every[layer, 0][None], every[layer, 1][None])
