@@ -25,15 +25,11 @@ from typing import Iterable, Sequence
 
 from kv_cache.model import state_points as points
 from kv_cache.model.attention import PrefixViews
-from kv_cache.tiers.disk.lookup import DiskFind
-from kv_cache.tiers.disk.store import DiskStore, StoredEntry
 from kv_cache.saving import DiskSaving, DiskWriter
 from kv_cache.errors import OutOfBlocksError
-from kv_cache.pages.holders import ENTRY, RESIDENT, SEQUENCE
-from kv_cache.room import Room
 from kv_cache.pages.pool import PagePool
-from kv_cache.queries import Queries
 from kv_cache.restore import Restore
+from kv_cache.tiers.base import FoundPrefix, StoredEntry, Tier
 from kv_cache.model.sequence import PagedSequence, Snapshot
 from kv_cache.model.state_points import PointEntries
 from kv_cache.tokens import common_prefix
@@ -61,7 +57,7 @@ class Match:
     source: str  # "entry:<key>", "disk:<key>", "prefix", "disk-prefix" or "none"
     stored: StoredEntry | None = None
     state: Snapshot | None = None
-    found: DiskFind | None = None  # a prefix the disk's files hold, found by its content
+    found: FoundPrefix | None = None  # a prefix the disk's files hold, found by its content
 
     @property
     def blocks(self) -> list[int | None]:
@@ -81,10 +77,10 @@ class ManagerStats:
     disk_save_failures: int = 0
 
 
-class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
+class CacheManager(Restore, DiskSaving, PointEntries):
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
-    def __init__(self, pool: PagePool, store: DiskStore | None = None, max_resident: int = 4,
+    def __init__(self, pool: PagePool, store: Tier | None = None, max_resident: int = 4,
                  views: PrefixViews | None = None, max_points: int = 2 * points.K):
         """``max_resident``: finished sequences kept with their working buffers (least recently
         used dropped first), so that a turn continuing one of them skips gathering its pages.
@@ -102,6 +98,7 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
         self._writer = DiskWriter() if store is not None else None
         self._resident: OrderedDict[int, PagedSequence] = OrderedDict()  # oldest first
         self.stats = ManagerStats()
+        pool.reclaimer = self._reclaim
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -228,7 +225,7 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
         sequence beyond ``max_resident`` is closed. A sequence whose new positions do not fit
         in the pool is closed instead (it could not be verified against its pages later)."""
         try:
-            self.with_room(seq.commit)
+            seq.commit()
         except OutOfBlocksError:
             seq.close()
             return
@@ -236,9 +233,8 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
             seq.close()
             return
         self._resident[id(seq)] = seq
-        self.pool.holders.move((b for t in seq.tables for b in t.blocks), SEQUENCE, RESIDENT)
         while len(self._resident) > self.max_resident:
-            self._unreside(next(iter(self._resident))).close()
+            self._resident.popitem(last=False)[1].close()
 
     def resident_tokens(self) -> int:
         return sum(len(s.tokens) for s in self._resident.values())
@@ -256,13 +252,13 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
                 best, best_n = seq, n
         if best is None or best_n < match.tokens:
             return None
-        self._unreside(id(best))
+        del self._resident[id(best)]
         best.trim(len(best.tokens) - best_n)  # NOTE: verified by tokens, like any other reuse
         return best
 
     def _close_resident(self) -> None:
         while self._resident:
-            self._unreside(next(reversed(self._resident))).close()
+            self._resident.popitem()[1].close()
 
     def start(
         self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True,
@@ -319,7 +315,7 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
         """Keep the first ``n_tokens`` (default all) of ``seq`` under ``key``, with the recurrent
         state when that is where the sequence stands; the disk copy is written by the next
         ``flush()``."""
-        self.with_room(seq.commit)
+        seq.commit()
         n = len(seq.tokens) if n_tokens is None else n_tokens
         self._save_points(seq, n)
         state = seq.state_snapshot() if n == len(seq.tokens) else None
@@ -330,7 +326,7 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
         """``seq``'s first ``n`` tokens (committed) as the entry ``key``, holding their pages."""
         tables = seq.prefix_tables(n)
         for t in tables:
-            self.pool.hold_all(t, ENTRY)
+            self.pool.hold_all(t)
         self.drop(key, from_disk=False)
         self._entries[key] = entry = Entry(key, tuple(seq.tokens[:n]), tables, state)
         if self.store is not None and to_disk:
@@ -363,7 +359,9 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
         entry = self._entries.pop(key, None)
         if entry is not None:
             for t in entry.tables:
-                self.pool.release_all(t, ENTRY)
+                for b in t:
+                    if b is not None:
+                        self.pool.release(b)
         if from_disk and self.store is not None:
             self.sync()  # a queued write of this key must not bring it back
         on_disk = bool(from_disk and self.store is not None and self.store.delete(key))
@@ -372,3 +370,10 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
     def clear(self) -> None:
         for key in list(self._entries):
             self.drop(key, from_disk=False)
+
+    def _reclaim(self, n_pages: int, group: int = 0) -> None:
+        while self._resident and not self.pool.can_allocate(n_pages, group):
+            self._resident.popitem(last=False)[1].close()
+        while self._entries and not self.pool.can_allocate(n_pages, group):
+            self.drop(next(iter(self._entries)), from_disk=False)
+            self.stats.entries_dropped += 1

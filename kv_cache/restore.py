@@ -3,7 +3,7 @@
 The pages an entry's first ``n`` tokens use are held from memory where the pool has them, else
 read from disk: page files by hash (a full-attention group's pages that are all missing, as one
 array: ``kv_cache.pages.runs``), read ahead in batches; the open tail page from the entry's tail
-file (or, for a prefix found by content, the file continuing its last page: ``DiskTails``).
+file (or, for a prefix found by content, the file continuing its last page: ``FoundTails``).
 """
 
 from __future__ import annotations
@@ -13,10 +13,9 @@ from typing import Callable, Sequence
 
 import mlx.core as mx
 
-from kv_cache.tiers.disk.lookup import DiskFind, DiskTails
-from kv_cache.tiers.disk.store import StoredEntry
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.model.sequence import Snapshot
+from kv_cache.tiers.base import FoundPrefix, FoundTails, StoredEntry
 
 log = logging.getLogger("kv_cache.manager")
 PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
@@ -24,7 +23,7 @@ PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring 
 
 class Restore:
     """Loading entries from disk into the pool (``self.pool``, ``self.store``, ``self.stats``,
-    ``self._cut`` and ``with_room`` (room made for what a restore adds) are the manager's)."""
+    ``self._cut`` are the manager's)."""
 
     def _load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
                                                          Snapshot | None]:
@@ -41,10 +40,10 @@ class Restore:
         return self._load_pages(stored.tokens, stored.group_hashes(), loaded.tails, n, state,
                                 stored.key)
 
-    def _load_found(self, found: DiskFind, prompt: Sequence[int]):
+    def _load_found(self, found: FoundPrefix, prompt: Sequence[int]):
         """``_load`` for a prefix found on disk by content: no manifest, the pages by hash and
-        the partial page's file only if the load gets that far (``DiskTails``)."""
-        return self._load_pages(prompt, found.hashes, DiskTails(self.store, self.pool, found),
+        the partial page's file only if the load gets that far (``FoundTails``)."""
+        return self._load_pages(prompt, found.hashes, FoundTails(self.store, self.pool, found),
                                 found.tokens, None, "a prompt's stored prefix")
 
     def _load_pages(self, tokens: Sequence[int], hashes: list[list[bytes | None]], tails,
@@ -89,14 +88,13 @@ class Restore:
                                 parent = chain[i - 1]
                             else:
                                 parent = pool.roots[g]
-                            block = self.with_room(
-                                lambda: pool.add_sealed(parent, page, data, g, h))
+                            block = pool.add_sealed(parent, page, data, g, h)
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
                         data, k = tails.get(g), n - i * P
                         if data is None:
                             break
-                        (block,) = self.with_room(lambda: pool.allocate(1, g))
+                        (block,) = pool.allocate(1, g)
                         pool.write(block, mx.contiguous(data[:, :, :, :k, :]), page[:k])
                     table.append(block)
                 covered = min(covered, len(table) * P)
@@ -121,12 +119,13 @@ class Restore:
         pages = [(h, tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
         try:
             if k == len(hashes):
-                self.with_room(lambda: pool.add_sealed_run(pool.roots[g], pages, arr, g))
+                pool.add_sealed_run(pool.roots[g], pages, arr, g)
             else:  # a page could not be read: the ones before it, each in its own storage
                 parent = pool.roots[g]
                 for i, (h, page) in enumerate(pages):
-                    data = mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :])
-                    pool.release(self.with_room(lambda: pool.add_sealed(parent, page, data, g, h)))
+                    pool.release(pool.add_sealed(
+                        parent, page, mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :]),
+                        g, h))
                     parent = h
         except OutOfBlocksError:
             return
@@ -143,7 +142,7 @@ class Restore:
             if h not in batch:
                 i = at.get(h)
                 if i is None:
-                    return self.store.load_page(h)
+                    return self.store.load_pages([h])[h]
                 batch.clear()
                 batch.update(self.store.load_pages(wanted[i : i + ahead]))
             return batch.pop(h)

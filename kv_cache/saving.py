@@ -14,8 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 
-from kv_cache.tiers.disk.file_format import host_array
-from kv_cache.tiers.disk.store import PageRecord
+from kv_cache.tiers.base import PageRecord, host_array
 
 if TYPE_CHECKING:
     from kv_cache.manager import Entry

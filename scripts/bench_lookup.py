@@ -21,7 +21,8 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from kv_cache.tiers.disk.store import DiskStore, PageRecord
+from kv_cache.tiers.base import PageRecord
+from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.pages.hashing import chain_hashes
 from kv_cache.manager import CacheManager
 from kv_cache.pages.pool import PagePool

@@ -45,7 +45,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ttft import QUESTIONS, Server, ask, conversation, document, free_port  # noqa: E402
 
 from kv_cache.model.attention import PrefixViews  # noqa: E402
-from kv_cache.tiers.disk.store import DiskStore, PageRecord  # noqa: E402
+from kv_cache.tiers.base import PageRecord  # noqa: E402
+from kv_cache.tiers.disk.store import DiskStore  # noqa: E402
 from kv_cache.pages.hashing import chain_hashes  # noqa: E402
 from kv_cache.manager import CacheManager  # noqa: E402
 from kv_cache.pages.pool import PagePool  # noqa: E402

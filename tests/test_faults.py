@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 
+import kv_cache.tiers.disk.dirs
 import kv_cache.tiers.disk.store
 from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
@@ -288,6 +289,7 @@ def read_only(monkeypatch) -> None:
                   rename=rofs)
     monkeypatch.setattr(atomic_fs, "os", fake)
     monkeypatch.setattr(kv_cache.tiers.disk.store, "os", fake)
+    monkeypatch.setattr(kv_cache.tiers.disk.dirs, "os", fake)
     real_mkdir = Path.mkdir
 
     def mkdir(self, mode=0o777, parents=False, exist_ok=False):

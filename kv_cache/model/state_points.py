@@ -146,7 +146,7 @@ class PointEntries:
                 self._entries.move_to_end(key)
             else:
                 self._keep(key, seq, p, snap, to_disk=self.store is not None
-                           and key not in self.store)
+                           and self.store.get(key) is None)
         held = [k for k in self._entries if is_point(k)]
         for key in held[: max(0, len(held) - self.max_points)]:
             self.drop(key, from_disk=False)

@@ -40,13 +40,11 @@ restore. Version 2 replaced version 1's one page shape (dtype, num_layers, num_k
 head_dim) by the cache spec, and added page groups, entry layouts and state snapshots. Files of
 another version are foreign: a miss, logged and removed.
 
-This module writes the format itself (JSON framing around raw little-endian bytes): numpy has no
-bfloat16 and the ``safetensors`` writer's API changed in 0.8; the tests read the files back with
-``mx.load`` and ``safetensors.safe_open``.
-
-Readers trust nothing: header length, JSON, offsets, dtypes and sizes are checked against the file
-size before any tensor byte is touched. ``FormatError`` is a file that is not a valid file of
-ours; ``ForeignError`` a valid one for another model, geometry or format version.
+The safetensors framing (written by us, every header checked against the file's size before
+any tensor byte is touched) is ``framing``; this module says what the metadata must say and
+builds the files; reading their data into MLX arrays is ``file_data``. The tests read the files
+back with ``mx.load`` and ``safetensors.safe_open``. ``FormatError`` is a file that is not a
+valid file of ours; ``ForeignError`` a valid one for another model, geometry or format version.
 """
 
 from __future__ import annotations
@@ -54,8 +52,6 @@ from __future__ import annotations
 import functools
 import json
 import re
-import struct
-import threading
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -63,22 +59,16 @@ import mlx.core as mx
 import numpy as np
 import xxhash
 
-from kv_cache.tiers.disk.atomic_fs import read_at, read_into
 from kv_cache.errors import ForeignError, FormatError  # noqa: F401 - the format's errors
-from kv_cache.pages.hashing import chain_hashes, page_hash, root_hash
-from kv_cache.pages.memory import new_array
 from kv_cache.model.spec import CacheSpec
-
-try:
-    import fcntl
-except ImportError:  # not POSIX
-    fcntl = None  # type: ignore[assignment]
+from kv_cache.pages.hashing import chain_hashes, page_hash, root_hash
+from kv_cache.tiers.disk.framing import Header, encode
+from kv_cache.tiers.disk.framing import read_header  # noqa: F401 - reads a file's header
 
 FORMAT_VERSION = "4"
 PAGE_FORMAT = "mlx-kvcache-page"
 TAIL_FORMAT = "mlx-kvcache-tail"
 ENTRY_FORMAT = "mlx-kvcache-entry"
-MAX_HEADER_BYTES = 16 << 20  # hostile-header cap
 INT64 = (-(1 << 63), 1 << 63)
 
 # store dtype name -> (mx dtype, safetensors code, numpy storage dtype)
@@ -87,18 +77,8 @@ DTYPES: dict[str, tuple[mx.Dtype, str, np.dtype]] = {
     "bfloat16": (mx.bfloat16, "BF16", np.dtype("<u2")),  # numpy has no bf16: raw 16-bit words
     "float32": (mx.float32, "F32", np.dtype("<f4")),
 }
-# Every safetensors dtype code and its item size (structural check of any header).
-ST_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _UINT = re.compile(r"[0-9]{1,9}")
-
-
-def dtype_name(dtype: mx.Dtype) -> str:
-    for name, (dt, _, _) in DTYPES.items():
-        if dt == dtype:
-            return name
-    raise ValueError(f"the disk store keeps float16, bfloat16 or float32 pages, not {dtype}")
 
 
 CHECKSUM_PREFIX = "xxh3-128:"
@@ -120,18 +100,6 @@ class Geometry:
     fingerprint: str
     page_size: int
     spec: CacheSpec
-
-    @classmethod
-    def plain(cls, fingerprint: str, dtype: str, page_size: int, num_layers: int,
-              num_kv_heads: int, head_dim: int) -> "Geometry":
-        """One group of full-attention layers."""
-        spec = CacheSpec.plain(num_layers, num_kv_heads, head_dim, DTYPES[dtype][0])
-        return cls(fingerprint, page_size, spec)
-
-    @property
-    def dtype(self) -> str:
-        """Group 0's dtype."""
-        return self.spec.groups[0].dtype
 
     def root(self, group: int = 0) -> bytes:
         return root_hash(self.fingerprint, group)
@@ -160,18 +128,6 @@ def _geometry_metadata(geo: Geometry) -> dict[str, str]:
             "page_size": str(geo.page_size), "cache_spec": geo.spec.to_json()}
 
 
-# -- tensors <-> bytes ----------------------------------------------------------------------------
-
-
-def host_array(a: mx.array) -> np.ndarray:
-    """``a``'s raw bytes as a numpy array (zero-copy for float16/float32), for handing data to a
-    thread that must not run MLX; ``to_storage`` accepts it as is."""
-    if a.dtype == mx.bfloat16:
-        a = a.view(mx.uint16)
-    mx.eval(a)
-    return np.asarray(a)
-
-
 def to_storage(a: mx.array | np.ndarray, dtype: str) -> np.ndarray:
     """``a`` (cast to ``dtype``) as a C-contiguous little-endian numpy array of its raw bytes.
     A numpy array is taken as already in the storage form (see ``host_array``)."""
@@ -191,25 +147,6 @@ def from_storage(buf, offset: int, shape: Sequence[int], dtype: str) -> mx.array
     count = int(np.prod(shape)) if shape else 1
     arr = mx.array(np.frombuffer(buf, dtype=np_dt, count=count, offset=offset).reshape(shape))
     return arr.view(mx.bfloat16) if dt == mx.bfloat16 else arr
-
-
-def encode(tensors: dict[str, np.ndarray], codes: dict[str, str] | str,
-           metadata: dict[str, str]) -> list:
-    """A safetensors file as chunks: the header (length + JSON, padded to 8) and tensor buffers.
-    ``codes``: each tensor's safetensors dtype code (or one code for all)."""
-    header: dict = {"__metadata__": metadata}
-    offset, chunks = 0, []
-    for name, arr in tensors.items():
-        code = codes if isinstance(codes, str) else codes[name]
-        header[name] = {"dtype": code, "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        chunks.append(arr)
-    raw = json.dumps(header, separators=(",", ":")).encode()  # ensure_ascii: pure ASCII
-    raw += b" " * (-len(raw) % 8)
-    if len(raw) > MAX_HEADER_BYTES:
-        raise FormatError(f"header of {len(raw)} bytes is over the {MAX_HEADER_BYTES} cap")
-    return [struct.pack("<Q", len(raw)) + raw, *chunks]
 
 
 def meta_checksum(meta: dict[str, str]) -> str:
@@ -239,76 +176,6 @@ def entry_metadata(geo: Geometry, key: str, tokens: Sequence[int], hashes: Seque
                           "layout": json.dumps([list(x) for x in layout]),
                           "tail_tokens": str(tail_tokens), "state": "1" if state else "0",
                           "data_checksum": data_sum})
-
-
-# -- parsing --------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Tensor:
-    dtype: str  # safetensors code
-    shape: tuple[int, ...]
-    start: int  # absolute file offsets
-    end: int
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    size: int  # file size
-    data_start: int
-    metadata: dict[str, str]
-    tensors: dict[str, Tensor]
-    digest: bytes = b""  # xxh3-128 of the header's bytes (length and JSON), where read from a file
-
-
-def head_digest(head: bytes) -> bytes:
-    """What a store's index keeps of a file's header bytes, to know the file unchanged later."""
-    return xxhash.xxh3_128_digest(head)
-
-
-def parse_header(prefix: bytes, file_size: int) -> Header:
-    """Strict structural check of a safetensors header against the file's size."""
-    if file_size < 8 or len(prefix) < 8:
-        raise FormatError(f"truncated: {file_size} bytes")
-    (n,) = struct.unpack("<Q", prefix[:8])
-    if not 2 <= n <= MAX_HEADER_BYTES:
-        raise FormatError(f"header length {n} out of range")
-    if 8 + n > file_size or len(prefix) < 8 + n:
-        raise FormatError(f"header length {n} past the end of a {file_size}-byte file")
-    try:
-        top = json.loads(prefix[8 : 8 + n].decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise FormatError(f"header is not JSON: {type(e).__name__}") from None
-    if not isinstance(top, dict):
-        raise FormatError("header is not a JSON object")
-    meta = top.pop("__metadata__", None)
-    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise FormatError("__metadata__ missing or not a map of strings")
-    data_start, spans, tensors = 8 + n, [], {}
-    for name, info in top.items():
-        if not isinstance(info, dict):
-            raise FormatError(f"tensor {name!r}: not an object")
-        code, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if not isinstance(code, str) or code not in ST_ITEMSIZE:
-            raise FormatError(f"tensor {name!r}: unknown dtype")
-        if not (isinstance(shape, list) and len(shape) <= 8
-                and all(type(d) is int and d >= 0 for d in shape)):
-            raise FormatError(f"tensor {name!r}: bad shape")
-        if not (isinstance(offs, list) and len(offs) == 2
-                and all(type(o) is int for o in offs) and 0 <= offs[0] <= offs[1]):
-            raise FormatError(f"tensor {name!r}: bad data_offsets")
-        if offs[1] - offs[0] != int(np.prod(shape, dtype=object)) * ST_ITEMSIZE[code]:
-            raise FormatError(f"tensor {name!r}: offsets do not match shape and dtype")
-        spans.append((offs[0], offs[1]))
-        tensors[name] = Tensor(code, tuple(shape), data_start + offs[0], data_start + offs[1])
-    pos = 0
-    for a, b in sorted(spans):
-        if a != pos:
-            raise FormatError("tensor data overlaps or leaves holes")
-        pos = b
-    if data_start + pos != file_size:
-        raise FormatError(f"tensor data ends at {data_start + pos}, the file at {file_size}")
-    return Header(file_size, data_start, meta, tensors)
 
 
 def _uint(meta: dict[str, str], name: str) -> int:
@@ -383,10 +250,6 @@ def parse_page(geo: Geometry, h: Header, expect: bytes, kind: str = PAGE_FORMAT)
         raise FormatError("page hash does not match its tokens, parent or file name")
     _check_tensors(h, {"kv": (geo.shape(n, group), geo.group_dtype(group))}, "page")
     return PageMetaInfo(ph, parent, tokens, group, str(meta.get("data_checksum", "")))
-
-
-def parse_tail(geo: Geometry, h: Header, expect: bytes) -> PageMetaInfo:
-    return parse_page(geo, h, expect, TAIL_FORMAT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -464,143 +327,3 @@ def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[
     meta = entry_metadata(geo, key, tokens, hashes, len(tokens) - geo.page_size * full,
                           checksum(*tensors.values()), layout, state is not None)
     return encode(tensors, codes, meta)
-
-
-def nbytes(chunks: Sequence) -> int:
-    return sum(memoryview(c).nbytes for c in chunks)
-
-
-def _verified(h: Header, buf: bytes) -> None:
-    spans = [memoryview(buf)[t.start : t.end] for t in h.tensors.values()]
-    if checksum(*spans) != h.metadata.get("data_checksum"):
-        raise FormatError("data checksum mismatch")
-
-
-def check_page(geo: Geometry, buf, expect: bytes,
-               kind: str = PAGE_FORMAT) -> tuple[np.ndarray, str]:
-    """A whole page (or tail) file, every check passed: its data as a zero-copy numpy view of
-    ``buf`` (storage form) and its dtype name. Runs no MLX (safe in a reader thread)."""
-    h = parse_header(buf, len(buf))
-    parse_page(geo, h, expect, kind)
-    _verified(h, buf)
-    t = h.tensors["kv"]
-    dt = geo.group_dtype(int(h.metadata["group"]))
-    view = np.frombuffer(buf, dtype=DTYPES[dt][2], count=int(np.prod(t.shape)), offset=t.start)
-    return view.reshape(t.shape), dt
-
-
-def page_dest(geo: Geometry, group: int) -> tuple[mx.array, memoryview]:
-    """An MLX array for one page of ``group`` and a writable byte view of its memory, for reading
-    a page file straight into it (``fill_page``); call ``as_page`` on it once filled."""
-    return page_dests(geo, [group])[0]
-
-
-def page_dests(geo: Geometry, groups: Sequence[int]) -> list[tuple[mx.array, memoryview]]:
-    """``page_dest`` for several pages at once (one evaluation for all: cheaper per page)."""
-    arrs = [mx.zeros(geo.shape(geo.page_size, g), dtype=storage_dtype(geo, g)) for g in groups]
-    mx.eval(arrs)
-    return [(a, memoryview(np.array(a, copy=False)).cast("B")) for a in arrs]
-
-
-def storage_dtype(geo: Geometry, group: int) -> mx.Dtype:
-    """The dtype a page of ``group`` is read into: its own, bfloat16 as raw 16-bit words
-    (numpy, through which files are read, has no bfloat16; ``as_page`` views it back)."""
-    dt = DTYPES[geo.group_dtype(group)][0]
-    return mx.uint16 if dt == mx.bfloat16 else dt
-
-
-def as_page(arr: mx.array, geo: Geometry, group: int) -> mx.array:
-    return arr.view(mx.bfloat16) if geo.group_dtype(group) == "bfloat16" else arr
-
-
-def run_dest(geo: Geometry, group: int, n: int) -> tuple[mx.array, list[np.ndarray]]:
-    """One array for ``n`` consecutive pages of ``group`` ``[layers, 2, kv_heads, n * page_size,
-    head_dim]`` (storage dtype), and per page the writable byte view its file's data fills: one
-    row per layer, key/value and head, of ``page_size x head_dim`` items (the file's order)."""
-    mdt = storage_dtype(geo, group)
-    shape = geo.shape(geo.page_size * n, group)
-    arr = new_array(shape, mdt)
-    block = geo.page_size * shape[-1] * mdt.size
-    rows = np.array(arr, copy=False).view(np.uint8).reshape(-1, n * block)
-    return arr, [rows[:, i * block : (i + 1) * block] for i in range(n)]
-
-
-_staging = threading.local()  # per reader thread: a page file's bytes, for a page in a run
-
-
-def staging(size: int) -> np.ndarray:
-    """This thread's buffer that page files are read whole into, of at least ``size`` bytes."""
-    stage = getattr(_staging, "buf", None)
-    if stage is None or stage.nbytes < size:
-        stage = _staging.buf = np.empty(size, dtype=np.uint8)
-    return stage
-
-
-def fill_page(fd: int, size: int, dest: memoryview | np.ndarray, head_sum: bytes,
-              data_sum: str) -> bool:
-    """Read a page file of ``size`` bytes into ``dest`` (its data: the file's last bytes) and say
-    whether it is still the file a store indexed: its header's bytes hash to ``head_sum`` and
-    its data to ``data_sum`` (the header was checked in full when the store wrote or indexed the
-    file). ``dest`` is contiguous memory (read straight into) or a page's strided rows in a run
-    (``run_dest``): the file is then read whole into this thread's staging buffer, checked there
-    and copied in one pass (hashing the rows in place one by one costs more than the copy)."""
-    nbytes = dest.nbytes
-    if size <= nbytes:
-        return False
-    if isinstance(dest, memoryview):
-        head = bytearray(size - nbytes)
-        read_into(fd, [memoryview(head), dest], 0)  # one read: header and data
-        return head_digest(head) == head_sum and checksum(dest) == data_sum
-    stage = staging(size)
-    whole = memoryview(stage)[:size]
-    read_into(fd, whole, 0)
-    if head_digest(whole[: size - nbytes]) != head_sum or checksum(whole[size - nbytes :]) != data_sum:
-        return False
-    dest[...] = stage[size - nbytes : size].reshape(dest.shape)
-    return True
-
-
-def to_array(view: np.ndarray, dtype: str) -> mx.array:
-    """Storage-form data (``check_page``) as an MLX array (one copy)."""
-    arr = mx.array(view)
-    return arr.view(mx.bfloat16) if DTYPES[dtype][0] == mx.bfloat16 else arr
-
-
-def decode_page(geo: Geometry, buf: bytes, expect: bytes, kind: str = PAGE_FORMAT) -> mx.array:
-    """A whole page (or tail) file, every check passed, to its data."""
-    return to_array(*check_page(geo, buf, expect, kind))
-
-
-def decode_entry(geo: Geometry, buf: bytes) -> tuple[EntryMetaInfo, dict[str, mx.array]]:
-    """A whole manifest, every check passed, to its metadata and tensors (its state)."""
-    h = parse_header(buf, len(buf))
-    info = parse_entry(geo, h)
-    return info, _entry_tensors(geo, h, buf)
-
-
-def _entry_tensors(geo: Geometry, h: Header, buf: bytes) -> dict[str, mx.array]:
-    _verified(h, buf)
-    st = geo.state_tensors()
-    return {name: from_storage(buf, t.start, t.shape, st[name][1]) for name, t in h.tensors.items()}
-
-
-def decode_known_entry(geo: Geometry, buf: bytes, head_sum: bytes) -> dict[str, mx.array] | None:
-    """The tensors (recurrent state) of a whole manifest whose header's bytes hash to
-    ``head_sum`` (checked in full when it was written or indexed), their checksum verified;
-    None when the header is not that one."""
-    h = parse_header(buf, len(buf))
-    if head_digest(memoryview(buf)[: h.data_start]) != head_sum:
-        return None
-    return _entry_tensors(geo, h, buf)
-
-
-def read_header(fd: int, size: int) -> Header:
-    """The header of an open file; reads exactly its bytes, never the tensor data."""
-    head = read_at(fd, 8, 0) if size >= 8 else b""
-    if len(head) < 8:
-        raise FormatError(f"truncated: {size} bytes")
-    (n,) = struct.unpack("<Q", head)
-    if 2 <= n <= MAX_HEADER_BYTES and 8 + n <= size:
-        head += read_at(fd, n, 8)
-    h = parse_header(head, size)
-    return Header(h.size, h.data_start, h.metadata, h.tensors, head_digest(head))

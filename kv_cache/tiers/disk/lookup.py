@@ -15,75 +15,47 @@ the lookup finds the longest entry that the prompt contains whole, by where entr
 index's ``_ends``: group 0's chain hash of the page each ends in), and the entry is restored as
 one found by its message id is.
 
-``ContentLookup`` is a part of ``DiskStore``; its methods take the store's lock.
+A ``DiskStore`` holds one ``ContentLookup`` over its index and calls it under its lock.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
-
-import mlx.core as mx
 import numpy as np
 
 from kv_cache.pages.hashing import chain_hashes
+from kv_cache.tiers.base import FoundPrefix
+from kv_cache.tiers.disk.index import StoreIndex
 from kv_cache.tokens import common_prefix
-
-if TYPE_CHECKING:
-    from kv_cache.pages.pool import PagePool
-
-
-@dataclass(slots=True)
-class DiskFind:
-    """A prefix of a prompt that the store's files hold: its first ``tokens`` positions."""
-
-    tokens: int
-    hashes: list[list[bytes]]  # per group, the chain hash of each full page (tokens // P)
-    tails: dict[int, bytes]  # per group, the page or tail file holding the partial page after
 
 
 class ContentLookup:
     """Lookups by content over a ``DiskStore``'s in-memory index (no file is read)."""
 
-    def find_prefix(self, prompt: Sequence[int], limit: int) -> DiskFind | None:
-        """The longest prefix of ``prompt[:limit]`` whose keys and values stored page and tail
-        files hold for every cache group, a sliding window's group from the first page its
-        window reads there; None when there is none."""
-        with self._lock:
-            if self._closed or not self.geo.spec.groups:
-                return None
-            return self._find_prefix(np.asarray(prompt[:limit], dtype=np.int64))
+    def __init__(self, index: StoreIndex):
+        self.index, self.geo, self.page_size = index, index.geo, index.geo.page_size
 
-    def find_end(self, prompt: Sequence[int], limit: int) -> str | None:
-        """The key of the longest entry whose tokens are all a prefix of ``prompt[:limit]``
-        (verified token for token), or None."""
-        with self._lock:
-            if self._closed:
-                return None
-            toks = np.asarray(prompt[:limit], dtype=np.int64)
-            groups = self.geo.spec.groups
-            # Every entry stores all of a full-attention group 0's pages and its tail's holder.
-            pruned = bool(groups) and groups[0].kind.reads_all
-            best, best_n = None, 0
-            for parent in [self.geo.root(0)] + chain_hashes(self.geo.root(0), toks,
-                                                            self.page_size):
-                keys = self._ends.get(parent, ())
-                if pruned and not keys and not self._kids.get(parent):
-                    break  # no stored file continues this page: no entry ends further on
-                for key in keys:
-                    e = self._entries[key]
-                    n = len(e.tokens)
-                    if best_n < n <= limit and np.array_equal(e.tokens, toks[:n]):
-                        best, best_n = key, n
-            return best
+    def find_end(self, toks: np.ndarray) -> str | None:
+        """The key of the longest entry whose tokens are all a prefix of ``toks`` (verified
+        token for token), or None."""
+        groups, ix = self.geo.spec.groups, self.index
+        # Every entry stores all of a full-attention group 0's pages and its tail's holder.
+        pruned = bool(groups) and groups[0].kind.reads_all
+        best, best_n = None, 0
+        for parent in [self.geo.root(0)] + chain_hashes(self.geo.root(0), toks, self.page_size):
+            keys = ix.ends.get(parent, ())
+            if pruned and not keys and not ix.kids.get(parent):
+                break  # no stored file continues this page: no entry ends further on
+            for key in keys:
+                e = ix.entries[key]
+                n = len(e.tokens)
+                if best_n < n <= len(toks) and np.array_equal(e.tokens, toks[:n]):
+                    best, best_n = key, n
+        return best
 
-    def load_holder(self, h: bytes) -> mx.array | None:
-        """The data of page or tail file ``h`` (all its positions); None when it is gone or
-        bad (logged, the file removed)."""
-        with self._lock:
-            return None if self._closed else self._load_holder(h)
-
-    def _find_prefix(self, toks: np.ndarray) -> DiskFind | None:
+    def find_prefix(self, toks: np.ndarray) -> FoundPrefix | None:
+        """The longest prefix of ``toks`` whose keys and values stored page and tail files hold
+        for every cache group, a sliding window's group from the first page its window reads
+        there; None when there is none."""
         P, groups, limit = self.page_size, self.geo.spec.groups, len(toks)
         pages = limit // P
         hashes: list[list[bytes]] = [[] for _ in groups]
@@ -101,11 +73,11 @@ class ContentLookup:
             tails[g] = self._tail(g, parent, toks[pages * P : (pages + 1) * P])
         k = min(t[1] for t in tails.values())
         if k and self._window_ok(have, pages * P + k):
-            return DiskFind(pages * P + k, [hs[:pages] for hs in hashes],
+            return FoundPrefix(pages * P + k, [hs[:pages] for hs in hashes],
                             {g: h for g, (h, _) in tails.items()})
         for j in range(pages, 0, -1):  # NOTE: an earlier page boundary may have its window
             if self._window_ok(have, j * P):
-                return DiskFind(j * P, [hs[:j] for hs in hashes], {})
+                return FoundPrefix(j * P, [hs[:j] for hs in hashes], {})
         return None
 
     def _chain(self, toks: np.ndarray, g: int, n: int,
@@ -115,7 +87,7 @@ class ContentLookup:
         P = self.page_size
         hashes, have = chain_hashes(self.geo.root(g), toks[: n * P], P), []
         for i, h in enumerate(hashes):
-            f = self._info.get(h) if h in self._pages else None
+            f = self.index.info.get(h) if h in self.index.pages else None
             ok = f is not None and not f.partial and f.group == g \
                 and np.array_equal(f.tokens, toks[i * P : (i + 1) * P])
             if stop and not ok:
@@ -127,8 +99,8 @@ class ContentLookup:
         """The stored file continuing ``parent`` in group ``g`` whose tokens share the longest
         prefix with ``chunk`` (a full page first at a tie), and that prefix's length."""
         best, rank = None, (0, False)
-        for h in self._kids.get(parent, ()) if len(chunk) else ():
-            f = self._info[h]
+        for h in self.index.kids.get(parent, ()) if len(chunk) else ():
+            f = self.index.info[h]
             if f.group == g:
                 r = (common_prefix(f.tokens.tolist(), chunk.tolist()), not f.partial)
                 if r > rank:
@@ -141,21 +113,3 @@ class ContentLookup:
         found apart)."""
         P = self.page_size
         return all(all(ok[spec.kind.pages(n, P)]) for spec, ok in zip(self.geo.spec.groups, have))
-
-
-class DiskTails:
-    """``get(group)``: the data holding a content match's partial page, from the pool where
-    it holds the file's page, else read from disk when first asked for (a restore that stops
-    before the partial page reads no tail file)."""
-
-    def __init__(self, store: ContentLookup, pool: PagePool, found: DiskFind):
-        self.store, self.pool, self.found = store, pool, found
-        self._data: dict[int, mx.array | None] = {}
-
-    def get(self, g: int) -> mx.array | None:
-        if g not in self._data:
-            h = self.found.tails.get(g)
-            block = None if h is None else self.pool.lookup(h)
-            self._data[g] = self.pool.data(block) if block is not None \
-                else None if h is None else self.store.load_holder(h)
-        return self._data[g]

@@ -17,7 +17,9 @@ from typing import Sequence
 import mlx.core as mx
 
 from kv_cache.tiers.disk import atomic_fs as afs
+from kv_cache.tiers.disk import file_data
 from kv_cache.tiers.disk import file_format as fmt
+from kv_cache.tiers.disk import framing
 from kv_cache.tiers.disk.file_format import FormatError, Geometry
 
 READ_THREADS = 4  # NOTE: pages are read and verified in parallel; more adds little on one SSD
@@ -42,9 +44,9 @@ class PageReader:
         """Per ``(hash, indexed file size, indexed FileInfo)``: ("ok", page array),
         ("nodir", None) when its directory is gone, or ("bad", error) when the file is missing,
         unreadable or no longer the file the index describes."""
-        dests = fmt.page_dests(self.geo, [info.group for _, _, info in pages])
+        dests = file_data.page_dests(self.geo, [info.group for _, _, info in pages])
         found = self._fill_all(pages, [d for _, d in dests], [d.nbytes for _, d in dests])
-        return [(kind, fmt.as_page(dest, self.geo, info.group) if kind == "ok" else got)
+        return [(kind, file_data.as_page(dest, self.geo, info.group) if kind == "ok" else got)
                 for (kind, got), (_, _, info), (dest, _) in zip(found, pages, dests)]
 
     def read_run(self, pages: Sequence[tuple[bytes, int, object]],
@@ -52,8 +54,8 @@ class PageReader:
         """Consecutive pages of ``group`` into one array ``[layers, 2, kv_heads, len(pages) *
         page_size, head_dim]`` (``kv_cache.pages.runs``), and per page what ``read`` says (its
         data is its slice of the array)."""
-        arr, parts = fmt.run_dest(self.geo, group, len(pages))
-        return fmt.as_page(arr, self.geo, group), self._fill_all(pages, parts,
+        arr, parts = file_data.run_dest(self.geo, group, len(pages))
+        return file_data.as_page(arr, self.geo, group), self._fill_all(pages, parts,
                                                                  [p.nbytes for p in parts])
 
     def _fill_all(self, pages, dests: list, sizes: list[int]) -> list[tuple[str, object]]:
@@ -96,7 +98,7 @@ class PageReader:
         path: the file read whole into this thread's buffer (one byte more than the indexed
         size: a grown file shows), its two digests compared, its data copied into ``dest``;
         anything else goes to ``_fill``."""
-        stage = fmt.staging(max((size for _, _, (_, size, _), _ in items), default=0) + 1)
+        stage = file_data.staging(max((size for _, _, (_, size, _), _ in items), default=0) + 1)
         out: list[tuple[str, object]] = []
         for sub, name, (h, size, info), dest in items:
             if sub is None:
@@ -116,7 +118,7 @@ class PageReader:
                 except OSError:
                     pass
             data = stage[start:size] if whole else dest
-            if got == size and fmt.head_digest(stage[:start]) == info.head_sum \
+            if got == size and framing.head_digest(stage[:start]) == info.head_sum \
                     and fmt.checksum(data) == info.checksum:
                 if whole:
                     dest[...] = data.reshape(dest.shape)
@@ -133,7 +135,7 @@ class PageReader:
         except (FormatError, OSError) as e:
             return "bad", e
         try:
-            if got == size and fmt.fill_page(fd, size, dest, info.head_sum, info.checksum):
+            if got == size and file_data.fill_page(fd, size, dest, info.head_sum, info.checksum):
                 return "ok", None
             return "bad", self._why(fd, got, h, info)
         except (FormatError, OSError) as e:
@@ -145,7 +147,7 @@ class PageReader:
         """What is wrong with a page file that changed since it was indexed (a whole check of
         its header: foreign or malformed), for the log and the counters."""
         try:
-            fmt.parse_page(self.geo, fmt.read_header(fd, size), h,
+            fmt.parse_page(self.geo, framing.read_header(fd, size), h,
                            fmt.TAIL_FORMAT if info.partial else fmt.PAGE_FORMAT)
         except (FormatError, OSError) as e:
             return e

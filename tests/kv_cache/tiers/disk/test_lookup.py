@@ -1,8 +1,8 @@
-"""Finding a prompt's cache on disk by its content (kv_cache/disk_lookup.py): after a restart, a
-prompt whose message ids the store does not hold (or that has none) reuses the longest prefix
-that the store's page and tail files hold, verified by tokens, reading no file to find it and
-only the files it uses to restore it; for a model with recurrent state, the longest entry the
-prompt contains whole."""
+"""Finding a prompt's cache on disk by its content (``kv_cache.tiers.disk.lookup``): after a
+restart, a prompt whose message ids the store does not hold (or that has none) reuses the
+longest prefix that the store's page and tail files hold, verified by tokens, reading no file to
+find it and only the files it uses to restore it; for a model with recurrent state, the longest
+entry the prompt contains whole."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def test_a_corrupt_file_on_the_content_path_is_a_miss_and_removed(model, tmp_pat
     m = restarted(model, tmp_path)
     seq, match = m.start(prompt, [])
     assert match.tokens == want and not path.exists()
-    assert m.store.stats()["corrupt_files_removed"] == 1
+    assert m.store.stats().corrupt_files_removed == 1
     assert answer_matches_uncached(model, seq, prompt, want, run)
     m.close()
 
