@@ -27,7 +27,10 @@ from kv_cache.model import state_points as points
 from kv_cache.model.attention import PrefixViews
 from kv_cache.saving import DiskSaving, DiskWriter
 from kv_cache.errors import OutOfBlocksError
+from kv_cache.pages.holders import ENTRY, RESIDENT, SEQUENCE
+from kv_cache.room import Room
 from kv_cache.pages.pool import PagePool
+from kv_cache.queries import Queries
 from kv_cache.restore import Restore
 from kv_cache.tiers.base import FoundPrefix, StoredEntry, Tier
 from kv_cache.model.sequence import PagedSequence, Snapshot
@@ -77,7 +80,7 @@ class ManagerStats:
     disk_save_failures: int = 0
 
 
-class CacheManager(Restore, DiskSaving, PointEntries):
+class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
     def __init__(self, pool: PagePool, store: Tier | None = None, max_resident: int = 4,
@@ -98,7 +101,6 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         self._writer = DiskWriter() if store is not None else None
         self._resident: OrderedDict[int, PagedSequence] = OrderedDict()  # oldest first
         self.stats = ManagerStats()
-        pool.reclaimer = self._reclaim
 
     def __contains__(self, key: str) -> bool:
         return key in self._entries
@@ -225,7 +227,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         sequence beyond ``max_resident`` is closed. A sequence whose new positions do not fit
         in the pool is closed instead (it could not be verified against its pages later)."""
         try:
-            seq.commit()
+            self.with_room(seq.commit)
         except OutOfBlocksError:
             seq.close()
             return
@@ -233,8 +235,9 @@ class CacheManager(Restore, DiskSaving, PointEntries):
             seq.close()
             return
         self._resident[id(seq)] = seq
+        self.pool.holders.move((b for t in seq.tables for b in t.blocks), SEQUENCE, RESIDENT)
         while len(self._resident) > self.max_resident:
-            self._resident.popitem(last=False)[1].close()
+            self._unreside(next(iter(self._resident))).close()
 
     def resident_tokens(self) -> int:
         return sum(len(s.tokens) for s in self._resident.values())
@@ -252,13 +255,13 @@ class CacheManager(Restore, DiskSaving, PointEntries):
                 best, best_n = seq, n
         if best is None or best_n < match.tokens:
             return None
-        del self._resident[id(best)]
+        self._unreside(id(best))
         best.trim(len(best.tokens) - best_n)  # NOTE: verified by tokens, like any other reuse
         return best
 
     def _close_resident(self) -> None:
         while self._resident:
-            self._resident.popitem()[1].close()
+            self._unreside(next(reversed(self._resident))).close()
 
     def start(
         self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True,
@@ -315,7 +318,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         """Keep the first ``n_tokens`` (default all) of ``seq`` under ``key``, with the recurrent
         state when that is where the sequence stands; the disk copy is written by the next
         ``flush()``."""
-        seq.commit()
+        self.with_room(seq.commit)
         n = len(seq.tokens) if n_tokens is None else n_tokens
         self._save_points(seq, n)
         state = seq.state_snapshot() if n == len(seq.tokens) else None
@@ -326,7 +329,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         """``seq``'s first ``n`` tokens (committed) as the entry ``key``, holding their pages."""
         tables = seq.prefix_tables(n)
         for t in tables:
-            self.pool.hold_all(t)
+            self.pool.hold_all(t, ENTRY)
         self.drop(key, from_disk=False)
         self._entries[key] = entry = Entry(key, tuple(seq.tokens[:n]), tables, state)
         if self.store is not None and to_disk:
@@ -359,9 +362,7 @@ class CacheManager(Restore, DiskSaving, PointEntries):
         entry = self._entries.pop(key, None)
         if entry is not None:
             for t in entry.tables:
-                for b in t:
-                    if b is not None:
-                        self.pool.release(b)
+                self.pool.release_all(t, ENTRY)
         if from_disk and self.store is not None:
             self.sync()  # a queued write of this key must not bring it back
         on_disk = bool(from_disk and self.store is not None and self.store.delete(key))
@@ -370,10 +371,3 @@ class CacheManager(Restore, DiskSaving, PointEntries):
     def clear(self) -> None:
         for key in list(self._entries):
             self.drop(key, from_disk=False)
-
-    def _reclaim(self, n_pages: int, group: int = 0) -> None:
-        while self._resident and not self.pool.can_allocate(n_pages, group):
-            self._resident.popitem(last=False)[1].close()
-        while self._entries and not self.pool.can_allocate(n_pages, group):
-            self.drop(next(iter(self._entries)), from_disk=False)
-            self.stats.entries_dropped += 1

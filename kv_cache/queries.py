@@ -9,6 +9,7 @@ model reads shared prefixes through views turns them on here (``share_prefixes``
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import asdict
 from typing import Iterator
 
 from kv_cache.model.attention import PrefixViews
@@ -40,7 +41,7 @@ class Queries:
                 "disk_hits": m.disk_hits, "tokens_from_disk": m.tokens_from_disk,
                 "pages_read_from_disk": m.pages_read_from_disk, "disk_saves": m.disk_saves,
                 "disk_save_failures": m.disk_save_failures, "ram": ram,
-                "disk": self.store.stats() if self.store is not None else None,
+                "disk": asdict(self.store.stats()) if self.store is not None else None,
                 "disk_enabled": self.store is not None}
 
     def describe(self, key: str) -> dict | None:

@@ -23,7 +23,7 @@ PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring 
 
 class Restore:
     """Loading entries from disk into the pool (``self.pool``, ``self.store``, ``self.stats``,
-    ``self._cut`` are the manager's)."""
+    ``self._cut`` and ``with_room`` (room made for what a restore adds) are the manager's)."""
 
     def _load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
                                                          Snapshot | None]:
@@ -88,13 +88,14 @@ class Restore:
                                 parent = chain[i - 1]
                             else:
                                 parent = pool.roots[g]
-                            block = pool.add_sealed(parent, page, data, g, h)
+                            block = self.with_room(
+                                lambda: pool.add_sealed(parent, page, data, g, h))
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
                         data, k = tails.get(g), n - i * P
                         if data is None:
                             break
-                        (block,) = pool.allocate(1, g)
+                        (block,) = self.with_room(lambda: pool.allocate(1, g))
                         pool.write(block, mx.contiguous(data[:, :, :, :k, :]), page[:k])
                     table.append(block)
                 covered = min(covered, len(table) * P)
@@ -119,13 +120,12 @@ class Restore:
         pages = [(h, tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
         try:
             if k == len(hashes):
-                pool.add_sealed_run(pool.roots[g], pages, arr, g)
+                self.with_room(lambda: pool.add_sealed_run(pool.roots[g], pages, arr, g))
             else:  # a page could not be read: the ones before it, each in its own storage
                 parent = pool.roots[g]
                 for i, (h, page) in enumerate(pages):
-                    pool.release(pool.add_sealed(
-                        parent, page, mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :]),
-                        g, h))
+                    data = mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :])
+                    pool.release(self.with_room(lambda: pool.add_sealed(parent, page, data, g, h)))
                     parent = h
         except OutOfBlocksError:
             return

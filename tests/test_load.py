@@ -20,6 +20,7 @@ from pathlib import Path
 
 import httpx
 
+from kv_cache.pages.holders import ENTRY, SEQUENCE
 from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
 from tests.server_utils import make_engine, running_server
@@ -47,24 +48,29 @@ def disk_file_bytes(root: Path) -> int:
 
 
 def cache_figures(engine) -> dict:
-    """Per model, computed on the worker thread (after every queued job): pages whose ref count
-    differs from the number of entries holding them, RAM and disk bytes and budgets."""
+    """Per model, computed on the worker thread (after every queued job): pages a running
+    sequence still holds (ref count, holds by the cache's own holders: entries, resident
+    sequences, the prefix views they read), entries' pages whose holds differ from the entries'
+    tables, RAM and disk bytes and budgets. The pool counts every page's holds by kind of holder
+    (``kv_cache.pages.holders``), so this reads them there."""
 
     def measure() -> dict:
         out = {}
         for name, m in engine.managers.items():
             pool = m.pool
-            holds = Counter(b for key in m.keys() for b in m.get(key).blocks)  # noqa: SIM118
-            holds.update(m.resident_blocks())  # the last finished sequence, kept resident
-            if m.views is not None:  # shared prefix views that resident sequences read
-                holds.update(m.views.blocks())
+            tables = Counter(b for key in m.keys() for t in m.get(key).tables  # noqa: SIM118
+                             for b in t if b is not None)
+            entry_holds = pool.holders.held_by(ENTRY)
             refs = pool.ref_counts()
             stats = pool.stats()
             disk = m.store.stats() if m.store is not None else None
             out[name] = {
-                "wrong_refs": {b: (n, holds.get(b, 0)) for b, n in refs.items()
-                               if n != holds.get(b, 0)},
-                "missing": sorted(set(holds) - set(refs)),
+                "wrong_refs": {b: (refs[b], refs[b] - n)
+                               for b, n in pool.holders.held_by(SEQUENCE).items()},
+                "wrong_entry_holds": {b: (entry_holds.get(b, 0), tables.get(b, 0))
+                                      for b in set(tables) | set(entry_holds)
+                                      if entry_holds.get(b, 0) != tables.get(b, 0)},
+                "missing": sorted(set(tables) - set(refs)),
                 "entries": len(m), "pages": stats.used_pages, "pages_held": stats.held_pages,
                 "ram_bytes": stats.used_bytes, "ram_budget": pool.max_bytes,
                 "disk_bytes": disk.bytes_on_disk if disk else 0,
@@ -82,6 +88,7 @@ def assert_cache_at_rest(engine) -> dict:
     figures = cache_figures(engine)
     for name, f in figures.items():
         assert f["wrong_refs"] == {}, f"{name}: pages held beyond entries: {f['wrong_refs']}"
+        assert f["wrong_entry_holds"] == {}, f"{name}: {f['wrong_entry_holds']}"
         assert f["missing"] == [], f"{name}: entries hold freed pages {f['missing']}"
         assert f["ram_bytes"] <= f["ram_budget"], f
         assert f["disk_bytes"] <= f["disk_budget"], f
