@@ -32,10 +32,10 @@ def spec_of(model) -> CacheSpec:
                            a.hidden_size // a.num_attention_heads, mx.float32)
 
 
-def manager(model, bits, group, disk: Path | None = None, ram=1 << 24):
+def manager(model, bits, group, disk: Path | None = None, ram=1 << 24, store_url=None):
     spec, fp = with_kv_bits(spec_of(model), "tiny", bits, group)
     return open_cache(spec, fp, page_size=P, max_ram_bytes=ram, policy="lru", disk_dir=disk,
-                      max_disk_bytes=1 << 26, max_resident=0)
+                      max_disk_bytes=1 << 26, max_resident=0, store_url=store_url)
 
 
 def greedy_off(model, tokens, n, bits, group) -> list[int]:
@@ -188,3 +188,30 @@ def test_bytes_per_token_in_memory_and_on_disk(model, tmp_path):
     for bits, ratio in ((8, 0.32), (4, 0.19)):
         assert sizes[bits][0] <= ratio * full[0]
         assert sizes[bits][2] < 0.5 * full[2]  # file headers are a larger share of tiny pages
+
+
+def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, tmp_path):
+    """Two servers (own disks) on one Redis: the second restores the first's 8-bit turn bit for
+    bit; a server at 4 bits finds nothing of it."""
+    from tests.kv_cache.tiers.store.redis_proc import running_redis
+
+    tokens = list(range(30, 57))
+    with running_redis(tmp_path / "redis") as proc:
+        a = manager(model, 8, 32, tmp_path / "a", store_url=proc.url)
+        seq, _ = a.start(tokens, [])
+        greedy_on(model, seq, tokens, 1)
+        a.save("m", seq)
+        warm_tokens, warm = greedy_on(model, seq, [7, 8, 9], 3)
+        seq.close()
+        a.sync()
+        a.store.shared.drain()
+        for bits, want in ((8, len(tokens)), (4, 0)):
+            b = manager(model, bits, 32, tmp_path / f"b{bits}", store_url=proc.url)
+            seq, match = b.start(tokens + [7, 8, 9], ["m"])
+            assert match.tokens == want
+            if want:
+                again, logits = greedy_on(model, seq, [7, 8, 9], 3)
+                assert again == warm_tokens and mx.array_equal(logits, warm).item()
+            seq.close()
+            b.close()
+        a.close()

@@ -76,6 +76,7 @@ DTYPES: dict[str, tuple[mx.Dtype, str, np.dtype]] = {
     "float16": (mx.float16, "F16", np.dtype("<f2")),
     "bfloat16": (mx.bfloat16, "BF16", np.dtype("<u2")),  # numpy has no bf16: raw 16-bit words
     "float32": (mx.float32, "F32", np.dtype("<f4")),
+    "uint32": (mx.uint32, "U32", np.dtype("<u4")),  # pages in bits (kv_cache.pages.quant)
 }
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _UINT = re.compile(r"[0-9]{1,9}")
@@ -105,10 +106,11 @@ class Geometry:
         return root_hash(self.fingerprint, group)
 
     def shape(self, n: int, group: int = 0) -> list[int]:
-        return list(self.spec.groups[group].shape(n))
+        """A page's data as stored (in bits: the codec's words, ``GroupSpec.stored_shape``)."""
+        return list(self.spec.groups[group].stored_shape(n))
 
     def group_dtype(self, group: int) -> str:
-        return self.spec.groups[group].dtype
+        return self.spec.groups[group].stored_dtype
 
     def state_tensors(self) -> dict[str, tuple[list[int], str]]:
         """Name -> (shape, dtype) of every recurrent-state tensor of an entry."""
