@@ -45,6 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default "
                         f"{D.max_kv_ram_gb:g})")
     p.add_argument("--page-size", type=int, default=D.page_size, help="tokens per KV page")
+    p.add_argument("--kv-bits", type=int, choices=[8, 4], default=D.kv_bits,
+                   help="hold KV pages in 8 or 4 bits, in memory, on disk and in the store "
+                        "(default: the model's precision; a model's own quantized caches are "
+                        "still refused)")
+    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=D.kv_group_size,
+                   help=f"values along head_dim sharing one scale, with --kv-bits (default "
+                        f"{D.kv_group_size})")
     p.add_argument("--max-resident-sequences", type=int, default=D.max_resident_sequences,
                    help="finished conversations kept with their working buffers, so that their "
                         "next turn skips gathering pages (0: none)")
@@ -100,6 +107,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
+        kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
         eviction_policy=args.eviction_policy, api_key=args.api_key,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,

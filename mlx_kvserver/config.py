@@ -41,6 +41,8 @@ class ServerConfig:
     max_kv_size_gb: float = 10.0
     max_kv_ram_gb: float = 2.0
     page_size: int = 32
+    kv_bits: int | None = None  # pages in 8 or 4 bits (kv_cache/pages/quant.py); None: model's
+    kv_group_size: int = 64  # values sharing one scale and bias, with kv_bits
     max_resident_sequences: int = 4
     max_batch: int = 32  # answers decoded together
     # NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take

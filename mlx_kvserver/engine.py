@@ -24,6 +24,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from kv_cache import CacheManager, export_entry, import_entry, open_cache
+from kv_cache.pages.quant import with_kv_bits
 
 from .chat.output import Done, Error
 from .config import GB, ServerConfig
@@ -56,8 +57,10 @@ class Engine:
         self.managers: dict[str, CacheManager] = {}
         self.schedulers: dict[str, Scheduler] = {}
         for lm in models:
+            spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
+                                             config.kv_group_size)
             manager = open_cache(
-                lm.cache_spec, lm.fingerprint, page_size=config.page_size,
+                spec, fingerprint, page_size=config.page_size,
                 max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
                 disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
                 max_resident=config.max_resident_sequences,

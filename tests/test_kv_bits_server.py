@@ -1,0 +1,58 @@
+"""``--kv-bits`` through the real server: flags, cache on == cache off under the setting, a
+restart answers from disk as the warm server did, another setting is a miss that keeps the
+first setting's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from mlx_kvserver import cli
+from mlx_kvserver.config import ServerConfig
+from tests.server_utils import running_server
+from tests.test_persistence import TURNS, ask, page_files, run_turns
+from tests.tiny_model import make_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def lm32(tmp_path_factory):
+    """A tiny model with head_dim 32 (the smallest group MLX quantizes)."""
+    from mlx_kvserver.models import resolve_and_load
+
+    path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny32"), seed=2, hidden=128, heads=4)
+    return resolve_and_load(str(path))
+
+
+def config(cache_dir, bits, **kw) -> ServerConfig:
+    return ServerConfig(max_tokens=10, page_size=8, kv_cache_dir=Path(cache_dir), kv_bits=bits,
+                        kv_group_size=32, **kw)
+
+
+def test_flags():
+    default = cli.config_from_args(cli.build_parser().parse_args([]))
+    assert default.kv_bits is None and default.kv_group_size == 64
+    c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "4",
+                                                            "--kv-group-size", "32"]))
+    assert (c.kv_bits, c.kv_group_size) == (4, 32)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--kv-bits", "3"])
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_restart_in_bits_answers_as_the_warm_server_and_as_without_cache(lm32, tmp_path, bits):
+    with running_server([lm32], config(tmp_path, bits)) as url:
+        history = run_turns(url, lm32.name, "q", TURNS[:3])
+        history.append({"role": "user", "content": TURNS[3], "message_id": "q-u3"})
+        warm, _, warm_usage = ask(url, lm32.name, history)
+        cold, _, _ = ask(url, lm32.name, history, use_cache=False)
+    assert warm == cold and warm_usage.prompt_tokens_details.cached_tokens > 0
+    files = page_files(tmp_path)
+    with running_server([lm32], config(tmp_path, bits)) as url:  # a restart
+        restored, _, usage = ask(url, lm32.name, history)
+    assert restored == warm and usage.prompt_tokens_details.cached_tokens > 0
+    other = 4 if bits == 8 else None
+    with running_server([lm32], config(tmp_path, other)) as url:  # another setting: a miss
+        _, _, usage = ask(url, lm32.name, history)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert set(files) <= set(page_files(tmp_path))  # the first setting's pages stay
