@@ -16,6 +16,7 @@ from pathlib import Path
 from kv_cache.manager import CacheManager
 from kv_cache.model.spec import CacheSpec
 from kv_cache.pages.pool import PagePool
+from kv_cache.tiers.disk.file_format import Geometry
 from kv_cache.tiers.disk.store import DiskStore
 
 log = logging.getLogger("kv_cache")
@@ -23,17 +24,24 @@ log = logging.getLogger("kv_cache")
 
 def open_cache(spec: CacheSpec, fingerprint: str, *, page_size: int, max_ram_bytes: int,
                policy: str, disk_dir: Path | None, max_disk_bytes: int, max_resident: int,
-               about: dict | None = None) -> CacheManager:
+               about: dict | None = None, store_url: str | None = None,
+               store_namespace: str = "kv") -> CacheManager:
     """The manager of one model's cache: pages of ``page_size`` tokens within ``max_ram_bytes``,
     and (unless ``disk_dir`` is None) a disk store within ``max_disk_bytes`` in its own
     directory under ``disk_dir``; ``policy`` names the eviction policy of both. ``about`` (the
     model's name and source, say) is written beside the store as ``model.json`` for people
-    looking at the directory."""
+    looking at the directory. ``store_url``: a page store shared with other servers, below
+    the disk (``kv_cache.tiers.store``), its keys under ``store_namespace``."""
     pool = PagePool(spec=spec, page_size=page_size, max_bytes=max_ram_bytes, policy=policy,
                     fingerprint=fingerprint)
     store = None if disk_dir is None else open_store(
         Path(disk_dir), spec, fingerprint, page_size=page_size, max_bytes=max_disk_bytes,
         policy=policy, about=about or {})
+    if store_url:
+        from kv_cache.tiers.store import below_disk
+
+        store = below_disk(store, store_url, store_namespace,
+                           Geometry(fingerprint, page_size, spec))
     return CacheManager(pool, store, max_resident=max_resident)
 
 

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from typing import Iterator
 
 from kv_cache.model.attention import PrefixViews
+from kv_cache.tiers.store.tiered import TieredStore
 
 
 class Queries:
@@ -42,7 +43,9 @@ class Queries:
                 "pages_read_from_disk": m.pages_read_from_disk, "disk_saves": m.disk_saves,
                 "disk_save_failures": m.disk_save_failures, "ram": ram,
                 "disk": asdict(self.store.stats()) if self.store is not None else None,
-                "disk_enabled": self.store is not None}
+                "disk_enabled": self.store is not None,
+                "store": asdict(self.store.shared.stats())
+                if isinstance(self.store, TieredStore) else None}
 
     def describe(self, key: str) -> dict | None:
         """``key``'s entry: its tokens, pages and tiers; None when neither tier holds it."""

@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="where the KV cache persists (default ~/.cache/mlx-kvserver/kv)")
     p.add_argument("--no-disk-cache", action="store_true",
                    help="keep the KV cache in memory only")
+    p.add_argument("--kv-store", default=os.environ.get("KV_STORE_URL"), metavar="URL",
+                   help="a page store shared with other servers, below the disk: redis://, "
+                        "rediss://, valkey:// or unix:// (password in the URL or in "
+                        "KV_STORE_PASSWORD; needs the disk cache)")
+    p.add_argument("--kv-store-namespace", default=D.kv_store_namespace,
+                   help=f"key prefix in the shared store (default {D.kv_store_namespace})")
     p.add_argument("--max-kv-size-gb", type=float,
                    default=env_float("MAX_KV_SIZE_GB", D.max_kv_size_gb),
                    help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default "
@@ -95,6 +101,13 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-resident-sequences must be 0 or more")
     if args.max_batch < 1 or args.prefill_chunk < 1:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
+    if args.kv_store:
+        from kv_cache.tiers.store import normalize_url
+
+        try:
+            normalize_url(args.kv_store)
+        except ValueError as e:
+            raise SystemExit(f"--kv-store: {e}")
     aliases = []
     for a in args.model_aliases:
         name, sep, served = a.partition("=")
@@ -109,7 +122,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
-        eviction_policy=args.eviction_policy, api_key=args.api_key,
+        eviction_policy=args.eviction_policy, api_key=args.api_key, kv_store=args.kv_store,
+        kv_store_namespace=args.kv_store_namespace,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
         dequantize=False if args.keep_quantized else None,
         volatile_rules=not args.no_volatile_rules, volatile_rule=args.volatile_rule,

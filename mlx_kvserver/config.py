@@ -49,6 +49,8 @@ class ServerConfig:
     # ~0.9 s, so a prompt arriving mid-stream stalls the other streams by about that much a step.
     prefill_chunk: int = 256  # prompt tokens per step
     eviction_policy: str = "lru"
+    kv_store: str | None = None  # a shared page store (redis://, valkey://, unix://)
+    kv_store_namespace: str = "kv"  # keeps tenants of one store apart
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond loopback, --host

@@ -64,7 +64,8 @@ class Engine:
                 max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
                 disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
                 max_resident=config.max_resident_sequences,
-                about={"name": lm.name, "source": lm.source})
+                about={"name": lm.name, "source": lm.source}, store_url=config.kv_store,
+                store_namespace=config.kv_store_namespace)
             self.managers[lm.name] = manager
             self.schedulers[lm.name] = Scheduler(manager, Runner(lm.model, manager, lm.name),
                                                  max_batch=config.max_batch,

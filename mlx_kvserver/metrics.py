@@ -99,6 +99,19 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+STORE_COUNTERS = (
+    ("hits", "Lookups the shared store answered"), ("misses", "Lookups it did not"),
+    ("pages_read", "Pages read from the shared store"),
+    ("pages_written", "Pages written to the shared store"),
+    ("bytes_read", "Bytes read from the shared store"),
+    ("bytes_written", "Bytes written to the shared store"),
+    ("bad_values", "Store values that failed a check (deleted)"),
+    ("errors", "Store commands that failed or timed out"),
+    ("dropped_pages", "Pages not written: the store's write queue was full"),
+    ("breaker_opens", "Times the store's breaker opened"),
+    ("seconds", "Seconds spent in store commands"))
+
+
 class ChatWatch:
     """Follows one chat completion's events (deltas, ``Usage``, ``Error``); ``close`` at the
     end records the decode rate."""
@@ -189,6 +202,16 @@ class CacheCollector:
             add(counter, "kv_disk_evictions", "Entries evicted from disk", model,
                 disk.get("evictions"))
             add(counter, "kv_disk_errors", "Disk tier I/O errors", model, disk.get("errors"))
+            store = s.get("store")
+            add(gauge, "kv_store_enabled", "1 when the shared store tier is on", model,
+                int(store is not None))
+            for name, doc in STORE_COUNTERS:
+                add(counter, "kv_store_" + name, doc, model, (store or {}).get(name))
+            if store is not None:
+                add(gauge, "kv_store_breaker_open", "1 while the store is not asked (its "
+                    "breaker open after repeated errors)", model, int(store["breaker"] != "closed"))
+                add(gauge, "kv_store_queued", "Entry writes waiting for the store", model,
+                    store["queued"])
         yield from families.values()
         age = GaugeMetricFamily(P + "kv_stats_age_seconds", "Age of the cache snapshot above")
         age.add_metric([], time.monotonic() - self.taken)

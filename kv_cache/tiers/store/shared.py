@@ -189,6 +189,9 @@ class SharedStore:
                                                                   g)))
         hashes = [h for p in job.pages if p.hash is not None for h in [bytes(p.hash)]]
         manifest = val.entry_value(geo, job.key, job.tokens, hashes, job.layout, job.state)
+        # last page first: the store's LRU then drops an entry's later pages before its first
+        # ones (EXISTS and SET both count as use), which keeps what it holds a usable prefix
+        items.reverse()
         try:
             names = [self.keys.page(h) for h, _ in items]
             present = self.link.call(lambda c: _pipelined(c, "exists", names)) if names else []
