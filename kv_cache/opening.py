@@ -67,3 +67,11 @@ def open_store(disk_dir: Path, spec: CacheSpec, fingerprint: str, *, page_size: 
     store.write_note("model.json", note.encode())
     log.info("disk cache for %s at %s (%d entries)", name, root, len(store.keys()))
     return store
+
+
+def check_store_url(url: str) -> None:
+    """Raise ``ValueError`` for a shared-store URL that ``open_cache`` could not use (no
+    connection made)."""
+    from kv_cache.tiers.store import normalize_url
+
+    normalize_url(url)

@@ -102,10 +102,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     if args.max_batch < 1 or args.prefill_chunk < 1:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
     if args.kv_store:
-        from kv_cache.tiers.store import normalize_url
+        from kv_cache import check_store_url
 
         try:
-            normalize_url(args.kv_store)
+            check_store_url(args.kv_store)
         except ValueError as e:
             raise SystemExit(f"--kv-store: {e}")
     aliases = []

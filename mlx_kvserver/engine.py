@@ -23,8 +23,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache import CacheManager, export_entry, import_entry, open_cache
-from kv_cache.pages.quant import with_kv_bits
+from kv_cache import CacheManager, export_entry, import_entry, open_cache, with_kv_bits
 
 from .chat.output import Done, Error
 from .config import GB, ServerConfig

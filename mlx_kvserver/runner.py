@@ -9,9 +9,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from kv_cache.model.attention import forward, install
-from kv_cache.model.batch import batch_caches, finish_batch
-from kv_cache import CacheManager, PagedSequence
+from kv_cache import CacheManager, PagedSequence, batch_caches, finish_batch, forward, install
 
 log = logging.getLogger("mlx_kvserver.runner")
 
