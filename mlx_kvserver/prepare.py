@@ -16,15 +16,20 @@ nothing else to do, and saves them as an entry of their own: the next turn then 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field, replace
 
-from kv_cache import PagedSequence
+from kv_cache import CacheManager, OutOfBlocksError, PagedSequence
 
 from .chat.conversation import Message, Reasoning, Text, ToolResult
 from .chat.output import Finish
 from .chat.render import render
 
 _A, _B = "\ue000", "\ue001"  # placeholders: private-use characters no client text relies on
+
+log = logging.getLogger("mlx_kvserver.engine")
+
+MAX_PREPARES = 8
 
 
 def prepared_key(message_id: str) -> str:
@@ -72,3 +77,59 @@ class Prepare:
     seq: PagedSequence | None = None
     done: int = 0
     keys: list[str] = field(default_factory=list)  # where its prefix may be found
+
+
+class NextTurns:
+    """The prepared next turns, oldest first: at most ``MAX_PREPARES`` (a new one pushes the
+    oldest out), read one chunk per idle step. They only ever use spare time and spare pages, so
+    the scheduler drops them whenever a request needs the room (``clear``)."""
+
+    def __init__(self, manager: CacheManager, runner, prefill_chunk: int):
+        self.manager, self.runner, self.prefill_chunk = manager, runner, prefill_chunk
+        self.queue: list[Prepare] = []
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def plan(self, c) -> None:
+        """Queue the next turn after the answer of choice ``c`` when it needs preparing."""
+        r = c.request
+        try:
+            tokens = next_turn_tokens(r, c.finish_event(), r.prompt + c.tokens)
+        except Exception as e:  # a template that cannot render the next turn: nothing to do
+            log.info("%s: next turn not prepared: %s", r.id, e)
+            return
+        if tokens is not None:
+            self.queue.append(Prepare(tokens, prepared_key(c.message_id), keys=[c.message_id]))
+            del self.queue[:-MAX_PREPARES]
+
+    def step(self) -> None:
+        """One chunk of the oldest prepared next turn; saved once read."""
+        p = self.queue[0]
+        try:
+            if p.seq is None:
+                p.seq, match = self.manager.start(p.tokens, p.keys, use_cache=True)
+                p.done = match.tokens
+            piece = p.tokens[p.done : p.done + self.prefill_chunk]
+            self.runner.prefill(p.seq, piece)
+            self.manager.with_room(p.seq.commit)
+            p.done += len(piece)
+            if p.done == len(p.tokens):
+                self.manager.save(p.key, p.seq)
+                log.info("next turn prepared: %d tokens saved as %s", p.done, p.key[1:])
+                self._drop_oldest()
+        except OutOfBlocksError:  # the cache is full: the next turn reads its history itself
+            self._drop_oldest()
+        except Exception:
+            log.exception("preparing a next turn failed")
+            self._drop_oldest()
+
+    def clear(self) -> None:
+        """Drop every prepared next turn, freeing the pages of the one being read."""
+        while self.queue:
+            self._drop_oldest()
+
+    def _drop_oldest(self) -> None:
+        p = self.queue.pop(0)
+        if p.seq is not None:
+            p.seq.close()

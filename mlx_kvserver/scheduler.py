@@ -43,13 +43,11 @@ from .chat.output import Accepted, Done, Error, Event, Start
 from .config import ServerConfig
 from .divergence import RecentTurns, explain
 from .errors import RequestError
-from .prepare import Prepare, next_turn_tokens, prepared_key
+from .prepare import NextTurns
 from .request import Choice, Job, Request
 from .runner import Runner
 
 log = logging.getLogger("mlx_kvserver.engine")
-
-MAX_PREPARES = 8
 
 Events = list[tuple[Job, Event]]
 
@@ -62,7 +60,7 @@ class Scheduler:
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
         self.decoding: list[Choice] = []
-        self.prepares: list[Prepare] = []  # next turns read while nothing else runs
+        self.prepares = NextTurns(manager, runner, prefill_chunk)  # read while nothing else runs
         self.recent = RecentTurns()  # the last answered turns: why a prompt re-read tokens
         self.reread = {"tokens": 0, "turns": 0, "last": None}  # for the cache stats
         self._arrivals = 0
@@ -91,7 +89,7 @@ class Scheduler:
             log.info("%s cancelled by the client", r.id)
             self._end(r)
         if not self.requests and self.prepares:
-            self._prepare_step()
+            self.prepares.step()
         else:
             if len(self.decoding) < self.max_batch:
                 self._prefill(self._prompt_tasks())
@@ -255,7 +253,7 @@ class Scheduler:
             self.recent.add(r.prompt + c.tokens, len(r.prompt))
         if r.use_cache and r.n == 1:
             self.manager.keep(seq)  # the next turn of this conversation goes on from it
-            self._plan_next_turn(c)
+            self.prepares.plan(c)
         else:
             seq.close()
         self._retire(r)
@@ -275,46 +273,6 @@ class Scheduler:
         log.info("%s re-reads %d tokens: its prompt differs at token %d (message %s) from a "
                  "history held before: %r, was %r", r.id, d.reread_tokens, d.position,
                  d.message_index, d.prompt_excerpt, d.cached_excerpt)
-
-    # -- the next turn, while idle (prepare.py) -------------------------------------------------
-
-    def _plan_next_turn(self, c: Choice) -> None:
-        r = c.request
-        try:
-            tokens = next_turn_tokens(r, c.finish_event(), r.prompt + c.tokens)
-        except Exception as e:  # a template that cannot render the next turn: nothing to do
-            log.info("%s: next turn not prepared: %s", r.id, e)
-            return
-        if tokens is not None:
-            self.prepares.append(Prepare(tokens, prepared_key(c.message_id),
-                                         keys=[c.message_id]))
-            del self.prepares[:-MAX_PREPARES]
-
-    def _prepare_step(self) -> None:
-        """One chunk of the oldest prepared next turn; saved once read."""
-        p = self.prepares[0]
-        try:
-            if p.seq is None:
-                p.seq, match = self.manager.start(p.tokens, p.keys, use_cache=True)
-                p.done = match.tokens
-            piece = p.tokens[p.done : p.done + self.prefill_chunk]
-            self.runner.prefill(p.seq, piece)
-            self.manager.with_room(p.seq.commit)
-            p.done += len(piece)
-            if p.done == len(p.tokens):
-                self.manager.save(p.key, p.seq)
-                log.info("next turn prepared: %d tokens saved as %s", p.done, p.key[1:])
-                self._drop_prepare()
-        except OutOfBlocksError:  # the cache is full: the next turn reads its history itself
-            self._drop_prepare()
-        except Exception:
-            log.exception("preparing a next turn failed")
-            self._drop_prepare()
-
-    def _drop_prepare(self) -> None:
-        p = self.prepares.pop(0)
-        if p.seq is not None:
-            p.seq.close()
 
     def _retire(self, r: Request) -> None:
         if r.choices and all(c.done for c in r.choices) and r in self.requests:
@@ -350,8 +308,7 @@ class Scheduler:
                 return True
             except OutOfBlocksError:
                 if self.prepares:  # prepared next turns give way first
-                    while self.prepares:
-                        self._drop_prepare()
+                    self.prepares.clear()
                     continue
                 victim = self._youngest(other_than=r)
                 if victim is None:
@@ -408,7 +365,6 @@ class Scheduler:
         return self._take_events()
 
     def close(self) -> Events:
-        while self.prepares:
-            self._drop_prepare()
+        self.prepares.clear()
         return self.fail_all(RequestError(503, "the server is shutting down",
                                           type="server_error"))
