@@ -10,7 +10,7 @@ import pytest
 from kv_cache.model import attention
 from kv_cache.model.attention import PrefixViews, Reads, split_attention
 from kv_cache.model.sequence import PagedSequence
-from tests.kv_cache.model.test_sequence import TOKS, Run, make_pool
+from tests.kv_cache.model.sequence_helpers import TOKS, Run, make_pool
 
 
 def fused(q, k, v, mask=None, sinks=None):
