@@ -198,7 +198,7 @@ def test_a_model_loaded_on_one_thread_runs_on_another(tmp_path: Path, model_type
     import threading
 
     from mlx_lm.models.cache import make_prompt_cache
-    from tiny_families import make_tiny_family_dir
+    from tests.tiny_families import make_tiny_family_dir
 
     lm = resolve_and_load(str(make_tiny_family_dir(tmp_path / model_type, model_type)))
     out: list = []
