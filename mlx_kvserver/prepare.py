@@ -117,6 +117,11 @@ class NextTurns:
             if p.done == len(p.tokens):
                 self.manager.save(p.key, p.seq)
                 log.info("next turn prepared: %d tokens saved as %s", p.done, p.key[1:])
+                # kept resident: the next turn goes on from it in memory, its open last page
+                # included (by content alone, memory finds full pages only, and the disk's copy
+                # of that page may still be on its way)
+                seq, p.seq = p.seq, None
+                self.manager.keep(seq)
                 self._drop_oldest()
         except OutOfBlocksError:  # the cache is full: the next turn reads its history itself
             self._drop_oldest()
