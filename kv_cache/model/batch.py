@@ -35,12 +35,16 @@ class BatchLayer:
         return mx.array([m.offset for m in self.members])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        quant = self.members[0].quant  # pages in bits: round the whole batch in one call
+        if quant is not None:
+            keys, values = quant.round_trip_pair(keys, values)
         for i, m in enumerate(self.members):
             if self.lengths is None or self.lengths[i] == keys.shape[2]:
-                m.update_and_fetch(keys[i : i + 1], values[i : i + 1])
+                m.update_and_fetch(keys[i : i + 1], values[i : i + 1], rounded=True)
             else:
                 n = self.lengths[i]
-                m.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n])
+                m.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n],
+                                   rounded=True)
         fetched(keys, self)
         return keys, values
 

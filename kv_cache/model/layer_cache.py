@@ -46,11 +46,12 @@ class PagedLayerCache:
         self.view: Any = None  # the shared prefix view read before the buffer (full attention)
         self.view_len = 0  # how many positions of it
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array,
+                         rounded: bool = False) -> tuple[mx.array, mx.array]:
         if self.keys is None:
             self._start_buffer()
         q_start = self.offset
-        self._append(keys, values)
+        self._append(keys, values, rounded)
         n = self.offset - self.base
         return self._fetched(self.keys[..., :n, :], self.values[..., :n, :], self.base, q_start)
 
@@ -90,8 +91,9 @@ class PagedLayerCache:
             self.base = length
         self.view, self.view_len = view, length
 
-    def _append(self, keys: mx.array, values: mx.array) -> None:
-        if self.quant is not None:
+    def _append(self, keys: mx.array, values: mx.array, rounded: bool = False) -> None:
+        """``rounded``: the caller rounded them already (a batch does it once for all)."""
+        if self.quant is not None and not rounded:
             # NOTE: the model reads exactly what the page will hold (a projection: storing
             # these values gives them back bit for bit), so a turn restored from pages computes
             # what the warm one did, and cache on equals cache off under the same setting.
@@ -198,12 +200,13 @@ class PagedWindowCache(PagedLayerCache):
         """The first position a buffer of ``length`` positions must keep (page-aligned)."""
         return self.kind.keep_from(length, self.page_size)
 
-    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def update_and_fetch(self, keys: mx.array, values: mx.array,
+                         rounded: bool = False) -> tuple[mx.array, mx.array]:
         if self.keys is None:
             self._start_buffer()
         prev = self.offset
         self._slide(prev)
-        self._append(keys, values)
+        self._append(keys, values, rounded)
         first = self.kind.first_needed(prev)
         start, end = first - self.base, self.offset - self.base
         return self._fetched(self.keys[..., start:end, :], self.values[..., start:end, :],

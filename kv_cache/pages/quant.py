@@ -197,10 +197,17 @@ class KVQuant:
     def encode(self, kv: mx.array) -> mx.array:
         """``kv`` ``[..., head_dim]`` as one ``uint32`` array ``[..., words]``: a stored page
         stays one array cut and joined along positions, read and written as it is by every tier
-        (memory runs, disk files, the shared store, exports)."""
-        w, scales, biases = self.quantize(kv)
-        return mx.concatenate([w, mx.concatenate([scales, biases], axis=-1).view(mx.uint32)],
-                              axis=-1)
+        (memory runs, disk files, the shared store, exports). Compiled: every commit runs it."""
+        key = ("encode", self.bits, self.group_size, kv.dtype)
+        fn = _COMPILED.get(key)
+        if fn is None:
+            def encode(kv: mx.array) -> mx.array:
+                w, scales, biases = self.quantize(kv)
+                sb = mx.concatenate([scales, biases], axis=-1).view(mx.uint32)
+                return mx.concatenate([w, sb], axis=-1)
+
+            fn = _COMPILED[key] = mx.compile(encode)
+        return fn(kv)
 
     def decode(self, page: mx.array, dtype: mx.Dtype) -> mx.array:
         """The values an ``encode``d ``page`` holds, in ``dtype`` (the model's): exactly

@@ -215,3 +215,33 @@ def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, 
             seq.close()
             b.close()
         a.close()
+
+
+@pytest.mark.parametrize("bits,group", SETTINGS)
+def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, group):
+    """A batch rounds its new keys and values once for all its members: each member's step is
+    what the sequence alone computes (within the batched matmuls' rounding; the same token)."""
+    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.batch import batch_caches
+
+    assert install(model)
+    doc = list(range(40, 80))
+    prompts = [doc + [90 + i, 100 + i] for i in range(3)]
+    m = manager(model, bits, group)
+    m.views = PrefixViews(m.pool)
+    seqs, nxt = [], []
+    for p in prompts:
+        seq, match = m.start(p, [])
+        logits = model(mx.array(p[match.tokens:])[None], cache=seq.prepare())[0, -1]
+        seq.append_tokens(p[match.tokens:])
+        seq.commit()
+        seqs.append(seq)
+        nxt.append(mx.argmax(logits).item())
+    together = model(mx.array(nxt)[:, None], cache=batch_caches(seqs))[:, -1]
+    for i, seq in enumerate(seqs):
+        seq.trim(1)  # back to before the step, then the same step alone
+        alone = model(mx.array([[nxt[i]]]), cache=seq.prepare())[0, -1]
+        assert mx.allclose(together[i], alone, atol=1e-5).item()
+        assert mx.argmax(together[i]).item() == mx.argmax(alone).item()
+        seq.close()
+    m.close()
