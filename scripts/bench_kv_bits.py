@@ -1,12 +1,8 @@
 """KV pages in 8 and 4 bits against full precision, on this machine (docs/BENCHMARKS.md).
 
-  attention  one decode step's attention over ``--history`` positions of the default model's
-             shape (9 query heads, 3 KV heads, head_dim 64) per layer, 30 layers: over
-             quantized keys and values with ``mx.quantized_matmul`` (mlx-lm's quantized SDPA)
-             against float working buffers (``mx.fast.scaled_dot_product_attention``), and
-             the cost of the per-layer round trip of a fresh key and value. Decides which
-             attention a backend gets.
-
+  attention  30 layers of attention (the default model's shape) over ``--history`` positions,
+             for 1 and 256 queries: quantized pages with ``mx.quantized_matmul`` (mlx-lm's
+             quantized SDPA) against float buffers, and the round trip of new keys and values.
   quality    with the default model, each setting against full precision: greedy agreement
              over ``--gen`` (200) generated tokens on 20 chat prompts decoded together, and the
              perplexity of a fixed text of ~2,000 tokens (``bench_ttft.document``). The model
@@ -284,13 +280,16 @@ def _on_document(lm, bits, doc: list[int]):
     return m, runner, seqs, nxt
 
 
-def _tok_s(runner, seqs, tokens, steps: int) -> float:
+def _tok_s(runner, seqs, tokens, steps: int) -> tuple[float, float]:
+    """Tokens per second of wall time, and per second of this process's CPU time (less moved
+    by other work on a shared machine)."""
     for _ in range(2):
         tokens = mx.argmax(runner.decode(seqs, tokens), axis=-1).tolist()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         tokens = mx.argmax(runner.decode(seqs, tokens), axis=-1).tolist()
-    return len(seqs) * steps / (time.perf_counter() - t0)
+    n = len(seqs) * steps
+    return n / (time.perf_counter() - t0), n / (time.process_time() - c0)
 
 
 def decode(rounds: int, steps: int = 8) -> dict:
@@ -308,10 +307,12 @@ def decode(rounds: int, steps: int = 8) -> dict:
         for _ in range(rounds):
             for bits, (_, runner, seqs, nxt) in runs.items():
                 per[bits].append(_tok_s(runner, seqs[:b], nxt[:b], steps))
-        out[f"tok_s_{b}"] = {str(k): round(statistics.median(v), 2) for k, v in per.items()}
-        for bits in SETTINGS[1:]:
-            out[f"q{bits}_over_full_{b}"] = round(statistics.median(
-                q / f for q, f in zip(per[bits], per[None])), 3)
+        for i, unit in enumerate(("tok_s", "tok_per_cpu_s")):
+            out[f"{unit}_{b}"] = {str(k): round(statistics.median(x[i] for x in v), 2)
+                                  for k, v in per.items()}
+            for bits in SETTINGS[1:]:
+                out[f"q{bits}_over_full_{unit}_{b}"] = round(statistics.median(
+                    q[i] / f[i] for q, f in zip(per[bits], per[None])), 3)
     for m, _, seqs, _ in runs.values():
         for seq in seqs:
             seq.close()
