@@ -151,9 +151,11 @@ def _geo(lm) -> Geometry:
 
 def test_a_store_with_tiny_memory_gives_partial_hits_and_no_errors(tiny_lm, tiny_lm_again,
                                                                    tmp_path):
-    # redis-server holds ~1 MB of its own: 2 MB leaves room for about one chat of the six
-    proc = RedisProc(tmp_path / "r", "--maxmemory", "2mb", "--maxmemory-policy",
-                     "allkeys-lru").start()
+    # redis-server holds ~1 MB of its own: 4 MB leaves room for about three chats of the six.
+    # Its LRU clock ticks once a second and is sampled: the chats are written a second apart
+    # and 64 keys are sampled, so the older chats are the ones it drops
+    proc = RedisProc(tmp_path / "r", "--maxmemory", "4mb", "--maxmemory-policy",
+                     "allkeys-lru", "--maxmemory-samples", "64").start()
     name = tiny_lm.name
     try:
         chats = []
@@ -162,6 +164,7 @@ def test_a_store_with_tiny_memory_gives_partial_hits_and_no_errors(tiny_lm, tiny
                 doc = {"role": "system", "content": f"({k}) {DOC}", "message_id": f"s{k}"}
                 chats.append(run_turns(a, name, f"m{k}", TURNS[:1], [doc]))
                 settled(a, name)
+                time.sleep(1.1)
         cached, full = [], []
         with running_server([tiny_lm_again], config(tmp_path / "b", proc.url)) as b:
             # newest first: the store's LRU keeps what A wrote last (and B's own writes evict
@@ -176,7 +179,9 @@ def test_a_store_with_tiny_memory_gives_partial_hits_and_no_errors(tiny_lm, tiny
         assert s["errors"] == 0 and s["hits"] > 0
         # B's own tier holds one page of each (the chat template's head): more than that came
         # from the store, and less than everything (the store evicted some of it)
-        assert max(cached) > 8 and sum(cached) < sum(full)
+        assert cached[0] > 8  # the newest chat (asked first) came from the store
+        assert cached[-1] <= 8  # the oldest was evicted: a miss, never an error
+        assert sum(cached) < sum(full)
     finally:
         proc.stop()
 
