@@ -24,6 +24,7 @@ import mlx.nn as nn
 
 from kv_cache import CacheSpec, spec_of_model
 
+from .chat.encode import PieceEncoder
 from .gguf import dequantize_to_float32, is_gguf, load_gguf
 
 log = logging.getLogger(__name__)
@@ -93,10 +94,12 @@ class ChatTokenizer:
         ids.update(vocab[m] for m in _END_MARKERS if m in vocab and m in self.chat_template)
         self.eos_token_ids: set[int] = ids
         self.vocab_size = len(vocab)
+        self.pieces = PieceEncoder(tokenizer)  # a history's pieces tokenized once
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; no BOS/EOS added (the chat template carries them)."""
-        return list(self.hf.encode(text, add_special_tokens=False))
+        ids = self.pieces.encode(text)
+        return ids if ids is not None else list(self.hf.encode(text, add_special_tokens=False))
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of ``ids`` (special tokens dropped by default)."""
