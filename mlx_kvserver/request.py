@@ -206,7 +206,8 @@ class Request:
         self.logits: mx.array | None = None
         self.divergence: Divergence | None = None  # why it re-read tokens, when it did
         self.choices: list[Choice] = []
-        self.started = time.perf_counter()
+        self.started = time.perf_counter()  # checked, rendered and tokenized
+        self.forward_s = 0.0  # wall time of the forward passes that ran its prompt
 
     @functools.cached_property
     def boundaries(self) -> list[int]:

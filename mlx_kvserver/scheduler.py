@@ -141,6 +141,7 @@ class Scheduler:
                 break
         if not batch:
             return
+        t0 = time.perf_counter()
         try:
             logits = self.runner.prefill_many([b[2] for b in batch], [b[5] for b in batch])
         except Exception as e:  # the engine never dies with a request
@@ -148,6 +149,9 @@ class Scheduler:
             for r in {id(b[0]): b[0] for b in batch}.values():
                 self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
             return
+        spent = time.perf_counter() - t0
+        for r in {id(b[0]): b[0] for b in batch}.values():
+            r.forward_s += spent
         for (r, choice, seq, tokens, done, _), row in zip(batch, logits):
             if r in self.requests:
                 self._guard(r, lambda: self._after_piece(r, choice, seq, tokens, done, row))
@@ -184,8 +188,9 @@ class Scheduler:
         r.done_tokens = done
         if done < len(tokens):
             return
-        log.info("%s: %d prompt tokens, %d from cache (%s), %.2fs since it arrived", r.id,
-                 len(tokens), r.match.tokens, r.match.source, time.perf_counter() - r.started)
+        log.info("%s: %d prompt tokens, %d from cache (%s), %.3fs since it arrived, %.3fs of "
+                 "it in forward passes", r.id, len(tokens), r.match.tokens, r.match.source,
+                 time.perf_counter() - r.started, r.forward_s)
         self._start_choices(r, logits)
 
     def _start_choices(self, r: Request, logits: mx.array) -> None:

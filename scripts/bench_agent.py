@@ -7,8 +7,11 @@ are sent: what the server reuses it finds by the prompt's content. Per turn it p
 prompt tokens, tokens from the cache, new tokens, TTFT at the client (request sent -> first
 streamed text, reasoning or tool-call byte), the server's own time to first token (its
 /metrics histogram, from the request reaching its handler; none when the answer is empty), and
-from its log line the time from arrival to the end of prefill and where the cached part came
-from (resident, memory, disk, disk-prefix, ...); and optionally:
+from its log line the time from the prompt's start (checked, rendered, tokenized) to the end of
+prefill, the part of it in the model's forward passes, and where the cached part came from
+(resident, memory, disk, disk-prefix, ...). "own" is the client's TTFT less the forward passes:
+everything that is not the model (HTTP, JSON, rendering, tokenizing, lookup, restore
+bookkeeping, the queue, the client reading the stream). Optionally:
 
 Each server start is followed by one tiny uncached request (no turn pays start-up costs).
 
@@ -65,7 +68,7 @@ from tests.agent_sessions import APIS, Result, Session, load_tokenizer, send
 
 TTFT_SUM = "mlx_kvserver_time_to_first_token_seconds_sum"
 PREFILL_LINE = re.compile(r"(\d+) prompt tokens, (\d+) from cache \(([^)]*)\), ([\d.]+)s since it "
-                          r"arrived")
+                          r"arrived, ([\d.]+)s of it in forward passes")
 
 
 def model_folder(spec: str, work: Path, context: int) -> Path:
@@ -98,13 +101,14 @@ def log_size(server) -> int:
     return os.path.getsize(server.log.name)
 
 
-def prefill_line(server, offset: int) -> tuple[str | None, float | None]:
-    """Where the server found the last prompt's cached part and its time from arrival to the
-    end of prefill, from its log line after ``offset``."""
+def prefill_line(server, offset: int) -> tuple[str | None, float | None, float | None]:
+    """Where the server found the last prompt's cached part, its time from its start (checked,
+    rendered, tokenized) to the end of prefill, and the part of it in the model's forward
+    passes, from its log line after ``offset``."""
     with open(server.log.name, encoding="utf-8", errors="replace") as f:
         f.seek(offset)
         found = PREFILL_LINE.findall(f.read())
-    return (found[-1][2], float(found[-1][3])) if found else (None, None)
+    return (found[-1][2], float(found[-1][3]), float(found[-1][4])) if found else (None,) * 3
 
 
 def peer_body(body: dict, inline: bool) -> dict:
@@ -174,7 +178,7 @@ def run_session(session: Session, start_server, args, *, ours: bool,
             offset = log_size(server) if ours else 0
             res: Result = send(client, base, path, body, headers)
             after = server_ttft_sum(client, base) if ours else None
-            source, prefill = prefill_line(server, offset) if ours else (None, None)
+            source, prefill, forward = prefill_line(server, offset) if ours else (None,) * 3
             if res.status != 200 or res.error:
                 server.stop()
                 raise SystemExit(f"{label} turn {turn}: HTTP {res.status}: {res.error}")
@@ -185,9 +189,14 @@ def run_session(session: Session, start_server, args, *, ours: bool,
                    "ttft_s": round(res.ttft if res.ttft is not None else res.total, 3),
                    "server_ttft_s": round(after - before, 3)
                    if before is not None and after is not None and after > before else None,
-                   "server_prefill_s": prefill, "cache_source": source,
+                   "server_prefill_s": prefill, "forward_s": forward, "cache_source": source,
                    "total_s": round(res.total, 3), "completion_tokens": res.completion_tokens,
                    "after_restart": turn == args.restart_at}
+            if forward is not None:  # everything but the model: HTTP, JSON, rendering,
+                # tokenizing, lookup, restore bookkeeping, the queue (and the client's reading)
+                row["own_s"] = round(row["ttft_s"] - forward, 3)
+                if row["server_ttft_s"] is not None:
+                    row["server_own_s"] = round(row["server_ttft_s"] - forward, 3)
             rows.append(row)
             print(f"{label} turn {turn:>2}: prompt {row['prompt_tokens']:>6}, cached "
                   f"{row['cached_tokens']:>6} ({source}), TTFT {row['ttft_s']:>7.3f} s, "
@@ -226,6 +235,10 @@ def summarize(rows: list[dict], peer: list[dict] | None, restart_at: int | None)
          "median_ttft_later_s": med(r["ttft_s"] for r in later),
          "median_server_ttft_later_s": med(r["server_ttft_s"] for r in later),
          "median_server_prefill_later_s": med(r["server_prefill_s"] for r in later),
+         "median_own_later_s": med(r.get("own_s") for r in later),
+         "median_server_own_later_s": med(r.get("server_own_s") for r in later),
+         "max_own_later_s": max((r["own_s"] for r in later if r.get("own_s") is not None),
+                                default=None),
          "cached_fraction_later": round(sum(r["cached_tokens"] for r in later) /
                                         max(1, sum(r["prompt_tokens"] for r in later)), 3),
          "min_cached_vs_previous_prompt": min(
@@ -254,14 +267,16 @@ def summarize(rows: list[dict], peer: list[dict] | None, restart_at: int | None)
 
 
 def table(rows: list[dict], peer: list[dict] | None) -> str:
-    head = "turn | prompt | cached | source | new | TTFT s | server TTFT s | prefill s | floor s"
+    head = ("turn | prompt | cached | source | new | TTFT s | server TTFT s | prefill s | "
+            "forward s | own s | floor s")
     if peer:
         head += " | peer prompt | peer cached | peer TTFT s"
     out = [head, "-" * len(head)]
     for i, r in enumerate(rows):
         cells = [f"{r['turn']}{'*' if r['after_restart'] else ''}", r["prompt_tokens"],
                  r["cached_tokens"], r["cache_source"] or "", r["new_tokens"], r["ttft_s"],
-                 r["server_ttft_s"], r["server_prefill_s"], r.get("floor_s", "")]
+                 r["server_ttft_s"], r["server_prefill_s"], r.get("forward_s"),
+                 r.get("own_s"), r.get("floor_s", "")]
         if peer and i < len(peer):
             cells += [peer[i]["prompt_tokens"], peer[i]["cached_tokens"], peer[i]["ttft_s"]]
         out.append(" | ".join(str(c) for c in cells))
