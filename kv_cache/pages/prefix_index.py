@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Mapping, Sequence
 
-from kv_cache.pages.hashing import chain_hashes, page_hash
+from kv_cache.pages.hashing import chain_hashes
 
 if TYPE_CHECKING:
     from kv_cache.pages.pool import PageMeta
@@ -60,15 +60,19 @@ class PrefixIndex:
     def match_prefix(self, tokens: Sequence[int], group: int = 0) -> list[int]:
         """The indexed full pages of ``group`` that hold the longest page-aligned prefix of
         ``tokens``. Not held: the caller holds what it keeps."""
-        P, parent, blocks = self.page_size, self.roots[group], []
-        for i in range(len(tokens) // P):
-            chunk = tuple(int(t) for t in tokens[i * P : (i + 1) * P])
-            h = page_hash(parent, chunk)
-            b = self.find(h, chunk)
-            if b is None:
-                break
-            blocks.append(b)
-            parent = h
+        P = self.page_size
+        pages, blocks = len(tokens) // P, []
+        hashes: list[bytes] = []
+        while len(hashes) < pages:  # hashed a run of pages at a time: a miss stops it early
+            first = len(hashes)
+            hashes = chain_hashes(self.roots[group], tokens[: min(pages, 2 * first + 8) * P], P,
+                                  start=hashes)
+            for i in range(first, len(hashes)):
+                b = self.find(hashes[i], tuple(tokens[i * P : (i + 1) * P]))
+                if b is None:
+                    self.hits += len(blocks)
+                    return blocks
+                blocks.append(b)
         self.hits += len(blocks)
         return blocks
 

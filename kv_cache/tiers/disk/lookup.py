@@ -85,14 +85,18 @@ class ContentLookup:
         """The chain hashes of the first ``n`` full pages of ``toks`` in group ``g`` and whether
         the store has each page (``stop``: up to the first it does not have)."""
         P = self.page_size
-        hashes, have = chain_hashes(self.geo.root(g), toks[: n * P], P), []
-        for i, h in enumerate(hashes):
-            f = self.index.info.get(h) if h in self.index.pages else None
-            ok = f is not None and not f.partial and f.group == g \
-                and np.array_equal(f.tokens, toks[i * P : (i + 1) * P])
-            if stop and not ok:
-                return hashes[:i], have
-            have.append(ok)
+        hashes = chain_hashes(self.geo.root(g), toks[: n * P], P)
+        files = [self.index.info.get(h) if h in self.index.pages else None for h in hashes]
+        have = [f is not None and not f.partial and f.group == g for f in files]
+        found = [i for i, ok in enumerate(have) if ok]
+        if found:  # the tokens of every page found, checked in one comparison
+            stored = np.stack([files[i].tokens for i in found])
+            same = (stored == toks[: len(hashes) * P].reshape(-1, P)[found]).all(axis=1)
+            for i, ok in zip(found, same.tolist()):
+                have[i] = ok
+        if stop and not all(have):
+            i = have.index(False)
+            return hashes[:i], have[:i]
         return hashes, have
 
     def _tail(self, g: int, parent: bytes, chunk: np.ndarray) -> tuple[bytes | None, int]:
