@@ -20,12 +20,14 @@ Each server start is followed by one tiny uncached request (no turn pays start-u
   --floor          per turn, the TTFT of prefilling only that turn's new tokens (a
                    /v1/completions request of that many token ids, use_kv_cache false,
                    max_tokens 1; no attention over the history), run after the session
-  --peer mlx-lm    the same session (OpenAI chat only) against `python -m mlx_lm.server` on the
-                   same model folder. SmolLM2's template cannot render tools, so by default
-                   (--peer-tools inline) the peer gets the tools, calls and results written into
-                   the messages as this server's fallback renders them: the same prompt text
-                   (compare the prompt-token columns); --peer-tools native sends the body as is
-                   (mlx-lm then drops the tools and the calls)
+  --peer NAME      the same session (OpenAI chat only) against a peer server on the same model
+                   folder, restarted the same way: mlx-lm (`python -m mlx_lm.server`), rapid-mlx
+                   or vllm-mlx (each from its own venv: --peer-bin; scripts/bench_peers.py).
+                   SmolLM2's template cannot render tools, so by default (--peer-tools inline)
+                   the peer gets the tools, calls and results written into the messages as this
+                   server's fallback renders them: the same prompt text (compare the
+                   prompt-token columns); --peer-tools native sends the body as is (the peer's
+                   template then drops the tools and the calls)
 
 --model default writes the default model (real weights, float32) to a folder with its context
 raised to --context (a 20-turn session grows past its 8,192 tokens), and both servers serve that
@@ -35,6 +37,8 @@ folder; a folder path (e.g. from scripts/agent_model.py) is served as it is.
       --restart-at 11 --floor --json docs/bench_agent_anthropic.json
   python scripts/bench_agent.py --api openai --peer mlx-lm --restart-at 11 --floor \\
       --json docs/bench_agent_openai.json --plot docs/bench_agent_openai.png
+  python scripts/bench_agent.py --api openai --peer rapid-mlx \\
+      --peer-bin /tmp/peers/rapid-venv/bin/rapid-mlx --restart-at 11 ...
   python scripts/bench_agent.py --model /tmp/agent-model --initial-tokens 24000 ...
 Extra server flags go after `--`.
 """
@@ -61,7 +65,7 @@ blas.maybe_reexec()  # before anything runs MLX here (the default model's conver
 import itertools
 
 import httpx
-from bench_multiturn import MlxLmServer
+from bench_peers import PEERS, fetch_line, peer_body, peer_exe, persist_lines, start_peer
 from bench_ttft import Server, free_port
 
 from tests.agent_sessions import APIS, Result, Session, load_tokenizer, send
@@ -111,47 +115,13 @@ def prefill_line(server, offset: int) -> tuple[str | None, float | None, float |
     return (found[-1][2], float(found[-1][3]), float(found[-1][4])) if found else (None,) * 3
 
 
-def peer_body(body: dict, inline: bool) -> dict:
-    """The OpenAI body for mlx-lm's server: no model name (it would load another), and with
-    ``inline`` the tools, calls and results as text, as this server's fallback renders them."""
-    from mlx_kvserver.chat.conversation import Tool, ToolCall
-    from mlx_kvserver.chat.render import fallback_call, tools_block
-
-    out = {k: v for k, v in body.items() if k != "model"}
-    if not inline:
-        return out
-    tools = [Tool(f["name"], f.get("description", ""), f["parameters"])
-             for f in (t["function"] for t in body.get("tools", []))]
-    msgs: list[dict] = []
-    for m in body["messages"]:
-        if m["role"] == "tool":
-            text = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if msgs and msgs[-1].get("_result"):
-                msgs[-1]["content"] += "\n" + text
-            else:
-                msgs.append({"role": "user", "content": text, "_result": True})
-        elif m.get("tool_calls"):
-            calls = "\n".join(fallback_call(ToolCall(c["id"], c["function"]["name"],
-                                                      c["function"]["arguments"]))
-                               for c in m["tool_calls"])
-            msgs.append({"role": "assistant", "content": f"{m['content']}\n{calls}"
-                         if m.get("content") else calls})
-        else:
-            msgs.append(dict(m))
-    if tools:
-        block = tools_block(tools)
-        msgs[0] = {**msgs[0], "content": f"{block}\n\n{msgs[0]['content']}"}
-    out["messages"] = [{k: v for k, v in m.items() if k != "_result"} for m in msgs]
-    out.pop("tools", None)
-    out.pop("tool_choice", None)
-    return out
-
-
 def warm_up(server, ours: bool) -> None:
     """One tiny uncached request, so that no turn pays a fresh process's one-time costs."""
     body = {"prompt": "Hello there", "max_tokens": 1, "temperature": 0}
     if ours:
         body["use_kv_cache"] = False
+    elif getattr(server, "model", None):  # vllm-mlx refuses a request without one
+        body["model"] = server.model
     httpx.post(server.url + "/completions", json=body, timeout=600).raise_for_status()
 
 
@@ -169,16 +139,21 @@ def run_session(session: Session, start_server, args, *, ours: bool,
         for turn in range(1, session.turns + 1):
             if turn == args.restart_at:
                 server.stop()
+                persisted = persist_lines(server)  # a peer's SAVED line
                 server = start()
+                persisted += persist_lines(server)  # and its LOADED line
             base = server.url.removesuffix("/v1")
             path, body, headers = session.request(turn)
             if not ours:
-                body = peer_body(body, args.peer_tools == "inline")
+                body = peer_body(body, args.peer_tools == "inline", getattr(server, "model", None))
             before = server_ttft_sum(client, base) if ours else None
-            offset = log_size(server) if ours else 0
+            offset = log_size(server)
             res: Result = send(client, base, path, body, headers)
             after = server_ttft_sum(client, base) if ours else None
             source, prefill, forward = prefill_line(server, offset) if ours else (None,) * 3
+            if not ours:  # the peer's own lookup, where it logs one (its usage may have none)
+                source, logged = fetch_line(server, offset)
+                res.cached_tokens = res.cached_tokens or logged or 0
             if res.status != 200 or res.error:
                 server.stop()
                 raise SystemExit(f"{label} turn {turn}: HTTP {res.status}: {res.error}")
@@ -192,6 +167,8 @@ def run_session(session: Session, start_server, args, *, ours: bool,
                    "server_prefill_s": prefill, "forward_s": forward, "cache_source": source,
                    "total_s": round(res.total, 3), "completion_tokens": res.completion_tokens,
                    "after_restart": turn == args.restart_at}
+            if not ours and turn == args.restart_at:
+                row["peer_persist"] = persisted
             if forward is not None:  # everything but the model: HTTP, JSON, rendering,
                 # tokenizing, lookup, restore bookkeeping, the queue (and the client's reading)
                 row["own_s"] = round(row["ttft_s"] - forward, 3)
@@ -260,8 +237,8 @@ def summarize(rows: list[dict], peer: list[dict] | None, restart_at: int | None)
             if a["turn"] != restart_at)
         if restart_at and restart_at <= len(peer):
             p = peer[restart_at - 1]
-            s["peer_restart_turn"] = {k: p[k] for k in ("prompt_tokens", "cached_tokens",
-                                                        "ttft_s")}
+            s["peer_restart_turn"] = {k: p.get(k) for k in (
+                "prompt_tokens", "cached_tokens", "cache_source", "ttft_s", "peer_persist")}
             s["restart_ours_over_peer"] = round(rows[restart_at - 1]["ttft_s"] / p["ttft_s"], 3)
     return s
 
@@ -297,7 +274,7 @@ def plot(path: Path, rows: list[dict], peer: list[dict] | None, args) -> None:
         ax.plot(turns, [r.get("floor_s") for r in rows], "x:", label="floor (new tokens only)")
     if peer:
         ax.plot([r["turn"] for r in peer], [r["ttft_s"] for r in peer], "s--",
-                label="mlx-lm server")
+                label=f"{args.peer} server")
     if args.restart_at:
         ax.axvline(args.restart_at - 0.5, color="grey", lw=1, ls="--")
         ax.text(args.restart_at - 0.45, ax.get_ylim()[1], "restart", va="top", fontsize=8)
@@ -331,7 +308,9 @@ def main() -> None:
     ap.add_argument("--max-kv-ram-gb", type=float, default=8.0)
     ap.add_argument("--restart-at", type=int, default=None)
     ap.add_argument("--floor", action="store_true")
-    ap.add_argument("--peer", choices=["mlx-lm"], default=None)
+    ap.add_argument("--peer", choices=PEERS, default=None)
+    ap.add_argument("--peer-bin", default=None,
+                    help="the rapid-mlx or vllm-mlx executable (default: on PATH)")
     ap.add_argument("--peer-tools", choices=["inline", "native"], default="inline")
     ap.add_argument("--timeout", type=float, default=3600)
     ap.add_argument("--json", type=Path)
@@ -339,7 +318,8 @@ def main() -> None:
     ap.add_argument("server_args", nargs="*", help="extra flags for this server (after --)")
     args = ap.parse_args()
     if args.peer and args.api != "openai":
-        ap.error("--peer mlx-lm runs the OpenAI chat API only (--api openai)")
+        ap.error("--peer runs the OpenAI chat API only (--api openai)")
+    exe = peer_exe(args.peer, args.peer_bin) if args.peer not in (None, "mlx-lm") else None
     if args.restart_at is not None and not 2 <= args.restart_at <= args.turns:
         ap.error("--restart-at must be a turn from 2 to --turns")
     work = Path(tempfile.mkdtemp(prefix="bench-agent-"))
@@ -369,8 +349,9 @@ def main() -> None:
         server.stop()
     peer_rows = None
     if args.peer:
-        peer_rows, peer = run_session(session(), lambda: MlxLmServer(folder, free_port(), work),
-                                      args, ours=False, label="mlx-lm")
+        peer_rows, peer = run_session(
+            session(), lambda: start_peer(args.peer, exe, folder, free_port(), work,
+                                          args.timeout), args, ours=False, label=args.peer)
         peer.stop()
     summary = summarize(rows, peer_rows, args.restart_at)
     print(table(rows, peer_rows))
@@ -379,7 +360,8 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "command": " ".join(sys.argv), "model": str(folder),
             "initial_tokens_measured": ours.initial_measured, "tools": len(ours.tools),
-            "summary": summary, "turns": rows, "peer": peer_rows}, indent=1))
+            "summary": summary, "turns": rows, "peer_name": args.peer, "peer": peer_rows},
+            indent=1))
     if args.plot:
         plot(args.plot, rows, peer_rows, args)
 
