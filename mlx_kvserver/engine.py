@@ -141,8 +141,9 @@ class Engine:
                     self._admit(item)
             for scheduler in self.schedulers.values():
                 if scheduler.busy:
-                    try:
-                        self._deliver(scheduler.step())
+                    try:  # a prompt's first token goes out before the next decode step
+                        self._deliver(scheduler.step_prompts())
+                        self._deliver(scheduler.step_answers())
                     except Exception as e:  # the engine never dies with a request
                         log.exception("step failed")
                         self._deliver(scheduler.fail_all(RequestError(

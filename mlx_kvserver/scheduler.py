@@ -85,16 +85,26 @@ class Scheduler:
 
     def step(self) -> Events:
         """One step; the events it produced, in order, each with its job."""
+        return self.step_prompts() + self.step_answers()
+
+    def step_prompts(self) -> Events:
+        """A step's first part: cancellations, then a chunk of the prompts (or, with no request,
+        a piece of a prepared next turn). Its events (answers started, with their first tokens)
+        are to be handed over before ``step_answers``: a first token never waits for the decode
+        step that computes the second."""
         for r in [r for r in self.requests if r.cancelled]:
             log.info("%s cancelled by the client", r.id)
             self._end(r)
         if not self.requests and self.prepares:
             self.prepares.step()
-        else:
-            if len(self.decoding) < self.max_batch:
-                self._prefill(self._prompt_tasks())
-            if self.decoding:
-                self._decode()
+        elif len(self.decoding) < self.max_batch:
+            self._prefill(self._prompt_tasks())
+        return self._take_events()
+
+    def step_answers(self) -> Events:
+        """A step's second part: one decode step of the running answers."""
+        if self.decoding:
+            self._decode()
         return self._take_events()
 
     def _send(self, r: Request, *events: Event) -> None:

@@ -133,3 +133,39 @@ def test_batch_flags_reach_the_scheduler_and_bad_values_are_refused(tiny_lm):
     for flag in ("--max-batch", "--prefill-chunk"):
         with pytest.raises(SystemExit, match="must be 1 or more"):
             cli.config_from_args(cli.build_parser().parse_args([flag, "0"]))
+
+
+def test_the_first_token_goes_out_before_the_next_decode_step(tiny_lm):
+    """A streamed answer's first token reaches the client while the engine has not yet run the
+    decode step that computes its second (that step is held here until the first token came, or
+    for 10 s): time to first token never includes a decode step."""
+    import json
+    import threading
+
+    config = ServerConfig(max_tokens=4, page_size=8)
+    engine = make_engine([tiny_lm], config)
+    runner = engine.schedulers[tiny_lm.name].runner
+    first_token, decoded = threading.Event(), threading.Event()
+    original = runner.decode
+
+    def held_decode(seqs, tokens):
+        first_token.wait(timeout=10)
+        decoded.set()
+        return original(seqs, tokens)
+
+    runner.decode = held_decode
+    with running_server([tiny_lm], config, engine) as url:
+        body = {"model": tiny_lm.name, "messages": [{"role": "user", "content": "Hello there"}],
+                "max_tokens": 4, "temperature": 0, "stream": True, "use_kv_cache": False}
+        decoded_before_first = None
+        with httpx.stream("POST", url + "/chat/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                delta = json.loads(line[6:])["choices"][0]["delta"]
+                if delta.get("content") and decoded_before_first is None:
+                    decoded_before_first = decoded.is_set()
+                    first_token.set()
+        assert decoded_before_first is False, "the first token waited for a decode step"
+        assert decoded.is_set()  # the answer went on after it
