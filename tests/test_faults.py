@@ -13,11 +13,7 @@ import json
 import os
 import random
 import shutil
-import signal
-import socket
 import stat
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,75 +24,12 @@ import kv_cache.tiers.disk.dirs
 import kv_cache.tiers.disk.store
 from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
+from tests.server_procs import HTTP, Server
 from tests.server_utils import running_server
 from tests.test_load import disk_file_bytes
 
-REPO = Path(__file__).resolve().parent.parent
-# One client for the killed servers' many short connections (no keep-alive: a server may die).
-HTTP = httpx.Client(timeout=60, limits=httpx.Limits(max_keepalive_connections=0))
 KILLS = 50
 BUDGET_BYTES = 256 << 10
-
-
-# -- a real server process -------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """``python -m mlx_kvserver`` in a subprocess (optionally under a command ``prefix``)."""
-
-    def __init__(self, model_dir: Path, cache: Path, log: Path, *extra: str,
-                 prefix: list[str] = (), preexec=None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = [*prefix, sys.executable, "-m", "mlx_kvserver", "--model", str(model_dir),
-                    "--port", str(self.port), "--kv-cache-dir", str(cache), "--no-fast-blas",
-                    "--log-level", "info", *extra]
-        self.log, self.preexec, self.proc = log, preexec, None
-        self.env = {**os.environ, "PYTHONPATH": str(REPO), "MLX_KVSERVER_NO_BLAS": "1",
-                    "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-    def start(self, timeout: float = 90) -> Server:
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.cmd, cwd=REPO, env=self.env, stdout=log,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         preexec_fn=self.preexec)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"the server exited ({self.proc.returncode}):\n"
-                                     + self.log_text()[-3000:])
-            try:
-                if HTTP.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                self.kill()
-                raise AssertionError("the server did not start:\n" + self.log_text()[-3000:])
-            time.sleep(0.02)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        if self.proc is not None:
-            self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
 
 
 def ask(url: str, messages: list, use_cache: bool = True, timeout: float = 60):
@@ -122,7 +55,8 @@ def temp_files(root: Path) -> list[Path]:
 def test_sigkill_at_random_points_during_saves_fifty_times(tiny_model_dir, tmp_path):
     cache = tmp_path / "kv"
     server = Server(tiny_model_dir, cache, tmp_path / "server.log", "--page-size", "4",
-                    "--max-tokens", "12", "--max-kv-size-gb", str(BUDGET_BYTES / 2**30))
+                    "--max-tokens", "12", "--max-kv-size-gb", str(BUDGET_BYTES / 2**30),
+                    warm=True)  # forked with the imports done: 51 starts, ~2-3 s less each
     rng = random.Random(1234)
     history: list[dict] = []
     pending = None  # (messages, answer, message_id) of the request the last kill cut
