@@ -331,12 +331,14 @@ def effective_caps(pid: int) -> int:
 def test_real_read_only_dirs_for_an_unprivileged_process(tiny_model_dir, tmp_path):
     prefix, preexec, what = without_privileges()
     locked, cache = tmp_path / "locked", tmp_path / "cache"
+    short = ("--max-tokens", "12")  # not the default 512: ~2 s an answer on two cores
     locked.mkdir()
     cache.mkdir()
     try:
         # 1. A cache directory the server may not write: no store, answers all the same.
         locked.chmod(0o555)
-        a = Server(tiny_model_dir, locked, tmp_path / "a.log", prefix=prefix, preexec=preexec)
+        a = Server(tiny_model_dir, locked, tmp_path / "a.log", *short, prefix=prefix,
+                   preexec=preexec)
         a.start()
         try:
             assert effective_caps(a.proc.pid) & 0b1110 == 0, what  # no DAC override
@@ -353,7 +355,8 @@ def test_real_read_only_dirs_for_an_unprivileged_process(tiny_model_dir, tmp_pat
         assert "disk cache for" in a.log_text() and "Permission denied" in a.log_text()
         assert list(locked.iterdir()) == []
         # 2. A store that opened fine, then its directories turn read-only under it.
-        b = Server(tiny_model_dir, cache, tmp_path / "b.log", prefix=prefix, preexec=preexec)
+        b = Server(tiny_model_dir, cache, tmp_path / "b.log", *short, prefix=prefix,
+                   preexec=preexec)
         b.start()
         try:
             history = [{"role": "user", "content": "First?", "message_id": "b0"}]
