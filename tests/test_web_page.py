@@ -78,7 +78,9 @@ def web(downloads):
 def until(web, predicate, timeout: float = 30, what: str = "the page"):
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(web, timeout).until(lambda w: predicate(w), f"waiting for {what}")
+    # polled every 50 ms, not selenium's default 500 ms: an answer of the tiny model takes less
+    return WebDriverWait(web, timeout, poll_frequency=0.05).until(lambda w: predicate(w),
+                                                                  f"waiting for {what}")
 
 
 def css(web, selector: str):
