@@ -111,7 +111,7 @@ class NextTurns:
                 p.seq, match = self.manager.start(p.tokens, p.keys, use_cache=True)
                 p.done = match.tokens
             piece = p.tokens[p.done : p.done + self.prefill_chunk]
-            self.runner.prefill(p.seq, piece)
+            self.runner.prefill(p.seq, piece, logits=False)  # its caches only
             self.manager.with_room(p.seq.commit)
             p.done += len(piece)
             if p.done == len(p.tokens):

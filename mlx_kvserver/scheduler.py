@@ -153,7 +153,8 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            logits = self.runner.prefill_many([b[2] for b in batch], [b[5] for b in batch])
+            logits = self.runner.prefill_many([b[2] for b in batch], [b[5] for b in batch],
+                                              [b[4] == len(b[3]) for b in batch])
         except Exception as e:  # the engine never dies with a request
             log.exception("prompt step failed")
             for r in {id(b[0]): b[0] for b in batch}.values():
