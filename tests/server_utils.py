@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import socket
 import threading
@@ -21,6 +22,44 @@ def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:
     return Engine(models, config)
 
 
+class QuickServer(uvicorn.Server):
+    """uvicorn's server, stopped without its fixed waits (~0.18 s a stop, 150 stops a suite):
+    :meth:`stop` wakes the main loop, which otherwise looks for the exit flag every 0.1 s; and
+    with no connection open, the shutdown skips the 0.1 s it grants open connections to close.
+    Everything else is uvicorn's: the listening socket closed, the lifespan's shutdown (the
+    engine stopped, its stores closed) before :meth:`stop` returns."""
+
+    _wake: asyncio.Event | None = None
+
+    async def main_loop(self) -> None:
+        loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        self._loop = loop
+        counter = 0
+        while not await self.on_tick(counter):  # uvicorn's loop, woken early by stop()
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), 0.1)
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        if self.server_state.connections:
+            return await super().shutdown(sockets)
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
+
+    def stop(self, thread: threading.Thread) -> None:
+        """Ask the server (running in ``thread``) to exit and wait until it has."""
+        self.should_exit = True
+        if self._wake is not None:
+            self._loop.call_soon_threadsafe(self._wake.set)
+        thread.join(timeout=30)
+
+
 @contextlib.contextmanager
 def running_server(models: list[LoadedModel], config: ServerConfig | None = None,
                    engine: Engine | None = None, port: int = 0) -> Iterator[str]:
@@ -34,7 +73,7 @@ def running_server(models: list[LoadedModel], config: ServerConfig | None = None
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = QuickServer(uvicorn.Config(app, log_level="warning", lifespan="on"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -45,8 +84,7 @@ def running_server(models: list[LoadedModel], config: ServerConfig | None = None
     try:
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+        server.stop(thread)
         sock.close()
 
 
