@@ -151,17 +151,18 @@ class Scheduler:
                 break
         if not batch:
             return
+        requests = list({id(b[0]): b[0] for b in batch}.values())  # each once
         t0 = time.perf_counter()
         try:
             logits = self.runner.prefill_many([b[2] for b in batch], [b[5] for b in batch],
                                               [b[4] == len(b[3]) for b in batch])
         except Exception as e:  # the engine never dies with a request
             log.exception("prompt step failed")
-            for r in {id(b[0]): b[0] for b in batch}.values():
+            for r in requests:
                 self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
             return
         spent = time.perf_counter() - t0
-        for r in {id(b[0]): b[0] for b in batch}.values():
+        for r in requests:
             r.forward_s += spent
         for (r, choice, seq, tokens, done, _), row in zip(batch, logits):
             if r in self.requests:

@@ -56,16 +56,16 @@ def piece_splitter(hf: Any) -> re.Pattern | None:
                         for j, t in enumerate(marks)) + text
         probe = text + probe + text
         whole = backend.encode(probe, add_special_tokens=False).ids
-        if whole != _encode_pieces(backend, pattern, probe, {}):
+        if whole != _encode_pieces(backend, pattern.split(probe), {}):
             log.info("the tokenizer does not cut its input at added tokens alone: prompts are "
                      "tokenized whole")
             return None
     return pattern
 
 
-def _encode_pieces(backend: Any, pattern: re.Pattern, text: str,
-                   known: dict[str, Any]) -> list[int]:
-    parts = pattern.split(text)
+def _encode_pieces(backend: Any, parts: list[str], known: dict[str, Any]) -> list[int]:
+    """The ids of a text split into ``parts`` (added tokens at the odd places), the pieces not in
+    ``known`` tokenized together and added to it."""
     texts = [p for p in parts[0::2] if p and p not in known]
     if texts:
         for p, enc in zip(texts, backend.encode_batch(texts, add_special_tokens=False)):
@@ -103,15 +103,16 @@ class PieceEncoder:
         """The ids of ``text``; None where this tokenizer must tokenize it whole."""
         if self.pattern is None:
             return None
+        parts = self.pattern.split(text)
         with self._lock:
             found = {}
-            for p in self.pattern.split(text)[0::2]:
+            for p in parts[0::2]:
                 ids = self.pieces.get(p)
                 if ids is not None:
                     self.pieces.move_to_end(p)
                     found[p] = ids
             before = len(found)
-            out = _encode_pieces(self.backend, self.pattern, text, found)
+            out = _encode_pieces(self.backend, parts, found)
             new = {p: ids for p, ids in found.items() if p not in self.pieces}
             self.hits += before
             self.misses += len(new)
