@@ -34,7 +34,7 @@ from mlx_kvserver import blas  # noqa: E402
 
 blas.maybe_reexec()
 
-from bench_ttft import Server, ask, document, free_port  # noqa: E402
+from bench_ttft import Server, ask, document, free_port, wait_until_up  # noqa: E402
 
 QUESTIONS = ["When was the old mill rebuilt?", "How far is the harbour from the square?",
              "Which place records the most visitors?", "What opens earliest on weekdays?",
@@ -55,21 +55,7 @@ class MlxLmServer(Server):
             [sys.executable, "-m", "mlx_lm.server", "--model", str(folder), "--port", str(port),
              "--max-tokens", "512"], cwd=ROOT, env=env, stdout=self.log,
             stderr=subprocess.STDOUT)
-        self._wait()
-
-    def _wait(self):
-        import httpx
-
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url + "/models", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"mlx-lm server did not start; see {self.log.name}")
-            time.sleep(0.5)
+        wait_until_up(self.proc, self.url + "/models", self.log.name, "mlx-lm server")
 
 
 def workload(url, tag, use_cache, args, doc, strip_ids=False):

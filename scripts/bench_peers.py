@@ -29,9 +29,8 @@ import subprocess
 import time
 from pathlib import Path
 
-import httpx
 from bench_multiturn import MlxLmServer
-from bench_ttft import ROOT, Server
+from bench_ttft import ROOT, Server, wait_until_up
 
 PEERS = ("mlx-lm", "rapid-mlx", "vllm-mlx")
 CACHE_FETCH = re.compile(r"\[cache_fetch\] request=\S+ (HIT|MISS) prompt_tokens=(\d+)"
@@ -65,19 +64,14 @@ class CliPeer(Server):
                    "--max-request-tokens", str(context_of(folder))]
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log,
                                      stderr=subprocess.STDOUT)
-        deadline, ready = time.monotonic() + 600, None
-        while True:
-            try:
-                if httpx.get(self.url + "/models", timeout=2).status_code == 200:
-                    ready = ready or time.monotonic()
-                    if name != "rapid-mlx" or time.monotonic() - ready > 120 or LOAD_DONE.search(
-                            Path(self.log.name).read_text(encoding="utf-8", errors="replace")):
-                        return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{name} did not start; see {self.log.name}")
-            time.sleep(0.5)
+        up: list[float] = []  # when it first answered
+
+        def loaded() -> bool:  # Rapid-MLX loads its saved cache after it answers
+            up.append(time.monotonic())
+            return name != "rapid-mlx" or up[-1] - up[0] > 120 or bool(LOAD_DONE.search(
+                Path(self.log.name).read_text(encoding="utf-8", errors="replace")))
+
+        wait_until_up(self.proc, self.url + "/models", self.log.name, name, 600, loaded)
 
 
 def context_of(folder: Path) -> int:

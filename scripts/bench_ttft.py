@@ -57,6 +57,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_until_up(proc: subprocess.Popen, url: str, log_name: str, what: str,
+                  timeout: float = 300, ready=lambda: True) -> None:
+    """Poll ``url`` every 0.5 s until it answers 200 and ``ready()`` holds (asked after each
+    200); RuntimeError when ``proc`` exits or ``timeout`` seconds pass first."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200 and ready():
+                return
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what} did not start; see {log_name}")
+        time.sleep(0.5)
+
+
 class Server:
     def __init__(self, cache_dir: Path, port: int, extra: list[str], cwd: Path = ROOT):
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -66,16 +82,7 @@ class Server:
             [sys.executable, "-m", "mlx_kvserver", "--port", str(port),
              "--kv-cache-dir", str(cache_dir), *extra],
             cwd=cwd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while True:
-            try:
-                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"server did not start; see {self.log.name}")
-            time.sleep(0.5)
+        wait_until_up(self.proc, self.url.removesuffix("/v1") + "/health", self.log.name, "server")
 
     def stop(self):
         self.proc.terminate()
