@@ -210,7 +210,7 @@ class CacheCollector:
             if store is not None:
                 add(gauge, "kv_store_breaker_open", "1 while the store is not asked (its "
                     "breaker open after repeated errors)", model, int(store["breaker"] != "closed"))
-                add(gauge, "kv_store_queued", "Entry writes waiting for the store", model,
+                add(gauge, "kv_store_queued", "Entry writes not finished for the store (waiting or being written)", model,
                     store["queued"])
         yield from families.values()
         age = GaugeMetricFamily(P + "kv_stats_age_seconds", "Age of the cache snapshot above")

@@ -50,7 +50,7 @@ class StoreStats:
     dropped_pages: int = 0  # not written: the write queue was full
     breaker_opens: int = 0
     seconds: float = 0.0  # spent in store commands, reads and writes
-    queued: int = 0  # entry writes waiting
+    queued: int = 0  # entry writes not finished: waiting, or being written
 
 
 @dataclass
@@ -225,7 +225,7 @@ class SharedStore:
         s.breaker = self.link.breaker.state
         s.breaker_opens = self.link.breaker.opens
         s.errors, s.seconds = self.link.errors, round(self.link.seconds, 6)
-        s.queued = self._queue.qsize()
+        s.queued = self._queue.unfinished_tasks  # NOTE: not qsize(): the write in progress too
         return s
 
     def close(self) -> None:

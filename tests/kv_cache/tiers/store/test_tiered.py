@@ -180,3 +180,33 @@ def test_wrong_password_is_a_warning_not_an_error(model, tmp_path, caplog):
         m.close()
     finally:
         proc.stop()
+
+
+def test_an_entry_being_written_still_counts_as_queued(model, tmp_path, redis_server,
+                                                       monkeypatch):
+    """``queued`` (what a client waits on before it relies on the store) counts the write in
+    progress too, not only the ones waiting behind it."""
+    import threading
+
+    m = manager(model, tmp_path / "a", redis_server.url)
+    shared = m.store.shared
+    started, release = threading.Event(), threading.Event()
+    write = shared.write
+
+    def slow_write(job):
+        started.set()
+        release.wait(timeout=30)
+        return write(job)
+
+    monkeypatch.setattr(shared, "write", slow_write)
+    seq, _ = m.start(TOKENS, [])
+    run(model, seq, TOKENS)
+    m.save("slow", seq)
+    seq.close()
+    m.sync()  # the disk's write done: the entry is on the store's queue
+    assert started.wait(timeout=30)
+    assert shared.stats().queued == 1  # taken off the queue, not written yet
+    release.set()
+    shared.drain()
+    assert shared.stats().queued == 0 and shared.stats().entries_written == 1
+    m.close()
