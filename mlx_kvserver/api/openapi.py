@@ -1,6 +1,7 @@
 """A hand-written OpenAPI 3.1 description of the HTTP API, served at ``GET /openapi.json``.
 
-Limits come from ``schemas`` so the description and the validation cannot drift apart. Each
+The request bodies' schemas are in ``openapi_bodies.py``, built from the parsers' own limits and
+constants so the description and the validation cannot drift apart. Each
 operation declares the 4xx answers it really gives (401 only when the server has an API key); the
 fuzz tests (tests/test_fuzz_api.py) check that every route of the app is described here, send
 requests to every described operation, and check that every status they get is declared.
@@ -11,25 +12,17 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from .validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
+from . import openapi_bodies as bodies
+from .validate import MAX_MESSAGE_ID_LEN
 
 try:
     VERSION = importlib.metadata.version("mlx-kvserver")
 except importlib.metadata.PackageNotFoundError:  # run from a checkout
     VERSION = "0.1.0"
 _ERROR = {"$ref": "#/components/schemas/Error"}
-
-
-def _number(name: str) -> dict:
-    lo, hi, integer = RANGES[name]
-    return {"type": "integer" if integer else "number", "minimum": lo, "maximum": hi}
-
-
-def _or_null(schema: dict) -> dict:
-    """``schema`` or null: the server takes a null optional field as an absent one."""
-    if "type" in schema:
-        return {**schema, "type": [schema["type"], "null"]}
-    return {"anyOf": [schema, {"type": "null"}]}
+# What an import takes: a file that GET /v1/kv_cache/export/{message_id} gave (safetensors with
+# this server's header), not any bytes; the Content-Type itself is not checked.
+KV_EXPORT = "application/vnd.mlx-kvserver.kv-export"
 
 
 def _json(schema: dict, description: str) -> dict:
@@ -63,10 +56,14 @@ _MESSAGE_ID_PATH = {"name": "message_id", "in": "path", "required": True,
                     "schema": {"$ref": "#/components/schemas/MessageId"}}
 _RESPONSE_ID_PATH = {"name": "response_id", "in": "path", "required": True,
                      "schema": {"type": "string"}}
-_BODY = {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}}
 
 
-def _generate(summary: str, kind: str, auth: bool, extra_params: list | None = None,
+def _body(name: str) -> dict:
+    return {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{name}"}}}}
+
+
+def _generate(summary: str, kind: str, auth: bool, body: str, extra_params: list | None = None,
               missing: str | None = None) -> dict:
     """A POST that generates: JSON, or server-sent events with ``stream: true``."""
     errors = {400: "a body that is not JSON or not a valid request, a bad field, or a prompt "
@@ -76,45 +73,13 @@ def _generate(summary: str, kind: str, auth: bool, extra_params: list | None = N
     ok = {"description": f"a {kind}, or its stream of server-sent events",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"description": "the API's stream events"}}}
-    return {"post": _op(summary, ok, errors, auth, requestBody=_BODY,
+    return {"post": _op(summary, ok, errors, auth, requestBody=_body(body),
                         **({"parameters": extra_params} if extra_params else {}))}
 
 
 def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict:
     """The OpenAPI document (``models``: names to list as examples of the ``model`` field;
     ``api_key``: whether the server requires one)."""
-    message = {
-        "type": "object", "required": ["role"],
-        "properties": {
-            "role": {"enum": list(ROLES)},
-            "content": {"oneOf": [
-                {"type": "string"}, {"type": "null"},
-                {"type": "array", "items": {
-                    "type": "object", "required": ["type", "text"],
-                    "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}}]},
-            "message_id": _or_null({"$ref": "#/components/schemas/MessageId"}),
-        },
-    }
-    chat = {
-        "type": "object", "required": ["messages"],
-        "properties": {
-            "messages": {"type": "array", "minItems": 1, "items": message,
-                         "description": "a last assistant message is continued"},
-            "model": {"type": ["string", "integer", "null"],
-                      "description": "a served model's name, its index, or \"default\" (the "
-                                     "first one, as when omitted)",
-                      **({"examples": models} if models else {})},
-            **{name: _or_null(_number(name)) for name in RANGES},
-            "seed": _or_null({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
-            "stop": _or_null({"oneOf": [{"type": "string", "minLength": 1},
-                                        {"type": "array", "maxItems": MAX_STOP,
-                                         "items": {"type": "string", "minLength": 1}}]}),
-            "stream": _or_null({"type": "boolean"}),
-            "stream_options": _or_null({"type": "object", "properties": {
-                "include_usage": _or_null({"type": "boolean"})}}),
-            "use_kv_cache": _or_null({"type": "boolean", "default": True}),
-        },
-    }
     entry = {"type": "object", "properties": {
         "object": {"const": "kv_cache.entry"}, "message_id": {"type": "string"},
         "model": {"type": "string"}, "tokens": {"type": "integer"},
@@ -124,7 +89,9 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
         "openapi": "3.1.0",
         "info": {"title": "mlx-kvserver", "version": VERSION,
                  "description": "OpenAI-compatible chat completions with a paged, persistent "
-                                "KV cache keyed by message_id."},
+                                "KV cache keyed by message_id. Strings are Unicode text: a "
+                                "lone surrogate (a \\ud800 escape) is refused, as I-JSON "
+                                "(RFC 7493) requires."},
         "servers": [{"url": "/"}],
         **({"security": [{"bearer": []}]} if api_key else {}),
         "paths": {
@@ -155,26 +122,27 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                  429: "the queue is full; try again shortly"}, api_key,
                 parameters=[{"name": "X-Model-Id", "in": "header", "required": False,
                              "schema": {"type": "string"}}],
-                requestBody={"required": True, "content": {"application/json": {
-                    "schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}}})},
+                requestBody=_body("ChatCompletionRequest"))},
             "/v1/completions": _generate(
                 "a text completion of a raw prompt (no chat template)", "text_completion",
-                api_key),
+                api_key, "CompletionRequest"),
             "/v1/messages": _generate(
                 "Anthropic's Messages API (errors in Anthropic's shape)", "message", api_key,
-                extra_params=[{"name": "anthropic-version", "in": "header", "required": False,
-                               "schema": {"type": "string"}},
-                              {"name": "beta", "in": "query", "required": False,
-                               "schema": {"type": "string"}}]),
+                "MessagesRequest", extra_params=[
+                    {"name": "anthropic-version", "in": "header", "required": False,
+                     "schema": {"type": "string"}},
+                    {"name": "beta", "in": "query", "required": False,
+                     "schema": {"type": "string"}}]),
             "/v1/messages/count_tokens": {"post": _op(
                 "the prompt tokens a Messages request would read",
                 _json({"type": "object", "properties": {"input_tokens": {"type": "integer"}}},
                       "the count"),
                 {400: "a bad request body", 404: NO_MODEL, 413: "a body larger than the limit"},
-                api_key, requestBody=_BODY)},
+                api_key, requestBody=_body("CountTokensRequest"))},
             "/v1/responses": _generate(
                 "OpenAI's Responses API (stored and continued by previous_response_id, across "
-                "restarts)", "response", api_key, missing="an unknown previous_response_id"),
+                "restarts)", "response", api_key, "ResponsesRequest",
+                missing="an unknown previous_response_id"),
             "/v1/responses/{response_id}": {
                 "get": _op("a stored response", _json(anything, "the response"),
                            {404: "no stored response of this id"}, api_key,
@@ -195,14 +163,23 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                      "schema": {"$ref": "#/components/schemas/MessageId"}},
                     {"name": "model", "in": "query", "required": False,
                      "schema": {"type": "string"}}],
-                requestBody={"required": True, "description": "a file from GET "
-                             "/v1/kv_cache/export/{message_id}", "content": {
-                                 "application/octet-stream": {
-                                     "schema": {"type": "string", "format": "binary"}}}})},
+                requestBody={"required": True, "description": "a file that GET "
+                             "/v1/kv_cache/export/{message_id} gave, unchanged (any other "
+                             "bytes are a 400); its Content-Type is not checked", "content": {
+                                 KV_EXPORT: {"schema": {
+                                     "type": "string", "contentMediaType": KV_EXPORT,
+                                     "description": "safetensors: the entry's pages and its "
+                                                    "token ids, model fingerprint and "
+                                                    "checksum in the header"}}}})},
             "/v1/kv_cache/export/{message_id}": {"get": _op(
                 "one entry's cache as a safetensors file",
-                {"description": "the file", "content": {"application/octet-stream": {
-                    "schema": {"type": "string", "format": "binary"}}}},
+                {"description": "the file (the body of an import)",
+                 "content": {"application/octet-stream": {
+                     "schema": {"type": "string", "contentMediaType": KV_EXPORT}}},
+                 "links": {"import": {
+                     "operationRef": "#/paths/~1v1~1kv_cache~1import/post",
+                     "requestBody": "$response.body",
+                     "description": "this file is what POST /v1/kv_cache/import takes"}}},
                 {400: BAD_ID, 404: NO_ENTRY}, api_key, parameters=[_MESSAGE_ID_PATH])},
             "/v1/kv_cache/{message_id}": {
                 "get": _op("one entry", _json(entry, "kv_cache.entry"),
@@ -219,7 +196,11 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                 "MessageId": {"type": "string", "minLength": 1,
                               "maxLength": MAX_MESSAGE_ID_LEN,
                               "pattern": "^[^\\u0000-\\u001f\\u007f]+$"},
-                "ChatCompletionRequest": chat,
+                "ChatCompletionRequest": bodies.chat(models),
+                "CompletionRequest": bodies.completions(models),
+                "MessagesRequest": bodies.messages(models),
+                "CountTokensRequest": bodies.messages(models, count_only=True),
+                "ResponsesRequest": bodies.responses(models),
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                     "type": "object", "required": ["message", "type"],
                     "properties": {"message": {"type": "string"}, "type": {"type": "string"},

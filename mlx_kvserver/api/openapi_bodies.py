@@ -1,0 +1,242 @@
+"""The request bodies of the generating APIs as JSON Schema, for the OpenAPI description
+(``openapi.py``): what each API's parser requires, taken from the parsers' own constants.
+
+A body these schemas call valid is one the parsers accept, apart from the rules JSON Schema cannot
+state, which the descriptions say in words: a tool result answers a call made earlier in the
+history and not answered yet; call ids are unique; the history does not end with an unanswered
+call; ``tool_choice`` names one of ``tools``, whose names are unique; a tool's parameters are
+valid JSON Schema; a completion's token ids are below the model's vocabulary size; the prompt fits
+the model's context; the model is one the server serves. Where the parsers take a falsy value as
+absent, the schemas allow null only.
+"""
+
+from __future__ import annotations
+
+from .anthropic import ROLES as ANTHROPIC_ROLES
+from .completions import MAX_PROMPT_IDS
+from .openai_chat import EFFORTS
+from .responses import INPUT_ROLES, SUMMARIES, TEXT_PARTS
+from .validate import MAX_STOP, MAX_TOOLS, RANGES, ROLES, TOOL_NAME
+
+TEXT = {"type": "string"}
+WORD = {"type": "string", "minLength": 1}
+OBJECT = {"type": "object"}
+BOOL = {"type": ["boolean", "null"]}
+JSON_SCHEMA = {"type": "object", "description": "a JSON Schema (Draft 2020-12)"}
+NAME = {"type": "string", "pattern": TOOL_NAME.pattern}
+HISTORY = ("a tool result must answer a call made earlier in the history and not answered yet; "
+           "call ids are unique; the history must not end with an unanswered call")
+TOOLS = "tool names are unique; each parameters schema is valid JSON Schema"
+CHOICE = "a tool call is asked for only with tools, and a named tool is one of them"
+
+
+def _or_null(schema: dict) -> dict:
+    """``schema`` or null: the server takes a null optional field as an absent one."""
+    if isinstance(schema.get("type"), str):
+        return {**schema, "type": [schema["type"], "null"]}
+    return {"anyOf": [schema, {"type": "null"}]}
+
+
+def _number(name: str, **bounds) -> dict:
+    lo, hi, integer = RANGES[name]
+    return {"type": "integer" if integer else "number", "minimum": lo, "maximum": hi, **bounds}
+
+
+def _obj(required: list[str], note: str | None = None, /, **properties) -> dict:
+    """An object with ``properties``, of which ``required``; ``note``: its description."""
+    out = {"type": "object", "required": required, "properties": properties}
+    return {**out, "description": note} if note else out
+
+
+def _text_or(parts: dict) -> dict:
+    return {"oneOf": [TEXT, {"type": "array", "items": parts}]}
+
+
+def model_field(models: list[str] | None, required: bool = False) -> dict:
+    schema = {"type": ["string", "integer"] if required else ["string", "integer", "null"],
+              "description": "a served model's name, its index, or \"default\" (the first "
+                             "one, as when omitted); another name is a 404"}
+    return {**schema, "examples": models} if models else schema
+
+
+STOP = _or_null({"oneOf": [WORD, {"type": "array", "maxItems": MAX_STOP, "items": WORD}]})
+SAMPLING = {"max_tokens": _or_null(_number("max_tokens")),
+            "temperature": _or_null(_number("temperature")),
+            "top_p": _or_null(_number("top_p")), "top_k": _or_null(_number("top_k")),
+            "seed": _or_null({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
+            "stop": STOP}
+COMMON = {"stream": BOOL, "use_kv_cache": {"type": ["boolean", "null"], "default": True}}
+STREAM_OPTIONS = _or_null({"type": "object", "properties": {"include_usage": BOOL}})
+MESSAGE_ID = _or_null({"$ref": "#/components/schemas/MessageId"})
+
+
+# -- /v1/chat/completions -----------------------------------------------------------------------
+
+CHAT_CONTENT = {"oneOf": [TEXT, {"type": "null"}, {"type": "array", "items": _obj(
+    ["type", "text"], type={"const": "text"}, text=TEXT)}]}
+CHAT_CALL = _obj(["id", "function"], id=WORD, function=_obj(
+    ["name"], name=WORD, arguments={"oneOf": [TEXT, OBJECT], "default": "{}"}))
+CHAT_MESSAGE = {"oneOf": [
+    _obj(["role"], role={"enum": [r for r in ROLES if r not in ("assistant", "tool")]},
+         content=CHAT_CONTENT, message_id=MESSAGE_ID),
+    _obj(["role"], role={"const": "assistant"}, content=CHAT_CONTENT, message_id=MESSAGE_ID,
+         reasoning_content=_or_null(TEXT), reasoning=_or_null(TEXT),
+         tool_calls=_or_null({"type": "array", "items": CHAT_CALL})),
+    _obj(["role", "tool_call_id"], "the result of the call tool_call_id names", role={
+        "const": "tool"}, tool_call_id=WORD, content=CHAT_CONTENT, message_id=MESSAGE_ID)]}
+CHAT_TOOL = _obj(["function"], type={"const": "function"}, function=_obj(
+    ["name"], name=NAME, description=_or_null(TEXT), parameters=_or_null(JSON_SCHEMA),
+    strict=BOOL))
+CHAT_CHOICE = _or_null({"oneOf": [{"enum": ["auto", "none", "required"]}, _obj(
+    ["type", "function"], type={"const": "function"}, function=_obj(["name"], name=WORD))],
+    "description": CHOICE})
+FORMAT = {"oneOf": [_obj(["type"], type={"enum": ["text", "json_object"]}),
+                    _obj(["type", "json_schema"], type={"const": "json_schema"},
+                         json_schema=_obj(["schema"], schema=JSON_SCHEMA, name=_or_null(TEXT),
+                                          strict=BOOL))]}
+
+
+def chat(models: list[str] | None) -> dict:
+    return _obj(
+        ["messages"], f"{HISTORY}; {TOOLS}",
+        messages={"type": "array", "minItems": 1, "items": CHAT_MESSAGE,
+                  "description": "a last assistant message is continued"},
+        model=model_field(models), **SAMPLING,
+        **{n: _or_null(_number(n)) for n in ("max_completion_tokens", "n", "top_logprobs")},
+        stream_options=STREAM_OPTIONS, **COMMON,
+        tools=_or_null({"type": "array", "maxItems": MAX_TOOLS, "items": CHAT_TOOL}),
+        tool_choice=CHAT_CHOICE, parallel_tool_calls=BOOL, response_format=_or_null(FORMAT),
+        reasoning_effort=_or_null({"enum": list(EFFORTS)}), logprobs=BOOL,
+        chat_template_kwargs=_or_null(OBJECT),
+        continue_final_message={**BOOL, "description": "true only after a last assistant "
+                                "message without tool calls"})
+
+
+# -- /v1/completions ----------------------------------------------------------------------------
+
+IDS = {"type": "array", "minItems": 1, "maxItems": MAX_PROMPT_IDS,
+       "items": {"type": "integer", "minimum": 0},
+       "description": "token ids, each below the model's vocabulary size"}
+
+
+def completions(models: list[str] | None) -> dict:
+    one = {"oneOf": [WORD, IDS]}
+    return _obj(
+        ["prompt"], prompt={"oneOf": [WORD, IDS, {"type": "array", "minItems": 1,
+                                                  "maxItems": 1, "items": one}]},
+        model=model_field(models), **SAMPLING, n=_or_null(_number("n")),
+        logprobs=_or_null({"type": "integer", "minimum": 0, "maximum": 5}),
+        echo=BOOL, suffix={"type": "null", "description": "not supported"},
+        stream_options=STREAM_OPTIONS, **COMMON)
+
+
+# -- /v1/messages and /v1/messages/count_tokens -------------------------------------------------
+
+A_TEXT = _obj(["type", "text"], type={"const": "text"}, text=TEXT)
+A_TEXTS = _text_or(A_TEXT)
+A_USER = {"oneOf": [A_TEXT, _obj(
+    ["type", "tool_use_id"], type={"const": "tool_result"}, tool_use_id=WORD,
+    content=_or_null(A_TEXTS), is_error=BOOL)]}
+A_ASSISTANT = {"oneOf": [
+    A_TEXT, _obj(["type", "thinking"], type={"const": "thinking"}, thinking=TEXT),
+    _obj(["type"], type={"const": "redacted_thinking"}),
+    _obj(["type", "id", "name"], type={"const": "tool_use"}, id=WORD, name=WORD, input=OBJECT)]}
+A_MESSAGE = {"oneOf": [
+    _obj(["role", "content"], role={"const": role}, content=_text_or(blocks),
+         message_id=MESSAGE_ID)
+    for role, blocks in zip(ANTHROPIC_ROLES, (A_USER, A_ASSISTANT, A_TEXT))]}
+A_TOOL = _obj(["name", "input_schema"], type=_or_null({"const": "custom"}), name=NAME,
+              description=_or_null(TEXT), input_schema=_or_null(JSON_SCHEMA), strict=BOOL)
+A_CHOICE = _or_null({"oneOf": [
+    _obj(["type"], type={"enum": ["auto", "any", "none"]}, disable_parallel_tool_use=BOOL),
+    _obj(["type", "name"], type={"const": "tool"}, name=WORD, disable_parallel_tool_use=BOOL)],
+    "description": CHOICE})
+A_FORMAT = _or_null(_obj(["type", "schema"], type={"const": "json_schema"}, schema=JSON_SCHEMA))
+
+
+def messages(models: list[str] | None, count_only: bool = False) -> dict:
+    return _obj(
+        ["model", "messages"] + ([] if count_only else ["max_tokens"]), f"{HISTORY}; {TOOLS}",
+        model=model_field(models, required=True),
+        **({} if count_only else {"max_tokens": _number("max_tokens")}),
+        messages={"type": "array", "minItems": 1, "items": A_MESSAGE,
+                  "description": "a last assistant message is continued (a prefill)"},
+        system=_or_null(A_TEXTS), temperature=_or_null(_number("temperature", maximum=1.0)),
+        top_p=_or_null(_number("top_p")), top_k=_or_null(_number("top_k")),
+        stop_sequences=STOP, **COMMON,
+        tools=_or_null({"type": "array", "maxItems": MAX_TOOLS, "items": A_TOOL}),
+        tool_choice=A_CHOICE, metadata=_or_null(OBJECT),
+        mcp_servers={"type": "null", "description": "MCP connectors are not served"},
+        thinking=_or_null({"oneOf": [
+            _obj(["type"], type={"const": "enabled"},
+                 budget_tokens=_or_null({"type": "integer", "minimum": 0})),
+            _obj(["type"], type={"enum": ["disabled", "adaptive"]})]}),
+        output_config=_or_null({"type": "object", "properties": {
+            "effort": _or_null(TEXT), "format": A_FORMAT}}),
+        output_format={**A_FORMAT, "description": "the older beta's output_config.format"})
+
+
+# -- /v1/responses ------------------------------------------------------------------------------
+
+R_PART = _obj(["type", "text"], type={"enum": list(TEXT_PARTS)}, text=TEXT)
+R_TEXT = _text_or(R_PART)
+R_ITEMS = [
+    _obj(["role", "content"], type={"const": "message"}, role={"enum": list(INPUT_ROLES)},
+         content=R_TEXT),
+    _obj(["type"], "its content's text, else its summary's", type={"const": "reasoning"},
+         content=_or_null(R_TEXT), summary=_or_null({"type": "array", "items": R_PART})),
+    _obj(["type", "call_id", "name"], type={"const": "function_call"}, call_id=WORD,
+         name=WORD, namespace=_or_null(WORD), arguments={"oneOf": [TEXT, OBJECT]}),
+    _obj(["type", "call_id", "output"], type={"const": "function_call_output"},
+         call_id=WORD, output=R_TEXT)]
+# At least one item becomes a message: empty assistant messages and reasoning do not.
+R_COUNTS = {"anyOf": [
+    _obj(["role"], type={"const": "message"},
+         role={"enum": [r for r in INPUT_ROLES if r != "assistant"]}),
+    _obj(["type"], type={"enum": ["function_call", "function_call_output"]}),
+    _obj(["role", "content"], type={"const": "message"}, role={"const": "assistant"},
+         content={"anyOf": [WORD, {"type": "array", "contains": _obj(["text"], text=WORD)}]})]}
+R_FUNCTION = _obj(["type", "name"], type={"const": "function"}, name=NAME,
+                  description=_or_null(TEXT), parameters=_or_null(JSON_SCHEMA), strict=BOOL)
+# A namespace's functions are offered as "<namespace>.<name>": the two fit one tool name.
+R_NAMESPACE = _obj(["type", "name", "tools"], type={"const": "namespace"},
+                   name={**NAME, "maxLength": 63},
+                   tools={"type": "array", "items": {"oneOf": [
+                       {**R_FUNCTION, "required": ["name"],
+                        "properties": {**R_FUNCTION["properties"],
+                                       "name": {**NAME, "maxLength": 64}}},
+                       _obj(["type"], type={"const": "custom"})]}})
+R_HOSTED = _obj(["type"], "a hosted tool: accepted, not offered to the model", type={
+    "type": "string", "not": {"enum": ["function", "namespace"]},
+    "examples": ["web_search", "file_search", "code_interpreter", "custom"]})
+R_CHOICE = _or_null({"oneOf": [{"enum": ["auto", "none", "required"]}, _obj(
+    ["type", "name"], type={"const": "function"}, name=WORD, namespace=_or_null(WORD))],
+    "description": CHOICE})
+
+
+def responses(models: list[str] | None) -> dict:
+    sampling = {k: v for k, v in SAMPLING.items() if k != "max_tokens"}
+    return _obj(
+        ["input"], f"{HISTORY}; {TOOLS}",
+        input={"oneOf": [WORD, {"type": "array", "minItems": 1, "contains": R_COUNTS,
+                                "items": {"oneOf": R_ITEMS}}]},
+        model=model_field(models), instructions=_or_null(TEXT),
+        previous_response_id=_or_null({"type": "string", "description": "a stored response "
+                                       "(else a 404); its history comes before input"}),
+        max_output_tokens=_or_null(_number("max_tokens")), **sampling, **COMMON,
+        tools=_or_null({"type": "array", "items": {"oneOf": [R_FUNCTION, R_NAMESPACE,
+                                                             R_HOSTED]}}),
+        tool_choice=R_CHOICE, parallel_tool_calls=BOOL, store=BOOL,
+        include=_or_null({"type": "array", "items": TEXT}),
+        top_logprobs=_or_null(_number("top_logprobs")), metadata=_or_null(OBJECT),
+        chat_template_kwargs=_or_null(OBJECT),
+        text=_or_null({"type": "object", "properties": {"format": _or_null(
+            {"oneOf": [*FORMAT["oneOf"][:1], _obj(["type", "schema"], type={
+                "const": "json_schema"}, schema=JSON_SCHEMA, name=_or_null(TEXT),
+                strict=BOOL)]})}}),
+        reasoning=_or_null({"type": "object", "properties": {
+            "effort": _or_null({"enum": list(EFFORTS)}),
+            "summary": {"enum": list(SUMMARIES)}}}),
+        background={"enum": [False, None], "description": "background responses are not "
+                    "supported"},
+        conversation={"type": "null", "description": "not supported: use previous_response_id"})
