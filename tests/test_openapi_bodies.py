@@ -1,0 +1,113 @@
+"""The OpenAPI description (``GET /openapi.json``) says what the validators require: a body it
+calls valid is accepted, and the bodies the validators refuse for their shape it calls invalid.
+
+For every operation with a JSON body, the minimal body (required fields only) and random ones are
+drawn from the served description's own schema (tests/schema_bodies.py), checked valid by it
+(jsonschema), kept to the rules it states in words (tool results answer earlier calls, unique
+names, ``tool_choice`` naming a tool), and sent: each must be answered with a 2xx. Nothing is
+excused: ``model`` takes one of the names the description gives as examples (another name is a
+404 it declares: the description cannot know the served names, and tests/test_fuzz_api.py sends
+those), and a ``previous_response_id`` is one the server holds. The import's body is not JSON:
+the description gives it a media type of its own, links it to the export's answer, and the file
+that answer carries, sent as described, is accepted.
+"""
+
+from __future__ import annotations
+
+import random
+
+import httpx
+import pytest
+
+from mlx_kvserver.api.openapi import openapi_spec
+from mlx_kvserver.config import ServerConfig
+from tests.schema_bodies import Document, follow_rules
+from tests.server_utils import running_server
+
+RANDOM = 24  # random bodies per operation
+SPEC = Document(openapi_spec(["m"]))
+JSON_OPS = sorted(p for p, ops in SPEC.spec["paths"].items() if "post" in ops
+                  and SPEC.body_schema(p))
+
+
+@pytest.fixture(scope="module")
+def served(tiny_lm, tmp_path_factory):
+    config = ServerConfig(max_tokens=4, page_size=8, kv_cache_dir=tmp_path_factory.mktemp("kv"))
+    with running_server([tiny_lm], config) as url:
+        base = url.removesuffix("/v1")
+        stored = httpx.post(f"{base}/v1/responses", json={"input": "hi", "max_output_tokens": 2})
+        assert stored.status_code == 200, stored.text
+        yield base, Document(httpx.get(f"{base}/openapi.json").json()), stored.json()["id"]
+
+
+def refusal(base: str, path: str, body: dict) -> tuple | None:
+    r = httpx.post(base + path, json=body, timeout=60)
+    return None if 200 <= r.status_code < 300 else (r.status_code, r.text[:300], body)
+
+
+@pytest.mark.parametrize("path", JSON_OPS)
+def test_bodies_the_description_calls_valid_are_accepted(served, path):
+    base, doc, stored_response = served
+    schema = doc.body_schema(path)
+    minimal = doc.draw(schema, None)
+    assert not doc.errors(schema, minimal)
+    assert refusal(base, path, minimal) is None
+    rng, drawn = random.Random(path), []
+    for _ in range(RANDOM):
+        body = doc.draw(schema, rng)
+        assert not doc.errors(schema, body), (body, doc.errors(schema, body))
+        drawn.append(follow_rules(path, body))
+        if body.get("previous_response_id") is not None:
+            body["previous_response_id"] = stored_response
+        assert not doc.errors(schema, body), (body, doc.errors(schema, body))
+    assert len({repr(b) for b in drawn}) == RANDOM  # the draws differ
+    refused = [why for body in drawn if (why := refusal(base, path, body))]
+    assert not refused, refused
+
+
+def test_the_import_takes_the_file_the_export_link_gives(served):
+    base, doc, _ = served
+    export_path = "/v1/kv_cache/export/{message_id}"
+    link = doc.spec["paths"][export_path]["get"]["responses"]["200"]["links"]["import"]
+    assert link["operationRef"] == "#/paths/~1v1~1kv_cache~1import/post"
+    assert link["requestBody"] == "$response.body"
+    body = doc.resolve({"$ref": link["operationRef"]})["requestBody"]
+    (media,) = body["content"]
+    # Not a type that any bytes are: a generator cannot make this body up, it must follow the link.
+    assert media not in ("application/octet-stream", "*/*") and not media.startswith("text/")
+    chat = httpx.post(f"{base}/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "export me"}], "max_tokens": 2}).json()
+    file = httpx.get(base + export_path.format(message_id=chat["message_id"]))
+    assert file.status_code == 200
+    r = httpx.post(f"{base}/v1/kv_cache/import?message_id=imported", content=file.content,
+                   headers={"Content-Type": media})
+    assert r.status_code == 200 and r.json()["message_id"] == "imported", r.text
+
+
+REFUSED = {  # bodies each API's parser refuses for their shape
+    "/v1/chat/completions": [{}, {"messages": []}, {"messages": [{"role": "tool"}]},
+                             {"messages": [{"role": "tool", "tool_call_id": ""}]},
+                             {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}],
+    "/v1/completions": [{}, {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]},
+                        {"prompt": "a", "suffix": "b"}, {"prompt": [-1]}],
+    "/v1/messages": [{}, {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+                     {"model": "m", "max_tokens": 1, "messages": []},
+                     {"model": "m", "max_tokens": 1, "messages": [{"role": "user"}]},
+                     {"model": "m", "max_tokens": 1, "temperature": 1.5,
+                      "messages": [{"role": "user", "content": "x"}]}],
+    "/v1/messages/count_tokens": [{}, {"messages": [{"role": "user", "content": "x"}]},
+                                  {"model": "m", "messages": [{"role": "tool", "content": "x"}]}],
+    "/v1/responses": [{}, {"input": ""}, {"input": []}, {"input": [{"type": "reasoning"}]},
+                      {"input": [{"role": "assistant", "content": ""}]},
+                      {"input": "x", "background": True}, {"input": "x", "conversation": "c"}],
+}
+
+
+@pytest.mark.parametrize("path", sorted(REFUSED))
+def test_bodies_the_parsers_refuse_the_description_calls_invalid(served, path):
+    assert set(REFUSED) == set(JSON_OPS)
+    schema = SPEC.body_schema(path)
+    for body in REFUSED[path]:
+        assert SPEC.errors(schema, body), body
+        r = httpx.post(served[0] + path, json=body, timeout=60)
+        assert r.status_code == 400, (body, r.text)
