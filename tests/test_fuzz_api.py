@@ -8,7 +8,9 @@ well-formed request per described operation, so every route is reached by constr
 are the same on every run (derandomized). Every answer must be a 2xx, or a 4xx with an
 OpenAI-shaped JSON error, and a status the OpenAPI description declares for the operation the
 request reached (404 or 405 when it reached none); a 200 stream must be well-formed SSE with no
-error in it; a greedy 200 must equal the same request without the cache. Afterwards the server
+error in it; a greedy 200 must equal the same request without the cache; a JSON body that the
+served description calls valid must not be refused for its shape (tests/schema_bodies.py says
+which refusals are not about it). Afterwards the server
 must answer the probe conversation exactly as before, with no page held by a sequence, both
 budgets kept and nothing written outside its cache directory.
 """
@@ -32,6 +34,7 @@ from starlette.routing import Match
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.api.openapi import openapi_spec
 from mlx_kvserver.api.validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
+from tests.schema_bodies import Document, has_lone_surrogate, not_about_shape
 from tests.server_utils import make_engine, running_server
 from tests.test_load import assert_cache_at_rest, skip_fsync
 
@@ -403,6 +406,19 @@ def greedy_twin(http: httpx.Client, base: str, req: dict, r: httpx.Response) -> 
     return 1
 
 
+def described_valid(doc: Document, req: dict, r: httpx.Response) -> int:
+    """A JSON body the description calls valid is not refused for its shape; returns 1 when the
+    request had such a body (lone surrogates are outside JSON text the description speaks of)."""
+    body, path = req.get("json"), req["path"]
+    ops = doc.spec["paths"].get(path, {})
+    schema = doc.body_schema(path) if req["method"] == "POST" and "post" in ops else None
+    if schema is None or not isinstance(body, dict) or has_lone_surrogate(body) \
+            or doc.errors(schema, body):
+        return 0
+    assert 200 <= r.status_code < 300 or not_about_shape(r), (path, body, r.text[:300])
+    return 1
+
+
 def reached(routes, r: httpx.Response) -> tuple[str, str] | int:
     """The described operation a request reached, as the app's router matched it (HEAD is GET's);
     404 or 405 when no route took it."""
@@ -492,6 +508,7 @@ def test_over_a_thousand_generated_requests_get_no_5xx(fuzz_server, tiny_lm):
         "messages": [{"role": "user", "content": "delete me"}], "max_tokens": 2})
     canary_before = tree(tmp_path / "canary")
     spec = http.get(f"{base}/openapi.json").json()
+    doc = Document(spec)
     routes = engine_app(engine).routes
     statuses: Counter = Counter()
     seen: dict = {}
@@ -508,6 +525,7 @@ def test_over_a_thousand_generated_requests_get_no_5xx(fuzz_server, tiny_lm):
         covered.add(req["op"])
         check(req, r, body)
         sent["no-cache twins"] += greedy_twin(http, base, req, r)
+        sent["valid by the description"] += described_valid(doc, req, r)
 
     run = given(req=requests)(one)
     for req in one_per_operation(export_id, victim.json()["message_id"]):
@@ -517,6 +535,7 @@ def test_over_a_thousand_generated_requests_get_no_5xx(fuzz_server, tiny_lm):
     print(f"\nfuzz: {dict(sent)} requests; generated ones answered "
           f"{dict(sorted(statuses.items()))}")
     assert sent["generated"] >= 1000 and sent["no-cache twins"] >= 50
+    assert sent["valid by the description"] >= 200
     assert set(OPERATIONS) <= covered, set(OPERATIONS) - covered
     assert set(OPERATIONS) <= seen.keys(), set(OPERATIONS) - seen.keys()
     assert statuses[200] >= 200 and sum(n for s, n in statuses.items() if s >= 400) >= 200
