@@ -24,7 +24,8 @@ from prometheus_client import (CONTENT_TYPE_LATEST, CollectorRegistry, Counter, 
                                generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .chat.output import Error, Event, ReasoningDelta, TextDelta, ToolCallStart, Usage
+from .chat.output import (Error, Event, ReasoningDelta, TextDelta, ToolCallEnd, ToolCallStart,
+                          Usage)
 
 __all__ = ["CONTENT_TYPE_LATEST", "ChatWatch", "Metrics", "RequestCounter", "route_label"]
 
@@ -39,6 +40,8 @@ PREFIX_ROUTES = (("/static/", "/static/{path}"),
                  ("/v1/kv_cache/", "/v1/kv_cache/{message_id}"))
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 RATE_BUCKETS = (1, 2, 5, 10, 20, 30, 50, 75, 100, 200, 500)
+CALL_PROBLEMS = frozenset({"truncated", "invalid_json", "invalid_markup", "unknown_tool", "schema",
+                           "unparsed", "dropped"})  # a bounded label
 STATS_TIMEOUT_S = 2.0  # a scrape during a long job serves the last snapshot instead of waiting
 
 
@@ -76,6 +79,12 @@ class Metrics:
                               "usage.kv_cache_divergence say where)", ["model"], registry=r)
         self.errors = Counter(P + "generation_errors", "Chat requests that failed after being "
                               "accepted", ["model"], registry=r)
+        self.call_problems = Counter(P + "tool_call_problems", "Tool calls the model wrote "
+                                     "badly, by kind (chat/call_events.py: truncated, "
+                                     "invalid_json, invalid_markup, unknown_tool, schema, "
+                                     "unparsed, dropped)", ["model", "kind"], registry=r)
+        self.reasoning_tokens = Counter(P + "reasoning_tokens", "Generated tokens inside "
+                                        "reasoning", ["model"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "Jobs waiting for the generation worker",
                                  registry=r)
         self.batch_size = Gauge(P + "batch_size", "Sequences the engine is running now",
@@ -130,7 +139,12 @@ class ChatWatch:
                                          else event.text):
                 self.t_first = time.perf_counter()
                 m.ttft.labels(model).observe(self.t_first - self.t0)
+        elif isinstance(event, ToolCallEnd):
+            if event.problem:
+                kind = event.problem.split(":", 1)[0]
+                m.call_problems.labels(model, kind if kind in CALL_PROBLEMS else "other").inc()
         elif isinstance(event, Usage):
+            m.reasoning_tokens.labels(model).inc(event.reasoning_tokens)
             m.prompt_tokens.labels(model).inc(event.prompt_tokens)
             m.cached_tokens.labels(model).inc(event.cached_tokens)
             m.completion_tokens.labels(model).inc(event.completion_tokens)

@@ -21,7 +21,6 @@ from kv_cache import Match, PagedSequence, boundaries
 
 from .chat.conversation import Conversation
 from .chat.output import Delta, Divergence, Event, Finish, TextDelta, TokenLogprob, Usage
-from .chat.parse import OutputParser
 from .chat.render import render
 from .chat.support import chat_support
 from .errors import RequestError
@@ -74,10 +73,11 @@ class Choice:
         self.detok = request.lm.tokenizer.stream_decoder(
             skip_special_tokens=not request.keep_markers)
         self.stops = StopMatcher(conv.sampling.stop)
-        self.parser = OutputParser(request.support.format, index,
-                                   conv.tools if conv.calls_tools else [],
-                                   in_reasoning=request.in_reasoning) \
+        self.parser = request.support.output_parser(
+            index, conv.tools if conv.calls_tools else [], request.in_reasoning,
+            conv.parallel_tool_calls and conv.tool_choice.mode != "function") \
             if request.parse_output else None
+        self.reasoning_tokens = 0
         self.logprobs: list[TokenLogprob] = []
         self._pending_logprobs: list[TokenLogprob] = []
         self.resume: list[int] | None = None  # preempted: tokens to recompute before going on
@@ -103,6 +103,7 @@ class Choice:
             lp = token_logprob(logits, token, r.top_logprobs, r.lm.tokenizer.decode)
             self.logprobs.append(lp)
             self._pending_logprobs.append(lp)
+        thinking = self.parser is not None and self.parser.in_reasoning
         self.text += self.detok.add(token)
         end = len(self.text)
         if self.stops.stops:
@@ -115,7 +116,9 @@ class Choice:
         if end > self.emitted:
             out = self._out(self.text[self.emitted:end])
             self.emitted = end
-        if self.sampler.finished:
+        if thinking or (self.parser is not None and self.parser.in_reasoning):
+            self.reasoning_tokens += 1
+        if self.sampler.finished or (self.parser is not None and self.parser.ended):
             return out + self._finish("stop")
         if len(self.tokens) >= r.max_tokens:
             return out + self._finish("length")
@@ -146,7 +149,7 @@ class Choice:
             out = self._out(self.text[self.emitted:])
             self.emitted = len(self.text)
         if self.parser is not None:
-            out += self._with_logprobs(self.parser.finish())
+            out += self._with_logprobs(self.parser.finish(cut=reason == "length"))
             if self.parser.tool_calls and reason == "stop":
                 self.finish_reason = "tool_calls"
         return out
@@ -158,7 +161,7 @@ class Choice:
                       reasoning=p.reasoning if p else "",
                       tool_calls=tuple(p.tool_calls) if p else (),
                       logprobs=tuple(self.logprobs), stop_sequence=self.stop_sequence,
-                      tokens=len(self.tokens))
+                      tokens=len(self.tokens), reasoning_tokens=self.reasoning_tokens)
 
 
 class Request:
@@ -227,4 +230,5 @@ class Request:
         cached = self.match.tokens if self.match is not None else 0
         return Usage(prompt_tokens=len(self.prompt),
                      completion_tokens=sum(len(c.tokens) for c in self.choices),
-                     cached_tokens=cached, divergence=self.divergence)
+                     cached_tokens=cached, divergence=self.divergence,
+                     reasoning_tokens=sum(c.reasoning_tokens for c in self.choices))

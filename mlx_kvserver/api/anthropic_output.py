@@ -3,31 +3,44 @@ usage, and the whole streaming event sequence (``message_start`` ... ``message_s
 
 from __future__ import annotations
 
+import json
 from typing import AsyncIterator
 
 from ..chat.conversation import ToolCall
-from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta,
+from ..chat.jsonstream import JsonPrefix, as_object
+from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd,
                            ToolCallStart, Usage)
 from .http import anthropic_error_body, job_events, sse
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
-def usage_body(prompt: int, cached: int, output: int, divergence=None) -> dict:
-    """Anthropic's usage (see the module's docstring): input + cache read = the prompt; and
-    this server's ``kv_cache_divergence`` when prompt tokens were read again."""
-    body = {"input_tokens": prompt - cached, "cache_creation_input_tokens": 0,
-            "cache_read_input_tokens": cached, "output_tokens": output}
-    if divergence is not None:
-        body["kv_cache_divergence"] = divergence.as_dict()
+def usage_body(u: Usage) -> dict:
+    """Anthropic's usage: input + cache read = the prompt; ``output_tokens`` includes thinking
+    (as Anthropic counts it). This server's own: ``output_tokens_details.reasoning_tokens`` (of
+    the output, the thinking) and ``kv_cache_divergence`` when prompt tokens were read again."""
+    body = {"input_tokens": u.prompt_tokens - u.cached_tokens, "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": u.cached_tokens, "output_tokens": u.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+    if u.divergence is not None:
+        body["kv_cache_divergence"] = u.divergence.as_dict()
     return body
 
 
 def tool_input(call: ToolCall) -> dict:
-    """A call's ``input`` object (arguments that are not a JSON object come back under
-    ``"arguments"`` as their raw text, never dropped)."""
-    value = call.arguments_object()
-    return value if isinstance(value, dict) else {"arguments": call.arguments}
+    """A call's ``input`` object. Arguments the model wrote badly (not JSON, or cut off) come
+    back as their valid part closed, with the whole text as written under ``"INVALID_JSON"``
+    (the convention of Anthropic's fine-grained tool streaming): never dropped, and never an
+    object that passes for complete."""
+    return as_object(call.arguments)
+
+
+def input_closing(valid: str, written: str) -> str:
+    """What completes a streamed ``input`` whose valid part was ``valid`` (the
+    ``input_json_delta`` text so far) the way :func:`tool_input` does for ``written``."""
+    jp = JsonPrefix(require_object=True)
+    jp.feed(valid)
+    return jp.closing(("INVALID_JSON", written))
 
 
 def stop_of(f: Finish) -> tuple[str, str | None]:
@@ -48,8 +61,7 @@ def message_body(msg_id: str, model: str, f: Finish | None, usage: Usage) -> dic
     reason, sequence = stop_of(f) if f is not None else (None, None)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": model,
             "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
-                                usage.completion_tokens, usage.divergence)}
+            "usage": usage_body(usage)}
 
 
 async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIterator[str]:
@@ -61,6 +73,8 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
     yield sse({"type": "ping"}, event="ping")
     index, kind = -1, None  # the open block: its index and type (None: none open)
     calls: dict[int, int] = {}  # call number -> block index
+    valid: dict[int, str] = {}  # call number -> its input_json_delta text so far
+    written: dict[int, str] = {}  # call number -> its arguments as written
     finish = None
 
     def delta(i: int, d: dict) -> str:
@@ -100,8 +114,18 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
             out += open_({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
             calls[ev.call] = index
         elif isinstance(ev, ToolCallDelta) and ev.arguments:
-            out.append(delta(calls.get(ev.call, index),
-                             {"type": "input_json_delta", "partial_json": ev.arguments}))
+            written[ev.call] = written.get(ev.call, "") + ev.arguments
+            if ev.valid:  # NOTE: what the client accumulates must stay a JSON prefix
+                valid[ev.call] = valid.get(ev.call, "") + ev.arguments
+                out.append(delta(calls.get(ev.call, index),
+                                 {"type": "input_json_delta", "partial_json": ev.arguments}))
+        elif isinstance(ev, ToolCallEnd) and ev.problem and ev.call in calls:
+            text = written.get(ev.call, "")
+            end = "" if isinstance(_loads(text), dict) else \
+                input_closing(valid.get(ev.call, ""), text)
+            if end:
+                out.append(delta(calls[ev.call], {"type": "input_json_delta",
+                                                  "partial_json": end}))
         elif isinstance(ev, Finish):
             finish = ev
             out += close()
@@ -115,7 +139,13 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
     reason, sequence = stop_of(finish) if finish is not None else ("end_turn", None)
     yield sse({"type": "message_delta",
                "delta": {"stop_reason": reason, "stop_sequence": sequence},
-               "usage": usage_body(usage.prompt_tokens, usage.cached_tokens,
-                                   usage.completion_tokens, usage.divergence)},
+               "usage": usage_body(usage)},
                event="message_delta")
     yield sse({"type": "message_stop"}, event="message_stop")
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None

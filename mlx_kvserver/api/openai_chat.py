@@ -207,7 +207,8 @@ def logprobs_body(lps) -> dict:
 def usage_body(u: Usage) -> dict:
     body = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
     if u.divergence is not None:  # this server's: why prompt tokens were read again
         body["kv_cache_divergence"] = u.divergence.as_dict()
     return body

@@ -34,11 +34,14 @@ class Reasoning:
 
 @dataclass(frozen=True)
 class ToolCall:
-    """A call the model made: ``arguments`` is the JSON text of an object."""
+    """A call the model made: ``arguments`` is the JSON text of an object (for a call the model
+    wrote badly, the text as written, and ``problem`` says what is wrong with it:
+    ``chat/call_events.py``)."""
 
     id: str
     name: str
     arguments: str = "{}"
+    problem: str | None = field(default=None, compare=False)
 
     def arguments_object(self) -> Any:
         """The arguments parsed (a dict for well-formed calls; the raw text otherwise)."""

@@ -4,9 +4,10 @@
 vocabulary:
 
 - the tool-call format: mlx-lm's own inference (``mlx_lm.tokenizer_utils._infer_tool_parser``,
-  which names a module of ``mlx_lm/tool_parsers/``), then two patterns of ours: Llama 3.x's bare
-  JSON calls (``llama3_json``, which mlx-lm has no parser for) and hermes-style ``<tool_call>``
-  templates that mlx-lm's test misses (``json_tools``);
+  which names a module of ``mlx_lm/tool_parsers/``), then patterns of ours: Llama 3.x's bare
+  JSON calls (``llama3_json``) and DeepSeek V3's ``<｜tool▁calls▁begin｜>`` (``deepseek_v3``),
+  which mlx-lm has no parser for, and hermes-style ``<tool_call>`` templates that mlx-lm's test
+  misses (``json_tools``). How each is read as it streams: :mod:`.calls`;
 - whether the template renders a tool list (a trial render with a probe tool). A template that
   cannot, or whose call format we cannot parse, gets our documented fallback
   (:mod:`.render`): the tools in the system prompt, calls as ``<tool_call>{json}</tool_call>``.
@@ -14,7 +15,9 @@ vocabulary:
 - the think markers (mlx-lm's ``_infer_thinking``: ``<think>``/``</think>`` and the like in the
   vocabulary, or both named in the template) and the template variable that switches thinking.
 
-gpt-oss's harmony format is not handled: its template gets the fallback.
+gpt-oss's Harmony format (a template that writes ``<|channel|>`` and ``<|message|>``, a
+vocabulary with Harmony's special tokens) is its own format, ``harmony``: messages with headers
+instead of call and think markers, parsed by :mod:`.harmony`, rendered as :mod:`.render` says.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ log = logging.getLogger(__name__)
 
 FALLBACK = "fallback"
 LLAMA3_JSON = "llama3_json"
+HARMONY = "harmony"
+_HARMONY_TOKENS = ("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>",
+                   "<|call|>")
+DEEPSEEK_V3 = "deepseek_v3"
+OWN_MARKERS = {DEEPSEEK_V3: ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")}  # ours, not mlx-lm's
 FALLBACK_START, FALLBACK_END = "<tool_call>", "</tool_call>"
 _JSON_PAYLOAD = ("json_tools", FALLBACK)
 _PROBE = "probe_tool_5f1c"
@@ -40,7 +48,8 @@ class ChatFormat:
     """How one model's chat template renders tools and reasoning, and how its output marks them.
 
     ``tool_parser``: the mlx-lm tool-parser module (``json_tools``, ``qwen3_coder``, ``mistral``,
-    ``pythonic``, ...), ``llama3_json`` (ours) or ``fallback`` (ours: ``<tool_call>`` JSON).
+    ``pythonic``, ...), ``llama3_json`` (ours), ``harmony`` (gpt-oss: no markers here, its own
+    parser) or ``fallback`` (ours: ``<tool_call>`` JSON).
     ``call_start``/``call_end``: the markers around a call (None where there is none: mistral
     has no end, llama3_json no start but the optional ``<|python_tag|>``).
     ``native_tools``: the template renders the tool list, calls and results itself.
@@ -63,6 +72,11 @@ class ChatFormat:
     markers_special: bool = False
 
     @property
+    def harmony(self) -> bool:
+        """gpt-oss's Harmony format (:mod:`.harmony`)."""
+        return self.tool_parser == HARMONY
+
+    @property
     def markers(self) -> tuple[str, ...]:
         """The non-empty markers of this format."""
         return tuple(m for m in (self.call_start, self.call_end, self.think_start, self.think_end)
@@ -73,23 +87,39 @@ def detect(tok: Any) -> ChatFormat:
     """The :class:`ChatFormat` of ``tok`` (a ``ChatTokenizer``: ``.hf``, ``.chat_template``)."""
     hf, tpl = tok.hf, tok.chat_template or ""
     vocab = hf.get_vocab()
+    if "<|channel|>" in tpl and "<|message|>" in tpl and all(t in vocab for t in _HARMONY_TOKENS):
+        fmt = ChatFormat(tool_parser=HARMONY, call_start=None, call_end=None, native_tools=True,
+                         markers_special=_dropped_by_decode(hf, "<|channel|>"))
+        log.info("chat format: %s", fmt)
+        return fmt
     parser = _tool_parser(tpl, vocab)
     native = parser is not None and _renders_tools(hf, tpl)
-    if not native:
-        parser, start, end = FALLBACK, FALLBACK_START, FALLBACK_END
-    elif parser == LLAMA3_JSON:
-        start, end = ("<|python_tag|>" if "<|python_tag|>" in vocab else None), None
-    else:
-        mod = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
-        start, end = mod.tool_call_start or None, mod.tool_call_end or None
-    think_start, think_end = _thinking(hf, tpl)
-    fmt = ChatFormat(tool_parser=parser, call_start=start, call_end=end, native_tools=native,
-                     think_start=think_start, think_end=think_end,
-                     thinking_kwarg=_thinking_kwarg(tpl),
-                     call_payload="json" if parser in _JSON_PAYLOAD else None)
+    fmt = format_for(parser if native else FALLBACK, _thinking(hf, tpl), native=native,
+                     thinking_kwarg=_thinking_kwarg(tpl), python_tag="<|python_tag|>" in vocab)
     fmt = replace(fmt, markers_special=any(_dropped_by_decode(hf, m) for m in fmt.markers))
     log.info("chat format: %s", fmt)
     return fmt
+
+
+def format_for(parser: str, think: tuple[str | None, str | None] | None, *,
+               native: bool = True, thinking_kwarg: str | None = None,
+               python_tag: bool = False) -> ChatFormat:
+    """The :class:`ChatFormat` of tool-call format ``parser`` with think markers ``think``
+    (``markers_special`` is the tokenizer's to say: :func:`detect`)."""
+    if parser == FALLBACK:
+        start, end, native = FALLBACK_START, FALLBACK_END, False
+    elif parser == LLAMA3_JSON:
+        start, end = ("<|python_tag|>" if python_tag else None), None
+    elif parser in OWN_MARKERS:
+        start, end = OWN_MARKERS[parser]
+    else:
+        mod = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+        start, end = mod.tool_call_start or None, mod.tool_call_end or None
+    think_start, think_end = think or (None, None)
+    return ChatFormat(tool_parser=parser, call_start=start, call_end=end, native_tools=native,
+                      think_start=think_start, think_end=think_end,
+                      thinking_kwarg=thinking_kwarg,
+                      call_payload="json" if parser in _JSON_PAYLOAD else None)
 
 
 def _tool_parser(tpl: str, vocab: dict) -> str | None:
@@ -107,6 +137,8 @@ def _tool_parser(tpl: str, vocab: dict) -> str | None:
             return None
     if '"parameters": ' in tpl and "ipython" in tpl:  # Llama 3.1-3.3: bare JSON calls
         return LLAMA3_JSON
+    if "<｜tool▁calls▁begin｜>" in tpl:  # DeepSeek V3 / R1 / V3.1
+        return DEEPSEEK_V3
     if "<tool_call>" in tpl and "</tool_call>" in tpl and "arguments" in tpl:
         return "json_tools"
     return None
@@ -135,6 +167,8 @@ def _thinking(hf: Any, tpl: str) -> tuple[str | None, str | None]:
         start = end = None
     if start is None and "<think>" in tpl and "</think>" in tpl:
         start, end = "<think>", "</think>"
+    if start is None and "[THINK]" in hf.get_vocab() and "[/THINK]" in hf.get_vocab():
+        start, end = "[THINK]", "[/THINK]"  # Magistral, Devstral
     return start, end
 
 

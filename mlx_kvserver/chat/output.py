@@ -66,14 +66,28 @@ class ToolCallStart:
 
 @dataclass(frozen=True)
 class ToolCallDelta:
-    """A fragment of the arguments' JSON text of call ``call``."""
+    """A fragment of the arguments' text of call ``call``, as the model writes it. While
+    ``valid`` the fragments so far are a prefix of a JSON object; a call whose arguments stop
+    being JSON goes on with ``valid`` False fragments (the text as written)."""
 
     index: int
     call: int
     arguments: str
+    valid: bool = True
 
 
-Delta = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallDelta]
+@dataclass(frozen=True)
+class ToolCallEnd:
+    """Call ``call`` is complete (its last delta came before). ``problem``: what was wrong with
+    it (``chat/call_events.py``), None when nothing was. ``call`` is -1 for a call block that
+    held no call (``problem`` says why; its text, if any, went to the answer)."""
+
+    index: int
+    call: int
+    problem: str | None = None
+
+
+Delta = Union[TextDelta, ReasoningDelta, ToolCallStart, ToolCallDelta, ToolCallEnd]
 
 
 @dataclass(frozen=True)
@@ -90,6 +104,7 @@ class Finish:
     logprobs: tuple[TokenLogprob, ...] = ()
     stop_sequence: str | None = None
     tokens: int = 0
+    reasoning_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,6 +129,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     divergence: Divergence | None = None  # why prompt tokens were read again, when they were
+    reasoning_tokens: int = 0  # of the completion tokens, those inside reasoning
 
     @property
     def total_tokens(self) -> int:

@@ -2,75 +2,69 @@
 
 :class:`OutputParser` scans for the format's markers (``<think>``/``</think>``, the call
 markers) and holds back only text that could still be the start of one, as a stop-string matcher
-does. A call's body is parsed when it is complete:
+does. What is inside a call block goes to the format's reader (:mod:`.calls`, :mod:`.xml_calls`),
+which streams each call's name and arguments as the model writes them; :mod:`.call_events` turns
+that into ``ToolCallStart`` / ``ToolCallDelta`` / ``ToolCallEnd`` and checks each call.
 
-- mlx-lm's parser modules (``mlx_lm/tool_parsers/<name>.parse_tool_call(body, tools)``) for every
-  format they cover: json_tools (hermes), qwen3_coder (XML), mistral (``[TOOL_CALLS]``, both the
-  JSON list and ``name[ARGS]{...}``), pythonic, glm47, minimax_m2, kimi, gemma4, ...; what they
-  return is checked and normalised here (a name, arguments that are a JSON object);
-- our own code for our fallback (``<tool_call>`` JSON, through mlx-lm's json_tools parser) and
-  for Llama 3.x's bare ``{"name": ..., "parameters": {...}}`` calls (``llama3_json``: the answer
-  starts with ``{`` or ``<|python_tag|>``, calls separated by ``;``), which mlx-lm has no parser
-  for; and the streaming itself, since mlx-lm's server splits text per token state and parses
-  only after a call's end.
-
-A call is emitted when its body is complete, as ``ToolCallStart`` and one ``ToolCallDelta``
-with all of its arguments (``json.dumps`` of the parsed object, so the deltas of a call equal its
-``ToolCall.arguments``). Formats without an end marker (mistral, llama3_json) emit their calls
-at :meth:`OutputParser.finish`. A body that does not parse is given back as answer text, markers
-included. Whitespace around think blocks and calls is dropped (``<think>\\n...\\n</think>\\n\\n``
-gives the reasoning and the answer without those newlines).
+Formats without an end marker (Mistral's ``[TOOL_CALLS]``, Llama 3.x's bare JSON, which starts
+with ``{`` or ``<|python_tag|>``) end their block at the next marker or at :meth:`finish`.
+Whitespace around think blocks and calls is dropped (``<think>\\n...\\n</think>\\n\\n`` gives the
+reasoning and the answer without those newlines). When the output is cut off (``max_tokens``),
+held text that could only be the start of a marker is dropped: no partial markup reaches the
+answer.
 
 The text fed in must keep the markers: where a marker is a special token
 (``ChatFormat.markers_special``: Mistral's ``[TOOL_CALLS]``, LFM2's ``<|tool_call_start|>``,
 Llama's ``<|python_tag|>``) the caller decodes with special tokens kept. Qwen's ``<think>`` and
-``<tool_call>`` are added tokens that are not special: a plain decode keeps them.
-gpt-oss's harmony format is not parsed.
+``<tool_call>`` are added tokens that are not special: a plain decode keeps them. gpt-oss's
+Harmony format has a parser of its own (:mod:`.harmony`) with the same interface.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-import secrets
-from typing import Any, Callable
+import logging
 
+from .call_events import CallTracker, new_call_id
+from .calls import CallReader, reader_for
 from .conversation import Tool, ToolCall
-from .formats import FALLBACK, LLAMA3_JSON, ChatFormat
-from .output import Delta, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart
+from .formats import LLAMA3_JSON, ChatFormat
+from .output import Delta, ReasoningDelta, TextDelta
 from .render import hf_tool
 
+__all__ = ["OutputParser", "new_call_id"]
+
 _TEXT, _REASONING, _CALL = "text", "reasoning", "call"
-
-
-def new_call_id() -> str:
-    """A fresh tool-call id, ``call_<24 hex digits>``."""
-    return f"call_{secrets.token_hex(12)}"
+# what opens a call even without its block's opener (Qwen3-Coder models leave out <tool_call>)
+BARE_OPENERS = {"qwen3_coder": "<function="}
+log = logging.getLogger("mlx_kvserver.tools")
 
 
 class OutputParser:
     """Splits one choice's output into deltas: feed text as it is decoded, then :meth:`finish`.
 
-    ``tools`` are the offered tools (used to type qwen3_coder's arguments); with none, calls are
-    not looked for and call markers stay text. ``in_reasoning``: the prompt ended inside an open
-    think block, so the output starts as reasoning.
+    ``tools`` are the offered tools (used to type XML formats' arguments and to check calls);
+    with none, calls are not looked for and call markers stay text. ``in_reasoning``: the prompt
+    ended inside an open think block, so the output starts as reasoning. ``parallel`` False: the
+    answer ends after its first call (:attr:`ended`).
     """
 
     def __init__(self, fmt: ChatFormat, index: int, tools: list[Tool],
-                 in_reasoning: bool = False) -> None:
+                 in_reasoning: bool = False, parallel: bool = True) -> None:
         self.fmt, self.index = fmt, index
         self._calls_on = bool(tools) and bool(fmt.call_start or fmt.tool_parser == LLAMA3_JSON)
         self._thinks = bool(fmt.think_start and fmt.think_end)
-        self._parse = _body_parser(fmt, [hf_tool(t) for t in tools])
+        self._hf_tools = [hf_tool(t) for t in tools]
+        self.calls = CallTracker(index, tools, parallel)
         self._state = _REASONING if in_reasoning and self._thinks else _TEXT
         self._buf = ""  # text not yet decided (it could begin a marker)
         self._ws = ""  # whitespace held at the end of the text or reasoning
         self._strip = self._state == _REASONING  # drop the next segment's leading whitespace
+        self._reader: CallReader | None = None
         self._opener = self._body = self._call_ws = ""
+        self._block_calls = 0
         self._bare_json = self._calls_on and fmt.tool_parser == LLAMA3_JSON
         self._text: list[str] = []
         self._reasoning: list[str] = []
-        self._calls: list[ToolCall] = []
 
     @property
     def text(self) -> str:
@@ -83,21 +77,30 @@ class OutputParser:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
-        return list(self._calls)
+        return list(self.calls.calls)
+
+    @property
+    def ended(self) -> bool:
+        """No more output is wanted: a call ended the answer (``parallel`` off, or a repeat)."""
+        return self.calls.ended
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self._state == _REASONING
 
     def feed(self, text: str) -> list[Delta]:
         """Take the next piece of decoded output; return the deltas it completes."""
         out: list[Delta] = []
         self._buf += text
-        while self._buf:
+        while self._buf and not self.ended:
             if self._bare_json and self._state == _TEXT and not self._started():
                 body = self._buf.lstrip()
                 if not body:
                     break  # only whitespace yet: the answer may still start with a call
                 self._bare_json = False
                 if body[0] == "{":
-                    self._call_ws, self._opener = self._buf[:len(self._buf) - len(body)], ""
-                    self._state, self._body, self._buf = _CALL, "", body
+                    self._open_block("", self._buf[:len(self._buf) - len(body)])
+                    self._buf = body
                     continue
             markers = self._markers()
             pos, hit = _first(self._buf, markers)
@@ -111,14 +114,17 @@ class OutputParser:
             self._switch(hit, out)
         return out
 
-    def finish(self) -> list[Delta]:
-        """The output ended: flush what was held back; a call left open is parsed if its body
-        is complete, else given back as text."""
+    def finish(self, cut: bool = False) -> list[Delta]:
+        """The output ended (``cut``: by ``max_tokens``, not by the model): flush what was held
+        back; a call block left open ends there. Held text that can only begin a marker is
+        dropped when the output was cut."""
         out: list[Delta] = []
         buf, self._buf = self._buf, ""
-        self._emit(buf, out)
-        if self._state == _CALL:
-            self._end_call(out, closed=False)
+        if not self.ended:
+            if self._state == _CALL or not cut:
+                self._emit(buf, out)
+            if self._state == _CALL:
+                self._end_block(out, closed=not cut)
         if self._state == _TEXT and self._ws:
             self._add_text(self._ws, out)
         self._ws = ""
@@ -127,32 +133,51 @@ class OutputParser:
     # -- internals --
 
     def _started(self) -> bool:
-        return bool(self._text or self._ws or self._calls)
+        return bool(self._text or self._ws or self.calls.calls)
 
     def _markers(self) -> list[str]:
         f, calls = self.fmt, self._calls_on
         if self._state == _CALL:
             return [f.call_end] if f.call_end else ([f.call_start] if f.call_start else [])
-        ms = [f.think_start if self._state == _TEXT else f.think_end] if self._thinks else []
-        return ms + ([f.call_start] if calls and f.call_start else [])
+        # a think marker of the other kind is a stray one (dropped): a second </think>, a
+        # <think> the model writes after a prompt that opened the block
+        ms = [f.think_start, f.think_end] if self._thinks else []
+        if calls:
+            ms += [m for m in (f.call_start, BARE_OPENERS.get(f.tool_parser)) if m]
+            if self._state == _TEXT and f.call_end:
+                ms.append(f.call_end)  # a stray end of a call block (dropped)
+        return ms
 
     def _switch(self, marker: str, out: list[Delta]) -> None:
         f = self.fmt
         if self._state == _CALL:
-            self._end_call(out, closed=True)
-            if marker == f.call_start and not f.call_end:  # a no-end format's next call
-                self._state, self._opener, self._call_ws = _CALL, marker, ""
+            self._end_block(out, closed=True, marker=marker)
+            if marker == f.call_start and not f.call_end and not self.ended:  # no-end format
+                self._open_block(marker, "")
         elif marker == f.call_start:
-            self._call_ws, self._ws = self._ws, ""
-            self._state, self._opener, self._body = _CALL, marker, ""
-        elif self._state == _TEXT:  # think_start
+            self._open_block(marker, self._ws)
+            self._ws = ""
+        elif marker == BARE_OPENERS.get(f.tool_parser):  # a call without its block's opener
+            self._open_block("", self._ws)
+            self._ws = ""
+            self._emit(marker, out)
+        elif marker == f.think_start and self._state == _TEXT:
             self._state, self._ws, self._strip = _REASONING, "", True
-        else:  # think_end
+        elif marker == f.think_end and self._state == _REASONING:
             self._state, self._ws, self._strip = _TEXT, "", True
+        else:
+            log.info("a stray %r in the output was dropped", marker)
+
+    def _open_block(self, opener: str, ws: str) -> None:
+        self._state, self._opener, self._call_ws, self._body = _CALL, opener, ws, ""
+        self._reader = reader_for(self.fmt.tool_parser, self._hf_tools)
+        self._block_calls = len(self.calls.calls)
 
     def _emit(self, s: str, out: list[Delta]) -> None:
         if self._state == _CALL:
             self._body += s
+            assert self._reader is not None
+            self._deliver(self._reader.feed(s), out)
             return
         if self._strip:
             s = s.lstrip()
@@ -170,27 +195,30 @@ class OutputParser:
         else:
             self._add_text(piece, out)
 
+    def _deliver(self, pieces, out: list[Delta], end: str = "") -> None:
+        deltas, back = self.calls.take(pieces)
+        out += deltas
+        for text in back:  # a block with no call in it: its text, markers included, is answer
+            whole = len(self.calls.calls) == self._block_calls
+            self._add_text((self._call_ws + self._opener + self._body + end) if whole else text,
+                           out)
+            self._call_ws = ""
+
     def _add_text(self, piece: str, out: list[Delta]) -> None:
         self._text.append(piece)
         out.append(TextDelta(self.index, piece))
 
-    def _end_call(self, out: list[Delta], closed: bool) -> None:
-        """The call's body is complete (``closed``: its end marker was seen): emit it."""
-        body, self._body, self._state = self._body, "", _TEXT
-        try:
-            calls = self._parse(body)
-        except Exception:  # noqa: BLE001 - a malformed call is given back, never a crash
-            calls = None
-        if not calls:
-            end = (self.fmt.call_end or "") if closed else ""
-            self._add_text(self._call_ws + self._opener + body + end, out)
-            self._call_ws, self._strip = "", False
-            return
-        for name, args in calls:
-            n, cid = len(self._calls), new_call_id()
-            self._calls.append(ToolCall(cid, name, args))
-            out += [ToolCallStart(self.index, n, cid, name), ToolCallDelta(self.index, n, args)]
-        self._call_ws, self._strip = "", True
+    def _end_block(self, out: list[Delta], closed: bool, marker: str = "") -> None:
+        """The call block ends (``closed``: its text is complete; ``marker``: the end marker
+        that ended it, when one did)."""
+        reader, self._reader = self._reader, None
+        self._state = _TEXT
+        if reader is not None:
+            end = marker if marker and marker == self.fmt.call_end else ""
+            self._deliver(reader.close(closed), out, end)
+        # whitespace after calls is dropped at the answer's start, kept between texts
+        self._call_ws = ""
+        self._strip = len(self.calls.calls) > self._block_calls and not self._text
 
 
 def _first(buf: str, markers: list[str]) -> tuple[int, str | None]:
@@ -211,51 +239,3 @@ def _partial(buf: str, markers: list[str]) -> int:
                 keep = k
                 break
     return keep
-
-
-Parsed = list[tuple[str, str]]  # (name, arguments JSON)
-
-
-def _body_parser(fmt: ChatFormat, tools: list[dict]) -> Callable[[str], Parsed]:
-    if fmt.tool_parser == LLAMA3_JSON:
-        return _llama3_calls
-    name = "json_tools" if fmt.tool_parser == FALLBACK else fmt.tool_parser
-    try:
-        mod = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
-    except ImportError:
-        mod = importlib.import_module("mlx_lm.tool_parsers.json_tools")
-    return lambda body: _normalise(mod.parse_tool_call(body, tools))
-
-
-def _normalise(parsed: Any) -> Parsed:
-    items = parsed if isinstance(parsed, list) else [parsed]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ValueError(f"not a tool call: {item!r}")
-        args = item.get("arguments", item.get("parameters"))
-        if isinstance(args, str):
-            args = json.loads(args) if args.strip() else {}
-        if args is None:
-            args = {}
-        if not isinstance(args, dict):
-            raise ValueError(f"arguments are not an object: {args!r}")
-        calls.append((item["name"], json.dumps(args, ensure_ascii=False)))
-    if not calls:
-        raise ValueError("no tool call")
-    return calls
-
-
-def _llama3_calls(body: str) -> Parsed:
-    """``{"name": ..., "parameters": {...}}`` objects, separated by ``;``."""
-    dec, items, i = json.JSONDecoder(), [], 0
-    while True:
-        while i < len(body) and body[i] in " \t\r\n;":
-            i += 1
-        if i == len(body):
-            break
-        obj, i = dec.raw_decode(body, i)
-        if not isinstance(obj, dict) or not ({"parameters", "arguments"} & obj.keys()):
-            raise ValueError("not a tool call")
-        items.append(obj)
-    return _normalise(items)

@@ -36,18 +36,32 @@ class ChatSupport:
             self._grammars = Grammars(self._tok, self.vocab_size)
         return self._grammars
 
+    def output_parser(self, index: int, tools: list, in_reasoning: bool, parallel: bool):
+        """A parser for the output of choice ``index`` (``tools``: those it may call):
+        :class:`.harmony.HarmonyParser` for gpt-oss's Harmony format, else
+        :class:`.parse.OutputParser`."""
+        if self.format.harmony:
+            from .harmony import HarmonyParser
+            return HarmonyParser(index, tools, in_reasoning=in_reasoning, parallel=parallel)
+        from .parse import OutputParser
+        return OutputParser(self.format, index, tools, in_reasoning=in_reasoning,
+                            parallel=parallel)
+
     def grammar_for(self, conv: Conversation):
         """The grammar that constrains ``conv``'s answer, or None (a 400 when it cannot be
         built: a schema that does not compile, a forced call in a format we cannot force)."""
         choice = conv.tool_choice
         if conv.tools and choice.mode in ("required", "function"):
             f = self.format
+            if f.harmony:  # one call per message: parallel_tool_calls is moot
+                return self.grammars.compile_harmony_call(conv.tools, choice)
             if f.call_payload != "json" or not f.call_start:
                 raise RequestError(400, f"this model's tool-call format ({f.tool_parser}) "
                                    "cannot be forced; use tool_choice 'auto'",
                                    param="tool_choice", code="unsupported_tool_choice")
-            return self.grammars.compile_tool_calls(conv.tools, choice, f.call_start,
-                                                    f.call_end, conv.parallel_tool_calls)
+            return self.grammars.compile_tool_calls(
+                conv.tools, choice, f.call_start, f.call_end,
+                conv.parallel_tool_calls and choice.mode != "function")
         if conv.response_format.type != "text":
             return self.grammars.compile_response_format(conv.response_format)
         return None

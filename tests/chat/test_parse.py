@@ -11,7 +11,8 @@ import pytest
 
 from mlx_kvserver.chat.conversation import Tool, ToolCall
 from mlx_kvserver.chat.formats import ChatFormat, detect
-from mlx_kvserver.chat.output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart
+from mlx_kvserver.chat.output import (ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd,
+                                      ToolCallStart)
 from mlx_kvserver.chat.parse import OutputParser
 from mlx_kvserver.chat.render import fallback_call
 from tests.chat.templates import make_chat_tokenizer
@@ -120,31 +121,83 @@ def test_recorded_outputs(family, text, in_reasoning, expected) -> None:
     assert parse(family, text, in_reasoning=in_reasoning) == expected
 
 
+def run_raw(family: str, text: str, cut: bool, chunks=None):
+    """(text, [(name, arguments as written, problem kind)], problems) of ``text`` fed in
+    ``chunks``, ended by the model (``cut`` False) or by ``max_tokens``."""
+    p = OutputParser(fmt(family), 0, TOOLS)
+    deltas = [d for c in (chunks or [text]) for d in p.feed(c)] + p.finish(cut=cut)
+    for c in range(len(p.tool_calls)):
+        assert "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
+                       and d.call == c) == p.tool_calls[c].arguments
+        valid = "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
+                        and d.call == c and d.valid)
+        assert p.tool_calls[c].arguments.startswith(valid)
+    ends = [d for d in deltas if isinstance(d, ToolCallEnd)]
+    assert [e.problem for e in ends if e.call >= 0] == [c.problem for c in p.tool_calls]
+    calls = [(c.name, c.arguments, c.problem and c.problem.split(":")[0]) for c in p.tool_calls]
+    return p.text, calls, [e.problem.split(":")[0] for e in ends if e.problem]
+
+
+def parse_raw(family: str, text: str, cut: bool = False):
+    results = {repr(run_raw(family, text, cut, c)) for c in chunkings(text)}
+    assert len(results) == 1, results
+    return run_raw(family, text, cut)
+
+
+# (family, output, ended by the model: (text, calls, problems), cut by max_tokens: the same)
 MALFORMED = [
+    # a name and arguments that stop being JSON: the call, its arguments as written
     ("qwen25", 'Before <tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>'
-     " after", 'Before <tool_call>\n{"name": "get_weather", "arguments": {"city": }\n'
-     "</tool_call> after"),
-    ("qwen25", '<tool_call>["not", "a call"]</tool_call>',
-     '<tool_call>["not", "a call"]</tool_call>'),
+     " after", ("Before after", [("get_weather", '{"city": }', "invalid_json")],
+                ["invalid_json"]), None),
     ("qwen25", '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>',
-     '<tool_call>{"name": "get_time", "arguments": [1]}</tool_call>'),
-    ("qwen25", '<tool_call>\n{"name": "get_time", "argu',
-     '<tool_call>\n{"name": "get_time", "argu'),
-    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
-     "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar"),
-    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "argum', '[TOOL_CALLS] [{"name": '
-     '"get_weather", "argum'),
+     ("", [("get_time", "[1]}", "invalid_json")], ["invalid_json"]), None),
+    # no call in a closed block: its text back, markers included
+    ("qwen25", '<tool_call>["not", "a call"]</tool_call>',
+     ('<tool_call>["not", "a call"]</tool_call>', [], ["unparsed"]), None),
+    ("smollm2", "<tool_call>{}</tool_call>", ("<tool_call>{}</tool_call>", [], ["unparsed"]),
+     None),
     ("lfm2", "<|tool_call_start|>[get_weather(city=<|tool_call_end|>",
-     "<|tool_call_start|>[get_weather(city=<|tool_call_end|>"),
-    ("smollm2", "<tool_call>{}</tool_call>", "<tool_call>{}</tool_call>"),
-    ("llama31", '{"name": "get_weather", "parameters": {"ci', '{"name": "get_weather", '
-     '"parameters": {"ci'),
+     ("<|tool_call_start|>[get_weather(city=<|tool_call_end|>", [], ["unparsed"]), None),
+    # ended inside a call: before its name, given back when the model ended it, dropped when
+    # max_tokens cut it (no partial markup); after its name, the call
+    ("qwen25", '<tool_call>\n{"name": "get_time", "argu',
+     ('<tool_call>\n{"name": "get_time", "argu', [], ["unparsed"]), ("", [], ["dropped"])),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "argum',
+     ('[TOOL_CALLS] [{"name": "get_weather", "argum', [], ["unparsed"]),
+     ("", [], ["dropped"])),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nPar",
+     ("", [("get_weather", '{"city": "Par"}', "invalid_markup")], ["invalid_markup"]),
+     ("", [("get_weather", '{"city": "Par', "truncated")], ["truncated"])),
+    ("llama31", '{"name": "get_weather", "parameters": {"ci',
+     ("", [("get_weather", '{"ci', "invalid_json")], ["invalid_json"]),
+     ("", [("get_weather", '{"ci', "truncated")], ["truncated"])),
+    # well-formed, but not what was offered
+    ("qwen25", '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     ("", [("rm_rf", "{}", "unknown_tool")], ["unknown_tool"]), None),
+    ("qwen25", '<tool_call>{"name": "get_weather", "arguments": {"days": "two"}}</tool_call>',
+     ("", [("get_weather", '{"days": "two"}', "schema")], ["schema"]), None),
 ]
 
 
-@pytest.mark.parametrize("family,text,back", MALFORMED)
-def test_malformed_calls_are_given_back_as_text(family, text, back) -> None:
-    assert parse(family, text) == (back, "", [])
+@pytest.mark.parametrize("family,text,ended,cut", MALFORMED)
+def test_malformed_calls(family, text, ended, cut) -> None:
+    assert parse_raw(family, text) == ended
+    assert parse_raw(family, text, cut=True) == (cut or ended)
+
+
+def test_partial_markup_never_reaches_the_answer_when_cut() -> None:
+    for family, text in (("qwen25", 'Sure.\n<tool'), ("qwen3", "Hi <thi"),
+                         ("smollm2", '<tool_call>{"name": "get_time", "arguments": {}}'
+                                     '</tool_call>\n<tool_c')):
+        got, _, _ = parse_raw(family, text, cut=True)
+        assert "<" not in got, (family, got)
+
+
+def test_raw_control_characters_in_strings_are_passed_on_escaped() -> None:
+    text = '<tool_call>{"name": "get_weather", "arguments": {"city": "a\nb"}}</tool_call>'
+    _, calls, problems = parse_raw("qwen25", text)
+    assert calls == [("get_weather", '{"city": "a\\nb"}', None)] and problems == []
 
 
 def test_an_unterminated_but_complete_call_is_parsed() -> None:
@@ -171,14 +224,16 @@ def test_deltas_stream_as_they_come() -> None:
     assert p.feed("<think>\nLet") == [ReasoningDelta(1, "Let")]
     assert p.feed(" me see.\n</think>\n\nIt") == [ReasoningDelta(1, " me see."),
                                                   TextDelta(1, "It")]
-    out = p.feed(' is.\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n'
-                 "</tool_call>")
+    out = p.feed(' is.\n<tool_call>\n{"name": "get_time", "arguments": {"zo')
     assert out[0] == TextDelta(1, " is.")
     start, delta = out[1:]
     assert isinstance(start, ToolCallStart) and (start.index, start.call, start.name) == \
         (1, 0, "get_time")
-    assert delta == ToolCallDelta(1, 0, '{"zone": "UTC"}')
     assert re.fullmatch(r"call_[0-9a-f]{24}", start.id)
+    assert delta == ToolCallDelta(1, 0, '{"zo')  # the arguments as the model writes them
+    assert p.feed('ne": "U') == [ToolCallDelta(1, 0, 'ne": "U')]
+    assert p.feed('TC"') == [ToolCallDelta(1, 0, 'TC"')]
+    assert p.feed("}}\n</tool_call>") == [ToolCallDelta(1, 0, "}"), ToolCallEnd(1, 0, None)]
     assert p.tool_calls == [ToolCall(start.id, "get_time", '{"zone": "UTC"}')]
 
 
@@ -206,3 +261,4 @@ def test_in_reasoning_without_think_markers_is_plain_text() -> None:
 def test_unknown_tool_names_pass_through() -> None:
     text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
     assert parse("qwen25", text) == ("", "", [("rm_rf", {})])
+    assert OutputParser(fmt("qwen25"), 0, TOOLS).tool_calls == []
