@@ -91,7 +91,11 @@ class ChatTokenizer:
         ids = {int(i) for i in eos_token_ids}
         if tokenizer.eos_token_id is not None:
             ids.add(int(tokenizer.eos_token_id))
-        ids.update(vocab[m] for m in _END_MARKERS if m in vocab and m in self.chat_template)
+        # NOTE: in gpt-oss's Harmony format <|end|> ends one message of a turn (its reasoning
+        # before its answer); the turn ends at <|return|> or <|call|>, which its config lists
+        harmony = "<|return|>" in vocab and "<|channel|>" in self.chat_template
+        ids.update(vocab[m] for m in _END_MARKERS if m in vocab and m in self.chat_template
+                   and not (harmony and m == "<|end|>"))
         self.eos_token_ids: set[int] = ids
         self.vocab_size = len(vocab)
         self.pieces = PieceEncoder(tokenizer)  # a history's pieces tokenized once

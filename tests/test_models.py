@@ -113,6 +113,15 @@ def test_chat_tokenizer(tiny: LoadedModel) -> None:
     assert tok.render(msgs, add_generation_prompt=False).endswith("Hi<|im_end|>\n")
 
 
+def test_harmony_ends_its_turn_at_return_and_call_not_at_end() -> None:
+    """gpt-oss writes <|end|> between its reasoning and its answer: not an end token there."""
+    from tests.chat.templates import make_chat_tokenizer
+
+    tok = make_chat_tokenizer("gpt_oss")
+    ends = {tok.hf.convert_ids_to_tokens(i) for i in tok.eos_token_ids}
+    assert ends == {"<|return|>", "<|call|>", "<|endoftext|>"}
+
+
 def stream(tok: ChatTokenizer, ids: list[int]) -> list[str]:
     dec = tok.stream_decoder()
     return [dec.add(i) for i in ids] + [dec.flush()]

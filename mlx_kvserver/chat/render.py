@@ -21,6 +21,14 @@ SmolLM2's ChatML) or whose call format we cannot parse:
   user/assistant alternation keep it, and the models were trained on user turns, not on a
   ``tool`` role that only some templates would print.
 
+gpt-oss's Harmony template (``ChatFormat.harmony``) reads other shapes: the leading system and
+developer messages become one (its first message becomes the developer message's instructions,
+beside the tools), later ones user messages starting with :data:`SYSTEM_PREFIX` (it would drop
+them); the reasoning goes in ``thinking`` (an ``analysis`` message, rendered only before a call
+that no final answer follows yet); an assistant message with calls becomes one message per call
+(it renders only the first), each followed by its result (it names a result after the call just
+before), the text joined to the reasoning (it renders no text beside a call).
+
 System messages after the first stay where they are. A template that raises on them gets them as
 user messages whose text starts with :data:`SYSTEM_PREFIX`; if it still raises (templates that
 enforce alternation), that text is joined to the user message just before it (or after it).
@@ -29,7 +37,8 @@ Rendering is a function of the conversation's content alone (invariant 9): the s
 render to the same text every turn. Whether turn N's prompt is a prefix of turn N+1's is the
 template's doing: ChatML, Qwen2.5 and Qwen3 inside a tool loop keep it; Qwen3 drops the reasoning
 of turns before the last user message; Mistral v0.3 moves the tools and the system prompt to the
-last user message; Llama 3.1 prints today's date.
+last user message; Llama 3.1 and gpt-oss print today's date; gpt-oss drops the analysis once a
+final answer follows, and renders a call's header in another order than the model writes it.
 """
 
 from __future__ import annotations
@@ -74,6 +83,11 @@ def render(tok: Any, fmt: ChatFormat, conv: Conversation) -> Rendered:
         kwargs.setdefault(fmt.thinking_kwarg, conv.thinking)
     msgs = _messages(fmt, conv.messages)
     tools = [hf_tool(t) for t in conv.tools] if conv.tools and fmt.native_tools else None
+    if fmt.harmony:
+        msgs = _harmony(msgs)
+        # its template writes every tool's description: one is always there
+        tools = [{**t, "function": {"description": "", **t["function"]}}
+                 for t in tools] if tools else None
     if not fmt.native_tools:
         msgs = _with_tool_block(_merge_results(msgs), conv.tools)
 
@@ -217,6 +231,42 @@ def _folded(msgs: list[dict], mid: list[int]) -> list[dict]:
             continue
         gone.add(i)
     return [m for i, m in enumerate(out) if i not in gone]
+
+
+def _harmony(msgs: list[dict]) -> list[dict]:
+    """``msgs`` in the shapes gpt-oss's template reads (see the module's doc)."""
+    lead = next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))
+    out = [{"role": "system", "content": "\n\n".join(m["content"] for m in msgs[:lead]
+                                                     if m["content"])}] if lead else []
+    rest = msgs[lead:]
+    i = 0
+    while i < len(rest):
+        m = rest[i]
+        i += 1
+        if m["role"] == "system":
+            out.append({"role": "user", "content": SYSTEM_PREFIX + m["content"]})
+            continue
+        if m["role"] != "assistant":
+            out.append(m)
+            continue
+        reasoning, text = m.get("reasoning_content", ""), m["content"]
+        calls = m.get("tool_calls")
+        if not calls:
+            out.append({"role": "assistant", "content": text,
+                        **({"thinking": reasoning} if reasoning else {})})
+            continue
+        thinking = "\n\n".join(t for t in (reasoning, text) if t)
+        results = []
+        while i < len(rest) and rest[i]["role"] == "tool":
+            results.append(rest[i])
+            i += 1
+        for k, call in enumerate(calls):  # one call a message, each followed by its result
+            out.append({"role": "assistant", "content": "", "tool_calls": [call],
+                        **({"thinking": thinking} if thinking and k == 0 else {})})
+            mine = [r for r in results if r.get("tool_call_id") == call["id"]]
+            out += mine if k < len(calls) - 1 else results
+            results = [r for r in results if r not in mine]
+    return out
 
 
 def _mistral_id(call_id: str) -> str:

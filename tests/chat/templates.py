@@ -3,9 +3,9 @@
 QWEN25 (Qwen2.5-Instruct: hermes ``<tool_call>`` JSON), QWEN3 (Qwen3: ``enable_thinking``,
 ``reasoning_content``, ``<think>``), LLAMA31 (Llama 3.1/3.2: bare JSON calls, ``ipython`` role),
 MISTRAL (Mistral-7B-Instruct-v0.3: ``[TOOL_CALLS]``, 9-character ids, strict alternation),
-SMOLLM2 (the bundled default model's ChatML: no tools), plus short ones for qwen3_coder and
-pythonic detection and a Qwen3 variant that refuses system messages after the first (as
-Qwen3.5/3.6's templates do).
+SMOLLM2 (the bundled default model's ChatML: no tools), GPT_OSS (gpt-oss's Harmony format, in
+:mod:`tests.chat.gpt_oss_template`), plus short ones for qwen3_coder and pythonic detection and a
+Qwen3 variant that refuses system messages after the first (as Qwen3.5/3.6's templates do).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
 from mlx_kvserver.models import ChatTokenizer
+from tests.chat.gpt_oss_template import GPT_OSS
 from tests.tiny_model import make_tiny_tokenizer
 
 QWEN25 = """{%- if tools %}
@@ -400,8 +401,13 @@ _SPECS = {
                         "<|tool_call_start|>", "<|tool_call_end|>"), "<|startoftext|>",
              "<|im_end|>"),
     "smollm2": (SMOLLM2, (), (), None, "<|im_end|>"),
+    # Harmony's special tokens; <|endoftext|> is already one of the tiny tokenizer's
+    "gpt_oss": (GPT_OSS, (), ("<|start|>", "<|end|>", "<|message|>", "<|channel|>",
+                              "<|constrain|>", "<|return|>", "<|call|>"), None, "<|return|>"),
 }
 FAMILIES = tuple(_SPECS)
+# end tokens beside the tokenizer's eos token, as the model's generation_config.json lists them
+EXTRA_EOS = {"gpt_oss": ("<|call|>", "<|endoftext|>")}
 
 
 def make_chat_tokenizer(family: str, template: str | None = None) -> ChatTokenizer:
@@ -413,4 +419,5 @@ def make_chat_tokenizer(family: str, template: str | None = None) -> ChatTokeniz
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     hf = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token=bos, eos_token=eos,
                                  pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)
-    return ChatTokenizer(hf, chat_template=template or tpl)
+    extra = [hf.convert_tokens_to_ids(t) for t in EXTRA_EOS.get(family, ())]
+    return ChatTokenizer(hf, eos_token_ids=extra, chat_template=template or tpl)

@@ -18,6 +18,8 @@ EXPECTED = {
     "lfm2": ("pythonic", "<|tool_call_start|>", "<|tool_call_end|>", True, None, None, None,
              True),
     "smollm2": ("fallback", "<tool_call>", "</tool_call>", False, None, None, "json", False),
+    # Harmony: headers, not markers; its template's `"thinking" in message` switches nothing
+    "gpt_oss": ("harmony", None, None, True, None, None, "json", True),
 }
 
 

@@ -228,3 +228,56 @@ def test_result_names_come_from_their_calls() -> None:
     assert out[2]["tool_calls"] == [{"id": "call_1", "type": "function", "function": {
         "name": "get_weather", "arguments": {"city": "Paris"}}}]
     assert out[2]["reasoning_content"] == "I need the tool."
+
+
+# -- gpt-oss's Harmony template -----------------------------------------------------------------
+
+def test_harmony_system_developer_reasoning_calls_and_results() -> None:
+    msgs = [msg("system", "Be brief."), msg("developer", "Use metric."), *tool_loop()[1:],
+            msg("system", "Late note.")]
+    text = render_family("gpt_oss", msgs, tools=[WEATHER]).text
+    # the leading system and developer messages are the developer message's instructions,
+    # beside the tools; a later one is a user message (the template would drop it)
+    assert ("<|start|>developer<|message|># Instructions\n\nBe brief.\n\nUse metric.\n\n"
+            "# Tools\n\n## functions") in text
+    assert "// Weather of a city\ntype get_weather = (_: {\ncity: string,\n}) => any;" in text
+    assert text.endswith(f"<|start|>user<|message|>{SYSTEM_PREFIX}Late note.<|end|>"
+                         "<|start|>assistant")
+    # the reasoning of a call that no final answer follows yet is its analysis message
+    assert ("<|start|>user<|message|>Weather in Paris?<|end|>"
+            "<|start|>assistant<|channel|>analysis<|message|>I need the tool.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+            '{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"18C"'
+            "<|end|>") in text
+
+
+def test_harmony_drops_the_analysis_once_a_final_answer_follows() -> None:
+    loop = tool_loop()
+    turn1 = render_family("gpt_oss", loop[:2], tools=[WEATHER]).text
+    turn2 = render_family("gpt_oss", loop, tools=[WEATHER]).text
+    assert turn2.startswith(turn1) and "I need the tool." in turn2
+    final = msg("assistant", Reasoning("It says 18C."), "18C.")
+    turn3 = render_family("gpt_oss", loop + [final, msg("user", "Rome?")], tools=[WEATHER]).text
+    assert "I need the tool." not in turn3 and "It says 18C." not in turn3
+    assert "<|start|>assistant<|channel|>final<|message|>18C.<|end|><|start|>user" in turn3
+    assert turn3 == render_family("gpt_oss", loop + [final, msg("user", "Rome?")],
+                                  tools=[WEATHER]).text  # the same history, the same text
+
+
+def test_harmony_one_call_a_message_each_followed_by_its_result() -> None:
+    """The template renders one call per message and names a result after the call before it:
+    two calls become two messages, each followed by its own result, whatever their order; text
+    beside the calls joins the reasoning."""
+    msgs = [msg("user", "Weather and time?"),
+            msg("assistant", Reasoning("Both."), "Checking.", call(),
+                ToolCall("call_2", "get_time", "{}")),
+            msg("tool", ToolResult("call_2", "noon")), msg("tool", ToolResult("call_1", "18C"))]
+    text = render_family("gpt_oss", msgs, tools=[WEATHER, TIME]).text
+    assert ("<|start|>assistant<|channel|>analysis<|message|>Both.\n\nChecking.<|end|>"
+            "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+            '{"city": "Paris"}<|call|><|start|>functions.get_weather to=assistant'
+            '<|channel|>commentary<|message|>"18C"<|end|>'
+            "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}"
+            '<|call|><|start|>functions.get_time to=assistant<|channel|>commentary<|message|>'
+            '"noon"<|end|><|start|>assistant') in text
