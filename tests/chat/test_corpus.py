@@ -61,7 +61,14 @@ def tools_of(sample: dict) -> list[Tool]:
 def run(family: str, sample: dict, chunks: list[str]):
     p = OutputParser(chat_format(family), 0, tools_of(sample),
                      in_reasoning=sample.get("prompt_ends_in_reasoning", False))
-    deltas = [d for c in chunks for d in p.feed(c)] + p.finish()
+    check_deltas(p, [d for c in chunks for d in p.feed(c)] + p.finish())
+    calls = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in p.tool_calls]
+    problems = [c.problem for c in p.tool_calls if c.problem]
+    return {"content": _ws(p.text), "reasoning": _ws(p.reasoning), "tool_calls": calls}, problems
+
+
+def check_deltas(p, deltas: list) -> None:
+    """The deltas of parser ``p`` add up to the text, reasoning and calls it reports."""
     assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == p.text
     assert "".join(d.text for d in deltas if isinstance(d, ReasoningDelta)) == p.reasoning
     starts = [d for d in deltas if isinstance(d, ToolCallStart)]
@@ -69,9 +76,6 @@ def run(family: str, sample: dict, chunks: list[str]):
     for s in starts:
         assert "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
                        and d.call == s.call) == p.tool_calls[s.call].arguments
-    calls = [{"name": c.name, "arguments": json.loads(c.arguments)} for c in p.tool_calls]
-    problems = [c.problem for c in p.tool_calls if c.problem]
-    return {"content": _ws(p.text), "reasoning": _ws(p.reasoning), "tool_calls": calls}, problems
 
 
 def _ws(text: str) -> str:
