@@ -244,40 +244,47 @@ class Grammars:
         with ``parallel``, one or more calls separated by ``"\\n"``. ``choice`` is ``required``
         (any of ``tools``) or ``function`` (the named one). A parameters schema that cannot
         compile is a 400 naming the tool. Compiled grammars are cached by their input."""
-        if choice.mode == "function":
-            chosen = [t for t in tools if t.name == choice.name]
-            if not chosen:
-                raise RequestError(400, f"tool_choice names {choice.name!r}, which is not among "
-                                   "the tools", param="tool_choice")
-        elif choice.mode == "required":
-            chosen = list(tools)
-            if not chosen:
-                raise RequestError(400, "tool_choice 'required' needs at least one tool",
-                                   param="tool_choice")
-        else:
-            raise ValueError(f"tool_choice {choice.mode!r} does not constrain the output")
-        for t in chosen:
-            if not isinstance(t.parameters, dict):
-                raise RequestError(400, f"tool {t.name!r}: parameters must be a JSON Schema "
-                                   "object", param="tools", code="invalid_schema")
+        chosen = _chosen(tools, choice)
         # NOTE: the key keeps property order (it is the order the JSON is generated in)
         key = _canonical(["tools", call_start, call_end, bool(parallel),
                           [[t.name, t.parameters, t.strict] for t in chosen]])
         return self._cached(key, lambda: self._build_tools(chosen, call_start, call_end, parallel))
 
+    def compile_harmony_call(self, tools: list[Tool], choice: ToolChoice) -> Grammar:
+        """gpt-oss's forced call in its Harmony format: an optional analysis message, then one
+        ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{args}`` (after
+        ``<|start|>assistant`` when the analysis came first), args an instance of the tool's
+        parameters; the output ends there with ``<|call|>``, one of the model's end tokens.
+        ``choice`` as for :meth:`compile_tool_calls`."""
+        chosen = _chosen(tools, choice)
+        key = _canonical(["harmony", [[t.name, t.parameters, t.strict] for t in chosen]])
+        return self._cached(key, lambda: self._build_harmony(chosen))
+
     def _build_tools(self, tools: list[Tool], start: str, end: str, parallel: bool) -> Grammar:
-        tok = self._tokenizer("tools")
         rules = []
         for i, t in enumerate(tools):
             head = json.dumps({"name": t.name}, ensure_ascii=False)[:-1] + ', "arguments": '
-            schema = {**(t.parameters or {"type": "object"}),
-                      "x-guidance": _json_options(not t.strict)}
-            rules.append(f"t{i}: {_lark_str(head)} %json {json.dumps(schema)} \"}}\"")
+            rules.append(f"t{i}: {_lark_str(head)} {_json_rule(t)} \"}}\"")
         body = " | ".join(f"t{i}" for i in range(len(tools)))
         call = " ".join(p for p in (self._lark_text(start), f"({body})", self._lark_text(end)) if p)
         more = ' ("\\n" call)*' if parallel else ""
-        lark = "\n".join([f"start: call{more}", f"call: {call}", *rules])
-        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark(lark), log_level=0)
+        return self._tool_grammar(tools, [f"start: call{more}", f"call: {call}", *rules])
+
+    def _build_harmony(self, tools: list[Tool]) -> Grammar:
+        self._tokenizer("tools")  # the special tokens are known from here on
+        text = self._lark_text
+        rules = [f"t{i}: {text(f'<|channel|>commentary to=functions.{t.name} <|constrain|>json')}"
+                 f" {text('<|message|>')} {_json_rule(t)}" for i, t in enumerate(tools)]
+        return self._tool_grammar(tools, [
+            "start: analysis? call",
+            f"analysis: {text('<|channel|>analysis<|message|>')} ANALYSIS "
+            f"{text('<|end|><|start|>assistant')}",
+            "ANALYSIS: /(?s:.*)/",  # any text: special tokens are not text
+            "call: " + " | ".join(f"t{i}" for i in range(len(tools))), *rules])
+
+    def _tool_grammar(self, tools: list[Tool], lines: list[str]) -> Grammar:
+        tok = self._tokenizer("tools")
+        m = llg.LLMatcher(tok, llg.LLMatcher.grammar_from_lark("\n".join(lines)), log_level=0)
         if m.is_error():
             raise self._tool_error(tools, _brief(m.get_error()))
         return Grammar(self, m, "tool_calls")
@@ -321,6 +328,34 @@ class Grammars:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return g
+
+
+def _chosen(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
+    """The tools ``choice`` (``required`` or ``function``) lets the output call; a 400 when
+    there are none or a schema is not an object."""
+    if choice.mode == "function":
+        chosen = [t for t in tools if t.name == choice.name]
+        if not chosen:
+            raise RequestError(400, f"tool_choice names {choice.name!r}, which is not among "
+                               "the tools", param="tool_choice")
+    elif choice.mode == "required":
+        chosen = list(tools)
+        if not chosen:
+            raise RequestError(400, "tool_choice 'required' needs at least one tool",
+                               param="tool_choice")
+    else:
+        raise ValueError(f"tool_choice {choice.mode!r} does not constrain the output")
+    for t in chosen:
+        if not isinstance(t.parameters, dict):
+            raise RequestError(400, f"tool {t.name!r}: parameters must be a JSON Schema "
+                               "object", param="tools", code="invalid_schema")
+    return chosen
+
+
+def _json_rule(t: Tool) -> str:
+    """A Lark ``%json`` rule for ``t``'s arguments, in the canonical layout."""
+    schema = {**(t.parameters or {"type": "object"}), "x-guidance": _json_options(not t.strict)}
+    return f"%json {json.dumps(schema)}"
 
 
 def _canonical(obj: Any) -> str:

@@ -354,3 +354,63 @@ def test_apply_rows_masks_each_row_of_a_batch(grammars: Grammars) -> None:
     first = {grammars.tok.decode([int(i)], skip_special_tokens=False)[:1]
              for i in np.flatnonzero(np.isfinite(np.array(out[2].astype(mx.float32))))}
     assert first == {"["}
+
+
+# -- gpt-oss's Harmony --------------------------------------------------------------------------
+
+HARMONY_CALL = re.compile(r"(?:<\|channel\|>analysis<\|message\|>.*?<\|end\|><\|start\|>assistant)?"
+                          r"<\|channel\|>commentary to=functions\.(\w+) <\|constrain\|>json"
+                          r"<\|message\|>(.*)", re.S)
+
+
+@pytest.fixture(scope="module")
+def harmony() -> Grammars:
+    from tests.chat.templates import make_chat_tokenizer
+    tok = make_chat_tokenizer("gpt_oss")
+    g = Grammars(tok, tok.vocab_size + EXTRA)
+    _bonus(g)[tok.hf.get_vocab()["<|end|>"]] = 6.0  # the random walk's analysis ends soon
+    return g
+
+
+@pytest.mark.parametrize("choice", [ToolChoice("required"), ToolChoice("function", "TodoWrite")])
+def test_harmony_forced_call_is_one_call_in_the_models_own_shape(harmony: Grammars,
+                                                                 choice: ToolChoice) -> None:
+    """An optional analysis, then one call with arguments that fit, ending where <|call|> (an
+    end token) is the only thing allowed; what the parser reads back is that call."""
+    from mlx_kvserver.chat.harmony import HarmonyParser
+
+    ts = tools()
+    params = {t.name: t.parameters for t in ts}
+    analysed = 0
+    for seed in range(4):
+        text = walk(harmony, harmony.compile_harmony_call(ts, choice), seed)
+        m = HARMONY_CALL.fullmatch(text)
+        assert m, text
+        name, args = m.group(1), json.loads(m.group(2))
+        assert name == (choice.name or name) and name in params
+        validate(args, params[name])
+        analysed += text.startswith("<|channel|>analysis")
+        p = HarmonyParser(0, ts)
+        p.feed(text)
+        p.finish()
+        assert [(c.name, json.loads(c.arguments), c.problem) for c in p.tool_calls] == \
+            [(name, args, None)]
+    assert 0 < analysed < 4  # both ways were taken
+    assert harmony.compile_harmony_call(ts, choice) is harmony.compile_harmony_call(ts, choice)
+
+
+def test_harmony_grammar_takes_the_special_tokens(harmony: Grammars) -> None:
+    ts = [Tool("f", parameters={"type": "object", "properties": {"a": {"type": "boolean"}},
+                                "required": ["a"], "additionalProperties": False})]
+    vocab = harmony.tok.hf.get_vocab()
+    m = harmony.compile_harmony_call(ts, ToolChoice("required")).matcher()
+    assert np.flatnonzero(m.mask()).tolist() == [vocab["<|channel|>"]]
+    for t in harmony.tok.encode("<|channel|>analysis<|message|>a < b<|end|>"):
+        m.advance(t)
+    assert np.flatnonzero(m.mask()).tolist() == [vocab["<|start|>"]]
+    for t in harmony.tok.encode("<|start|>assistant<|channel|>commentary to=functions.f "
+                                '<|constrain|>json<|message|>{"a": true}'):
+        m.advance(t)
+    assert m.finished and m.accepting
+    assert np.flatnonzero(m.mask()).tolist() == sorted(harmony.eos_ids)  # <|call|> among them
+    m.advance(vocab["<|call|>"])
