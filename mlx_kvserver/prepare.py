@@ -2,9 +2,11 @@
 
 Some chat templates render an answer one way while it is the newest message and another way once
 the conversation moves on: Qwen3-style thinking templates drop the reasoning of answers before
-the last user message. The tokens the engine holds for that answer (reasoning included) are then
-not a prefix of the next turn's prompt, and the next turn would read the whole answer again, and
-everything after it on every later turn of a thinking model.
+the last user message; gpt-oss's Harmony template drops the analysis once a final answer
+follows, and writes a call's header otherwise than the model does. The tokens the engine holds
+for that answer (reasoning included) are then not a prefix of the next turn's prompt, and the
+next turn would read the whole answer again, and everything after it on every later turn of a
+thinking model.
 
 After such an answer, :func:`next_turn_tokens` renders the history as the next turn will render
 it (the answer followed by a placeholder message of the kind that comes next: a user message, or
@@ -43,7 +45,9 @@ def next_turn_tokens(request, finish: Finish, held: list[int]) -> list[int] | No
     ``held`` (the prompt and answer the engine holds); None when nothing needs preparing."""
     conv, lm = request.conversation, request.lm
     fmt = request.support.format
-    if not fmt.think_start or not finish.reasoning or conv.prompt is not None:
+    # what the template renders otherwise next turn: reasoning; Harmony's call headers too
+    changed = finish.reasoning or (fmt.harmony and finish.tool_calls)
+    if conv.prompt is not None or not (fmt.think_start or fmt.harmony) or not changed:
         return None
     answer = Message("assistant", [Reasoning(finish.reasoning)] +
                      ([Text(finish.text)] if finish.text else []) + list(finish.tool_calls))

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import openai
 import pytest
 
-from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, ToolCall,
+from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, Tool, ToolCall,
                                             ToolResult)
 from mlx_kvserver.chat.output import Finish
 from mlx_kvserver.chat.render import render
@@ -97,3 +97,48 @@ def test_after_tool_calls_the_next_turn_is_rendered_with_a_tool_result(qwen3):
     assert full[:len(tokens)] == tokens
     assert len(full) - len(tokens) <= len(tok.encode("found it\n</tool_response><|im_end|>\n"
                                                     "<|im_start|>assistant\n<think>\n")) + 2
+
+
+def _harmony_next_turn(answer_text: str, finish: Finish):
+    """(prepared tokens, the next turn's prompt tokens) after gpt-oss wrote ``answer_text``."""
+    from tests.chat.templates import make_chat_tokenizer
+
+    tok = make_chat_tokenizer("gpt_oss")
+    support = chat_support(SimpleNamespace(tokenizer=tok, model=None, chat=None))
+    weather = Tool("get_weather", "Weather", {"type": "object", "properties": {}})
+    conv = Conversation(messages=[Message("user", [Text("Weather in Paris?")])], tools=[weather])
+    request = SimpleNamespace(conversation=conv, lm=SimpleNamespace(tokenizer=tok),
+                              support=support)
+    prompt = tok.encode(render(tok, support.format, conv).text)
+    tokens = next_turn_tokens(request, finish, prompt + tok.encode(answer_text))
+    answer = Message("assistant", ([Reasoning(finish.reasoning)] if finish.reasoning else []) +
+                     ([Text(finish.text)] if finish.text else []) + list(finish.tool_calls))
+    nxt = Message("tool", [ToolResult("c1", "18C")]) if finish.tool_calls else \
+        Message("user", [Text("Thanks")])
+    later = Conversation(messages=[*conv.messages, answer, nxt], tools=conv.tools)
+    return tokens, tok.encode(render(tok, support.format, later).text)
+
+
+@pytest.mark.parametrize("reasoning", ["", "Need the tool."])
+def test_harmony_call_is_prepared_in_the_templates_shape(reasoning: str) -> None:
+    """gpt-oss writes a call's recipient after its channel; its template renders it before:
+    the next turn is prepared even with no reasoning to drop."""
+    call = ToolCall("c1", "get_weather", '{"city": "Paris"}')
+    analysis = f"<|channel|>analysis<|message|>{reasoning}<|end|><|start|>assistant" \
+        if reasoning else ""
+    text = (analysis + '<|channel|>commentary to=functions.get_weather <|constrain|>json'
+            '<|message|>{"city": "Paris"}')
+    tokens, full = _harmony_next_turn(text, Finish(0, "tool_calls", "m1", "", reasoning,
+                                                   tool_calls=(call,)))
+    assert tokens is not None and full[:len(tokens)] == tokens
+    assert len(full) - len(tokens) <= 12  # the result's message, not the history
+
+
+def test_harmony_final_answer_drops_its_analysis_next_turn() -> None:
+    text = ("<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final"
+            "<|message|>Sunny.")
+    tokens, full = _harmony_next_turn(text, Finish(0, "stop", "m1", "Sunny.", "Easy."))
+    assert tokens is not None and full[:len(tokens)] == tokens
+    # with no reasoning and no call the answer renders as the model wrote it: nothing to do
+    plain = "<|channel|>final<|message|>Sunny."
+    assert _harmony_next_turn(plain, Finish(0, "stop", "m1", "Sunny."))[0] is None
