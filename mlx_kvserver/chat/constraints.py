@@ -202,10 +202,13 @@ class Grammars:
                                   if i < self.tokenizer_vocab and self._ll_tok.is_special_token(i)}
             return self._ll_tok
 
-    def compile_response_format(self, fmt: ResponseFormat) -> Grammar | None:
+    def compile_response_format(self, fmt: ResponseFormat,
+                                harmony: bool = False) -> Grammar | None:
         """The grammar of ``fmt`` (None for ``text``): ``json_object`` is any JSON object,
         ``json_schema`` an instance of ``fmt.schema`` (keywords that cannot be enforced are
-        refused when ``fmt.strict``, ignored otherwise). A bad schema is a 400 that says why."""
+        refused when ``fmt.strict``, ignored otherwise). A bad schema is a 400 that says why.
+        ``harmony``: gpt-oss's answer, an optional analysis message and then the JSON as its
+        final message (``<|channel|>final<|message|>{...}``)."""
         if fmt.type == "text":
             return None
         if fmt.type == "json_object":
@@ -218,7 +221,8 @@ class Grammars:
         else:
             raise RequestError(400, f"unknown response_format type {fmt.type!r}",
                                param="response_format")
-        key = _canonical(["format", fmt.type, schema, fmt.strict])
+        key = _canonical(["format", fmt.type, schema, fmt.strict] + (["harmony"] if harmony
+                                                                      else []))
 
         def build() -> Grammar:
             tok = self._tokenizer("response_format")
@@ -228,6 +232,11 @@ class Grammars:
             except ValueError as e:
                 raise RequestError(400, f"response_format schema: {e}", param="response_format",
                                    code="invalid_schema") from None
+            if harmony:
+                rule = {**schema, "x-guidance": _json_options(not fmt.strict)}
+                final = self._lark_text("<|channel|>final<|message|>")
+                text = llg.LLMatcher.grammar_from_lark("\n".join(self._harmony_lines(
+                    [f"{final} %json {json.dumps(rule)}"])))
             m = llg.LLMatcher(tok, text, log_level=0)
             if m.is_error():
                 raise RequestError(400, "response_format schema cannot be used: "
@@ -273,14 +282,20 @@ class Grammars:
     def _build_harmony(self, tools: list[Tool]) -> Grammar:
         self._tokenizer("tools")  # the special tokens are known from here on
         text = self._lark_text
-        rules = [f"t{i}: {text(f'<|channel|>commentary to=functions.{t.name} <|constrain|>json')}"
-                 f" {text('<|message|>')} {_json_rule(t)}" for i, t in enumerate(tools)]
-        return self._tool_grammar(tools, [
-            "start: analysis? call",
-            f"analysis: {text('<|channel|>analysis<|message|>')} ANALYSIS "
-            f"{text('<|end|><|start|>assistant')}",
-            "ANALYSIS: /(?s:.*)/",  # any text: special tokens are not text
-            "call: " + " | ".join(f"t{i}" for i in range(len(tools))), *rules])
+        return self._tool_grammar(tools, self._harmony_lines(
+            [text(f'<|channel|>commentary to=functions.{t.name} <|constrain|>json<|message|>')
+             + f" {_json_rule(t)}" for t in tools]))
+
+    def _harmony_lines(self, answers: list[str]) -> list[str]:
+        """Lark for gpt-oss's Harmony: an optional analysis message, then one of ``answers``
+        (a message after its header's ``<|start|>assistant``)."""
+        text = self._lark_text
+        return ["start: analysis? answer",
+                f"analysis: {text('<|channel|>analysis<|message|>')} ANALYSIS "
+                f"{text('<|end|><|start|>assistant')}",
+                "ANALYSIS: /(?s:.*)/",  # any text: special tokens are not text
+                "answer: " + " | ".join(f"a{i}" for i in range(len(answers))),
+                *(f"a{i}: {a}" for i, a in enumerate(answers))]
 
     def _tool_grammar(self, tools: list[Tool], lines: list[str]) -> Grammar:
         tok = self._tokenizer("tools")

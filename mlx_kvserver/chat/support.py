@@ -63,7 +63,8 @@ class ChatSupport:
                 conv.tools, choice, f.call_start, f.call_end,
                 conv.parallel_tool_calls and choice.mode != "function")
         if conv.response_format.type != "text":
-            return self.grammars.compile_response_format(conv.response_format)
+            return self.grammars.compile_response_format(conv.response_format,
+                                                         harmony=self.format.harmony)
         return None
 
 

@@ -414,3 +414,23 @@ def test_harmony_grammar_takes_the_special_tokens(harmony: Grammars) -> None:
     assert m.finished and m.accepting
     assert np.flatnonzero(m.mask()).tolist() == sorted(harmony.eos_ids)  # <|call|> among them
     m.advance(vocab["<|call|>"])
+
+
+def test_harmony_json_answer_is_the_final_message(harmony: Grammars) -> None:
+    """response_format for gpt-oss: its header and an optional analysis, then the JSON as the
+    final message, which the parser reads as the answer."""
+    from mlx_kvserver.chat.harmony import HarmonyParser
+
+    schema = SCHEMAS["nested"]
+    grammar = harmony.compile_response_format(ResponseFormat("json_schema", schema=schema),
+                                              harmony=True)
+    assert grammar is not harmony.compile_response_format(ResponseFormat("json_schema",
+                                                                         schema=schema))
+    for seed in range(3):
+        text = walk(harmony, grammar, seed)
+        assert re.fullmatch(r"(<\|channel\|>analysis<\|message\|>.*?<\|end\|><\|start\|>"
+                            r"assistant)?<\|channel\|>final<\|message\|>\{.*\}", text, re.S), text
+        p = HarmonyParser(0, [])
+        p.feed(text)
+        p.finish()
+        validate(json.loads(p.text), schema)
