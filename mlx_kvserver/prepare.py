@@ -45,9 +45,7 @@ def next_turn_tokens(request, finish: Finish, held: list[int]) -> list[int] | No
     ``held`` (the prompt and answer the engine holds); None when nothing needs preparing."""
     conv, lm = request.conversation, request.lm
     fmt = request.support.format
-    # what the template renders otherwise next turn: reasoning; Harmony's call headers too
-    changed = finish.reasoning or (fmt.harmony and finish.tool_calls)
-    if conv.prompt is not None or not (fmt.think_start or fmt.harmony) or not changed:
+    if conv.prompt is not None or not _may_change(fmt, conv.messages, finish):
         return None
     answer = Message("assistant", [Reasoning(finish.reasoning)] +
                      ([Text(finish.text)] if finish.text else []) + list(finish.tool_calls))
@@ -70,6 +68,18 @@ def next_turn_tokens(request, finish: Finish, held: list[int]) -> list[int] | No
     if n == len(tokens):
         return None  # the held tokens already begin the next turn
     return tokens
+
+
+def _may_change(fmt, messages: list[Message], finish: Finish) -> bool:
+    """Whether the template may render this turn otherwise next turn: a thinking template drops
+    reasoning; gpt-oss's drops the analysis of the turn's calls once a final answer follows,
+    and writes a call's header otherwise than the model does."""
+    if fmt.harmony:
+        if finish.reasoning or finish.tool_calls:
+            return True
+        last_user = max((i for i, m in enumerate(messages) if m.role == "user"), default=-1)
+        return any(m.reasoning for m in messages[last_user + 1:])
+    return bool(fmt.think_start and finish.reasoning)
 
 
 @dataclass

@@ -4,6 +4,7 @@ idle, so it reads only its new message (and answers exactly as without the cache
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import openai
@@ -142,3 +143,27 @@ def test_harmony_final_answer_drops_its_analysis_next_turn() -> None:
     # with no reasoning and no call the answer renders as the model wrote it: nothing to do
     plain = "<|channel|>final<|message|>Sunny."
     assert _harmony_next_turn(plain, Finish(0, "stop", "m1", "Sunny."))[0] is None
+
+
+def test_harmony_final_answer_after_a_call_drops_the_calls_analysis() -> None:
+    """A final answer with no reasoning of its own, after a call whose analysis the prompt
+    held: the next turn leaves that analysis out, so it is prepared."""
+    from tests.chat.templates import make_chat_tokenizer
+
+    tok = make_chat_tokenizer("gpt_oss")
+    support = chat_support(SimpleNamespace(tokenizer=tok, model=None, chat=None))
+    call = ToolCall("c1", "get_weather", '{"city": "Paris"}')
+    conv = Conversation(messages=[Message("user", [Text("Weather?")]),
+                                  Message("assistant", [Reasoning("Need the tool."), call]),
+                                  Message("tool", [ToolResult("c1", "18C")])])
+    request = SimpleNamespace(conversation=conv, lm=SimpleNamespace(tokenizer=tok),
+                              support=support)
+    prompt = tok.encode(render(tok, support.format, conv).text)
+    finish = Finish(0, "stop", "m1", "18C.")
+    tokens = next_turn_tokens(request, finish, prompt + tok.encode(
+        "<|channel|>final<|message|>18C."))
+    later = replace(conv, messages=[*conv.messages, Message("assistant", [Text("18C.")]),
+                                    Message("user", [Text("Thanks")])])
+    full = tok.encode(render(tok, support.format, later).text)
+    assert tokens is not None and full[:len(tokens)] == tokens
+    assert "Need the tool." not in tok.decode(tokens)
