@@ -78,6 +78,27 @@ def test_reasoning_is_returned_apart_from_the_answer(client, qwen3, server):
     assert "".join(pieces) == reasoning
 
 
+def test_reasoning_tokens_are_counted_in_every_api(client, qwen3, server):
+    """The template opens a think block and the model never closes it in 6 tokens: all 6 are
+    reasoning, in chat's, Responses' and Anthropic's usage; a model without one counts 0."""
+    r = client.chat.completions.create(model=qwen3.name, messages=HI, max_tokens=6,
+                                       temperature=0)
+    assert r.usage.completion_tokens == 6
+    assert r.usage.completion_tokens_details.reasoning_tokens == 6
+    resp = httpx.post(f"{server}/responses", timeout=60, json={
+        "model": qwen3.name, "input": HI[0]["content"], "max_output_tokens": 6,
+        "temperature": 0}).json()
+    assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 6
+    assert [i["type"] for i in resp["output"]][:1] == ["reasoning"]
+    msg = httpx.post(f"{server.removesuffix('/v1')}/v1/messages", timeout=60, json={
+        "model": qwen3.name, "max_tokens": 6, "messages": HI}).json()
+    assert msg["usage"]["output_tokens"] == 6
+    assert msg["usage"]["output_tokens_details"]["reasoning_tokens"] == 6
+    plain = client.chat.completions.create(model=qwen3.name, messages=HI, max_tokens=6,
+                                           temperature=0, reasoning_effort="none")
+    assert plain.usage.completion_tokens_details.reasoning_tokens == 0
+
+
 def test_thinking_switch_changes_the_rendered_prompt(client, qwen3):
     on = client.chat.completions.create(model=qwen3.name, messages=HI, max_tokens=1)
     off = client.chat.completions.create(model=qwen3.name, messages=HI, max_tokens=1,
