@@ -4,7 +4,7 @@ A user (the server) opens one model's cache with ``open_cache`` and works throug
 ``CacheManager`` it returns (``start`` a sequence for a prompt, ``save`` it under a key, ``keep``
 it resident, ``report`` and ``describe`` for stats, ``share_prefixes`` once the model is known to
 batch) and the names below (the runner's ``forward``/``install``/``batch_caches`` around a
-forward pass; ``with_kv_bits`` for pages in bits; ``check_store_url`` for ``--kv-store``); ``pages/``, ``model/`` and ``tiers/`` are the library's own layers.
+forward pass; ``with_kv_bits`` for pages in bits; ``check_store_url`` for ``--kv-store``); ``layout/``, ``pages/``, ``model/`` and ``tiers/`` are the library's own layers.
 """
 
 from kv_cache.errors import FormatError, OutOfBlocksError
@@ -12,10 +12,10 @@ from kv_cache.manager import CacheManager, Match
 from kv_cache.model.attention import forward, install
 from kv_cache.model.batch import batch_caches, finish_batch
 from kv_cache.model.sequence import PagedSequence
-from kv_cache.model.spec import CacheSpec, spec_of_model
+from kv_cache.layout.spec import CacheSpec, with_kv_bits
+from kv_cache.model.spec_reader import spec_of_model
 from kv_cache.model.state_points import boundaries
 from kv_cache.opening import check_store_url, open_cache
-from kv_cache.pages.quant import with_kv_bits
 from kv_cache.tiers.disk import atomic_fs
 from kv_cache.tokens import common_prefix
 from kv_cache.transfer import TransferError, export_entry, export_key, import_entry

@@ -33,38 +33,12 @@ from kv_cache.pages.pool import PagePool
 from kv_cache.queries import Queries
 from kv_cache.restore import Restore
 from kv_cache.tiers.base import FoundPrefix, StoredEntry, Tier
+from kv_cache.entries import Entry, Match
 from kv_cache.model.sequence import PagedSequence, Snapshot
 from kv_cache.model.state_points import PointEntries
 from kv_cache.tokens import common_prefix
 
 log = logging.getLogger("kv_cache.manager")
-
-
-@dataclass(slots=True)
-class Entry:
-    key: str
-    tokens: tuple[int, ...]
-    tables: list[list[int | None]]  # per cache group; None: a page no window at the end reads
-    state: Snapshot | None = None  # recurrent state after ``tokens``
-
-    @property
-    def blocks(self) -> list[int | None]:
-        """Group 0's pages."""
-        return self.tables[0] if self.tables else []
-
-
-@dataclass(slots=True)
-class Match:
-    tokens: int  # prompt tokens whose keys and values are reused
-    tables: list[list[int | None]]
-    source: str  # "entry:<key>", "disk:<key>", "prefix", "disk-prefix" or "none"
-    stored: StoredEntry | None = None
-    state: Snapshot | None = None
-    found: FoundPrefix | None = None  # a prefix the disk's files hold, found by its content
-
-    @property
-    def blocks(self) -> list[int | None]:
-        return self.tables[0] if self.tables else []
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 
 from kv_cache.manager import CacheManager
-from kv_cache.model.spec import CacheSpec
+from kv_cache.layout.spec import CacheSpec
 from kv_cache.pages.pool import PagePool
 from kv_cache.tiers.disk.file_format import Geometry
 from kv_cache.tiers.disk.store import DiskStore

@@ -17,7 +17,7 @@ import mlx.core as mx
 from kv_cache.tiers.base import PageRecord, host_array
 
 if TYPE_CHECKING:
-    from kv_cache.manager import Entry
+    from kv_cache.entries import Entry
 
 log = logging.getLogger("kv_cache.manager")
 

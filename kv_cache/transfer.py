@@ -16,7 +16,8 @@ from pathlib import Path
 import mlx.core as mx
 
 from kv_cache.errors import FormatError
-from kv_cache.manager import CacheManager, Entry
+from kv_cache.entries import Entry
+from kv_cache.manager import CacheManager
 from kv_cache.model.sequence import PagedSequence
 from kv_cache.tiers.disk.file_format import read_header
 

@@ -45,7 +45,7 @@ from mlx_lm.models.cache import BatchKVCache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_cache.pages.quant import KVQuant  # noqa: E402
+from kv_cache.layout.quant import KVQuant  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -195,7 +195,7 @@ def _setup(lm, bits: int | None, root: Path | None):
     """A manager and runner for ``bits`` as the engine sets them up (disk under ``root``)."""
     from kv_cache.model.attention import PrefixViews
     from kv_cache.opening import open_cache
-    from kv_cache.pages.quant import with_kv_bits
+    from kv_cache.layout.spec import with_kv_bits
     from mlx_kvserver.runner import Runner
 
     spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, bits)

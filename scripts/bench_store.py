@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench_ttft import QUESTIONS, Server, ask, conversation, document, free_port  # noqa: E402
 
-from kv_cache.model.spec import CacheSpec  # noqa: E402
+from kv_cache.layout.spec import CacheSpec  # noqa: E402
 from kv_cache.pages.hashing import chain_hashes  # noqa: E402
 from kv_cache.tiers.base import PageRecord  # noqa: E402
 from kv_cache.tiers.disk.file_format import Geometry  # noqa: E402

@@ -1,28 +1,37 @@
 """The layers' import rules, read from the source (docs/ARCHITECTURE.md, "Layers").
 
 ``kv_cache`` never imports the server; the server uses the library through its package root
-only (``from kv_cache import ...``); inside the library nothing imports a layer above its own:
-pages know the cache's description (``model/spec.py``, ``model/kinds.py``) and nothing else of
-the model side; the model side knows pages; the tiers know pages and the description; the
-manager and its parts at the top know everything. Imports under ``if TYPE_CHECKING:`` are
-annotations, not dependencies, and are not counted.
+only (``from kv_cache import ...``); inside the library nothing imports a layer above its own,
+floor by floor: ``layout/`` (the cache's description: kinds of layer, a page's geometry and
+codec) knows only the base; ``pages/`` knows the layout; ``model/`` knows pages; ``tiers/`` know
+pages and the layout; the manager and its parts at the top know everything. Relative imports
+count, and so does the package root (``from kv_cache import ...`` inside the library is an
+import of the top). Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and
+are not counted.
 """
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DESCRIPTION = {"kv_cache.model.spec", "kv_cache.model.kinds"}
 BASE = {"kv_cache.errors", "kv_cache.tokens"}
 
 
-def _imports(path: Path) -> list[tuple[int, str]]:
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
     """(line, module) of every import in ``path`` outside ``if TYPE_CHECKING:`` blocks, with
-    ``from pkg import mod`` counted as ``pkg.mod`` where ``pkg.mod`` is a module here."""
+    ``from pkg import mod`` counted as ``pkg.mod`` where ``pkg.mod`` is a module here, and
+    relative imports resolved against ``module`` (the file's own module name)."""
+    module = module if module is not None else _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
     skip: set[int] = set()
     for node in ast.walk(tree):
@@ -34,48 +43,54 @@ def _imports(path: Path) -> list[tuple[int, str]]:
             continue
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parts = parts[:len(parts) - (node.level - 1)]
+                base = ".".join(parts + ([base] if base else []))
             for a in node.names:
-                sub = f"{node.module}.{a.name}"
+                sub = f"{base}.{a.name}"
                 as_module = (ROOT / (sub.replace(".", "/") + ".py")).exists() or \
                     (ROOT / sub.replace(".", "/")).is_dir()
-                out.append((node.lineno, sub if as_module else node.module))
+                out.append((node.lineno, sub if as_module else base))
     return out
 
 
 def _layer(module: str) -> str:
     if module in BASE:
         return "base"
-    if module in DESCRIPTION:
-        return "description"
     parts = module.split(".")
-    if len(parts) > 2 and parts[1] in ("pages", "model", "tiers"):
+    if len(parts) > 2 and parts[1] in ("layout", "pages", "model", "tiers"):
         return parts[1]
-    return "top"
+    return "top"  # the package root (``import kv_cache``) is the top too: it names everything
 
 
 ALLOWED = {  # layer -> the layers it may import
     "base": {"base"},
-    "description": {"base", "description", "pages"},  # kinds/spec name a page codec (pages/quant.py)
-    "pages": {"base", "description", "pages"},
-    "model": {"base", "description", "pages", "model"},
-    "tiers": {"base", "description", "pages", "tiers"},
-    "top": {"base", "description", "pages", "model", "tiers", "top"},
+    "layout": {"base", "layout"},  # the cache's description: kinds, a page's geometry and codec
+    "pages": {"base", "layout", "pages"},
+    "model": {"base", "layout", "pages", "model"},
+    "tiers": {"base", "layout", "pages", "tiers"},
+    "top": {"base", "layout", "pages", "model", "tiers", "top"},
 }
 
 
 def _files(package: str) -> list[Path]:
-    return sorted((ROOT / package).rglob("*.py"))
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files, f"no Python files under {package}/: the rules would check nothing"
+    return files
 
 
 @pytest.mark.parametrize("path", _files("kv_cache"), ids=lambda p: str(p.relative_to(ROOT)))
 def test_kv_cache_imports_only_its_own_layer_and_below(path):
-    module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+    module = _module_of(path)
     here = _layer(module)
     bad = [(line, m) for line, m in _imports(path)
            if m.startswith("mlx_kvserver")
-           or (m.startswith("kv_cache.") and _layer(m) not in ALLOWED[here]
-               and not module.startswith(m + "."))]  # a package's own __init__ is no layer
+           or ((m == "kv_cache" or m.startswith("kv_cache.")) and _layer(m) not in ALLOWED[here]
+               and not (m != "kv_cache" and module.startswith(m + ".")))]  # a package's own
+    # __init__ (kv_cache.pages for kv_cache.pages.pool) is no layer; the root is the top
     assert not bad, f"{module} ({here}) imports above its layer: {bad}"
 
 
@@ -93,9 +108,20 @@ def _root_names() -> set[str]:
 
 
 def test_the_rules_see_a_violation(tmp_path):
-    """The checks above read real imports (not an empty list that passes anything)."""
+    """The checks above read real imports (not an empty list that passes anything): absolute,
+    relative (resolved against the file's module) and the package root."""
     src = tmp_path / "x.py"
     src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import mlx_kvserver\n"
-                   "from kv_cache.manager import CacheManager\nimport mlx_kvserver.engine\n")
-    assert _imports(src) == [(1, "typing"), (4, "kv_cache.manager"), (5, "mlx_kvserver.engine")]
+                   "from kv_cache.manager import CacheManager\nimport mlx_kvserver.engine\n"
+                   "from ..manager import Match\nfrom . import pool\nfrom kv_cache import forward\n")
+    assert _imports(src, "kv_cache.pages.x") == [
+        (1, "typing"), (4, "kv_cache.manager"), (5, "mlx_kvserver.engine"), (6, "kv_cache.manager"),
+        (7, "kv_cache.pages.pool"), (8, "kv_cache")]
     assert _layer("kv_cache.manager") == "top" and "top" not in ALLOWED["pages"]
+    assert _layer("kv_cache") == "top" and _layer("kv_cache.layout.spec") == "layout"
+
+
+def test_an_empty_tree_fails(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    with pytest.raises(AssertionError, match="no Python files"):
+        _files("kv_cache")

@@ -109,7 +109,7 @@ def damage(client, name: bytes, kind: str, page: bytes) -> bytes:
     elif kind == "truncated":
         bad = value[: len(value) - 100]
     else:  # another model's value (or another format's: the same check) under this key
-        from kv_cache.model.spec import CacheSpec
+        from kv_cache.layout.spec import CacheSpec
         import mlx.core as mx
 
         other = Geometry("other-model", 8, CacheSpec.plain(2, 2, 16, mx.float32))

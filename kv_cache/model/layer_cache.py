@@ -24,8 +24,8 @@ import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
 from kv_cache.model.attention import Reads, fetched
-from kv_cache.model.kinds import FullAttention, PagedKind, SlidingWindow
-from kv_cache.pages.quant import KVQuant
+from kv_cache.layout.kinds import FullAttention, PagedKind, SlidingWindow
+from kv_cache.layout.quant import KVQuant
 
 
 class PagedLayerCache:

@@ -1,7 +1,7 @@
 """Writing a sequence's new positions into its pages (``PagedSequence.commit``), one cache group
 at a time, and releasing the pages a group no longer reads.
 
-A group's kind (``kv_cache.model.kinds``) says from which position its pages are kept: for a
+A group's kind (``kv_cache.layout.kinds``) says from which position its pages are kept: for a
 sliding window, positions before the window at the end of the commit get no page at all, and a
 page the window reads again after a trim is written again from the buffer.
 """

@@ -31,7 +31,7 @@ from typing import Callable, Iterable, Sequence
 
 import mlx.core as mx
 
-from kv_cache.model.spec import CacheSpec
+from kv_cache.layout.spec import CacheSpec
 
 K = 8  # snapshots a prompt takes at most (its first boundary and its last K - 1)
 PREFIX = "\x00state:"  # NOTE: client message ids hold no control character (invariant 7)

@@ -1,7 +1,7 @@
 """The page pool: the one owner of every page, its ref count (invariant 2) and its place in the
 byte budget.
 
-A page belongs to one group of the model's cache spec (``kv_cache.model.spec``) and holds
+A page belongs to one group of the model's cache spec (``kv_cache.layout.spec``) and holds
 ``page_size`` token positions of keys and values for every layer of that group. The pool's parts:
 ``storage.py`` keeps the pages' data, ``sealing.py`` seals full pages and finds them by content
 through the prefix index (``prefix_index.py``), ``holders.py`` counts each page's holds by kind of
@@ -26,21 +26,11 @@ from kv_cache.errors import InvalidBlockError, OutOfBlocksError
 from kv_cache.pages.eviction import EvictionPolicy, make_policy
 from kv_cache.pages.hashing import root_hash
 from kv_cache.pages.holders import SEQUENCE, Holders
+from kv_cache.pages.meta import PageMeta
 from kv_cache.pages.prefix_index import PrefixIndex
 from kv_cache.pages.sealing import Sealing
 from kv_cache.pages.storage import PageStorage
-from kv_cache.model.spec import CacheSpec, GroupSpec
-
-
-@dataclass(slots=True)
-class PageMeta:
-    ref_count: int = 0
-    sealed: bool = False
-    tokens: tuple[int, ...] = ()
-    hash: bytes | None = None  # chained content hash, set when sealed
-    parent: bytes | None = None  # hash of the page before it (the root hash for the first)
-    indexed: bool = False  # entered in the prefix index (False only on a hash collision)
-    group: int = 0  # the cache spec's group whose layers the page holds
+from kv_cache.layout.spec import CacheSpec, GroupSpec
 
 
 @dataclass(frozen=True, slots=True)

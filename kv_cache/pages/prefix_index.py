@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence
 from kv_cache.pages.hashing import chain_hashes
 
 if TYPE_CHECKING:
-    from kv_cache.pages.pool import PageMeta
+    from kv_cache.pages.meta import PageMeta
 
 
 class PrefixIndex:

@@ -15,7 +15,7 @@ import mlx.core as mx
 from kv_cache.pages.hashing import page_hash
 
 if TYPE_CHECKING:
-    from kv_cache.pages.pool import PageMeta
+    from kv_cache.pages.meta import PageMeta
 
 
 class Sealing:

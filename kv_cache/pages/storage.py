@@ -16,7 +16,7 @@ from kv_cache.errors import InvalidBlockError
 from kv_cache.pages.runs import PageRuns
 
 if TYPE_CHECKING:
-    from kv_cache.model.spec import GroupSpec
+    from kv_cache.layout.spec import GroupSpec
 
 
 class PageStorage:

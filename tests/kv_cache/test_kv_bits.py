@@ -11,9 +11,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache
 
-from kv_cache.model.spec import CacheSpec
+from kv_cache.layout.spec import CacheSpec
 from kv_cache.opening import open_cache
-from kv_cache.pages.quant import make_quant, with_kv_bits
+from kv_cache.layout.quant import make_quant
+from kv_cache.layout.spec import with_kv_bits
 from kv_cache.transfer import TransferError, export_entry, import_entry
 from tests.tiny_model import make_tiny_model
 

@@ -10,7 +10,7 @@ import pytest
 
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.manager import CacheManager
-from kv_cache.model.spec import spec_of_model
+from kv_cache.model.spec_reader import spec_of_model
 from kv_cache.pages.holders import ENTRY, RESIDENT, SEQUENCE
 from kv_cache.pages.pool import PagePool
 from tests.tiny_families import make_tiny_family_model

@@ -8,7 +8,7 @@ The header's ``__metadata__`` (strings only) says what the file is and for which
     format          "mlx-kvcache-page", "mlx-kvcache-tail" or "mlx-kvcache-entry"
     format_version  FORMAT_VERSION ("4")
     fingerprint, page_size
-    cache_spec      the model's cache spec as canonical JSON (``kv_cache.model.spec``): its paged groups
+    cache_spec      the model's cache spec as canonical JSON (``kv_cache.layout.spec``): its paged groups
                     (kind, layers, heads, head size, dtype, window) and recurrent-state slots
     tokens          JSON list of token ids
     page:   group, hash, parent (hex; hash == page_hash(parent, tokens), in that group's chain);
@@ -60,7 +60,7 @@ import numpy as np
 import xxhash
 
 from kv_cache.errors import ForeignError, FormatError  # noqa: F401 - the format's errors
-from kv_cache.model.spec import CacheSpec
+from kv_cache.layout.spec import CacheSpec
 from kv_cache.pages.hashing import chain_hashes, page_hash, root_hash
 from kv_cache.tiers.disk.framing import Header, encode
 from kv_cache.tiers.disk.framing import read_header  # noqa: F401 - reads a file's header
@@ -76,7 +76,7 @@ DTYPES: dict[str, tuple[mx.Dtype, str, np.dtype]] = {
     "float16": (mx.float16, "F16", np.dtype("<f2")),
     "bfloat16": (mx.bfloat16, "BF16", np.dtype("<u2")),  # numpy has no bf16: raw 16-bit words
     "float32": (mx.float32, "F32", np.dtype("<f4")),
-    "uint32": (mx.uint32, "U32", np.dtype("<u4")),  # pages in bits (kv_cache.pages.quant)
+    "uint32": (mx.uint32, "U32", np.dtype("<u4")),  # pages in bits (kv_cache.layout.quant)
 }
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 _UINT = re.compile(r"[0-9]{1,9}")

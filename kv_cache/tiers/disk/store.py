@@ -44,7 +44,7 @@ import mlx.core as mx
 import numpy as np
 
 from kv_cache.errors import FormatError
-from kv_cache.model.spec import CacheSpec
+from kv_cache.layout.spec import CacheSpec
 from kv_cache.pages.eviction import make_policy
 from kv_cache.tiers.base import FoundPrefix, LoadedEntry, PageRecord, StoredEntry
 from kv_cache.tiers.disk import atomic_fs as afs

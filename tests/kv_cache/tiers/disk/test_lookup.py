@@ -17,7 +17,7 @@ from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.pages.hashing import chain_hashes, root_hash
 from kv_cache.manager import CacheManager
 from kv_cache.pages.pool import PagePool
-from kv_cache.model.spec import spec_of_model
+from kv_cache.model.spec_reader import spec_of_model
 from tests.kv_cache.test_manager import pool_for, run, store_for
 from tests.kv_cache.model.test_sequence_groups import PROMPT, greedy
 from tests.kv_cache.model.test_sequence_groups import run as run_chunks

@@ -24,15 +24,11 @@ is exactness on every backend, since nothing depends on how a kernel rounds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlx.core as mx
-
-if TYPE_CHECKING:
-    from kv_cache.model.spec import CacheSpec
 
 QuantizedKV = tuple[mx.array, mx.array, mx.array]  # packed codes, scales, biases
 
@@ -233,17 +229,3 @@ class KVQuant:
 def make_quant(bits: int | None, group_size: int = 64) -> KVQuant | None:
     """The codec for ``--kv-bits`` (None or 0: pages at the model's precision)."""
     return KVQuant(bits, group_size) if bits else None
-
-
-def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | None,
-                 group_size: int = 64) -> tuple[CacheSpec, str]:
-    """A model's cache spec and fingerprint with its pages in ``bits`` (unchanged without).
-
-    NOTE: the setting enters the fingerprint, so pages of two settings never mix: their chain
-    hashes, disk directory, store keys and exports all differ, and each is a clean miss (not a
-    foreign file, removed) for the other."""
-    quant = make_quant(bits, group_size)
-    if quant is None:
-        return spec, fingerprint
-    blob = json.dumps([fingerprint, quant.describe()], sort_keys=True).encode()
-    return spec.with_quant(quant), hashlib.sha256(blob).hexdigest()

@@ -1,4 +1,5 @@
-"""Cache specs: the one place where the shape of a model's cache is defined.
+"""Cache specs: the one place where the shape of a model's cache is defined (read off a model by
+``kv_cache.model.spec_reader``).
 
 A model's cache is a list of slots, one per layer that keeps a cache (what mlx-lm's
 ``make_prompt_cache`` returns). Each slot is one of:
@@ -9,26 +10,27 @@ A model's cache is a list of slots, one per layer that keeps a cache (what mlx-l
 - recurrent state (``ArraysCache``: conv and SSM / gated-delta states): a few fixed-size arrays
   that summarise everything so far; not paged, snapshotted where a chat may resume.
 
-Kinds of layer, and every rule that depends on them, are ``kv_cache.model.kinds``. Paged slots
+Kinds of layer, and every rule that depends on them, are ``kv_cache.layout.kinds``. Paged slots
 with the same kind (a window's size included), head count, head size and dtype form a *group*;
 a page of a group holds ``page_size`` positions of every layer in it, stored as one array
 ``[layers, 2, kv_heads, n, head_dim]``. Groups have their own pages, hash chains and block tables
 (vLLM's ``KVCacheSpec`` / ``KVCacheGroupSpec`` are the model for this split).
 
-Any other cache type (``CacheList``, quantized or chunked caches, a rotating cache that keeps a
-prefix) is refused with an error naming the model type and the layer, when the model loads.
+This floor is below the pages: a page's geometry (its group's shape and dtype, and with
+``--kv-bits`` its codec, ``kv_cache.layout.quant``) is what the pool needs to hold it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Sequence
 
 import mlx.core as mx
 
-from kv_cache.pages.quant import KVQuant
-from kv_cache.model.kinds import FULL, STATE, PagedKind, RecurrentState, SlidingWindow, paged_kind
+from kv_cache.layout.kinds import FULL, STATE, PagedKind, RecurrentState, paged_kind
+from kv_cache.layout.quant import KVQuant, make_quant
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -94,7 +96,7 @@ class GroupSpec:
         return kv if self.quant is None else self.quant.encode(kv)
 
     def decode(self, page: mx.array) -> mx.array:
-        """A stored page's values (exact: see ``kv_cache.pages.quant``)."""
+        """A stored page's values (exact: see ``kv_cache.layout.quant``)."""
         return page if self.quant is None else self.quant.decode(page, self.mx_dtype)
 
 
@@ -179,67 +181,15 @@ class CacheSpec:
         return cls(int(d["num_slots"]), groups, states)
 
 
-_SUPPORTED = ("KVCache", "RotatingKVCache", "ArraysCache")
+def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | None,
+                 group_size: int = 64) -> tuple[CacheSpec, str]:
+    """A model's cache spec and fingerprint with its pages in ``bits`` (unchanged without).
 
-
-def check_cache_types(caches: Sequence[Any], model_type: str = "model") -> None:
-    """``UnsupportedCacheError`` naming the model type and the first layer whose cache is not
-    one this library pages or snapshots (checked before any forward pass)."""
-    for i, c in enumerate(caches):
-        name = type(c).__name__
-        if name not in _SUPPORTED or type(c).__module__ != "mlx_lm.models.cache":
-            raise UnsupportedCacheError(
-                f"{model_type}: layer {i} keeps a {name}, which this server cannot page or "
-                "snapshot (supported: KVCache, RotatingKVCache without keep, ArraysCache)")
-        if name == "RotatingKVCache" and c.keep:
-            raise UnsupportedCacheError(
-                f"{model_type}: layer {i} is a sliding-window cache that keeps its first "
-                f"{c.keep} positions; not supported")
-
-
-def spec_from_caches(caches: Sequence[Any], model_type: str = "model") -> CacheSpec:
-    """The spec of ``caches``, mlx-lm cache objects after a one-token forward pass."""
-    from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
-
-    check_cache_types(caches, model_type)
-    paged: dict[tuple, list[int]] = {}
-    states: list[StateSpec] = []
-    for i, c in enumerate(caches):
-        kind = type(c)
-        if kind is KVCache or kind is RotatingKVCache:
-            if c.keys is None:
-                raise UnsupportedCacheError(f"{model_type}: layer {i} stored no keys in a forward "
-                                            "pass")
-            k, v = c.keys, c.values
-            if k.shape[1] != v.shape[1] or k.shape[3] != v.shape[3]:
-                raise UnsupportedCacheError(
-                    f"{model_type}: layer {i} has keys {tuple(k.shape)} and values "
-                    f"{tuple(v.shape)} of different shapes; not supported")
-            window = c.max_size if kind is RotatingKVCache else 0
-            key = (SlidingWindow(window) if window else FULL, int(k.shape[1]), int(k.shape[3]),
-                   dtype_name(k.dtype))
-            paged.setdefault(key, []).append(i)
-        elif kind is ArraysCache:
-            arrays = list(c.cache)
-            if any(a is None for a in arrays):
-                raise UnsupportedCacheError(f"{model_type}: layer {i} left part of its recurrent "
-                                            "state empty after a forward pass")
-            states.append(StateSpec(i, tuple(tuple(int(d) for d in a.shape) for a in arrays),
-                                    tuple(str(a.dtype).split(".")[-1] for a in arrays)))
-    groups = tuple(GroupSpec(kind, tuple(layers), heads, dim, dt)
-                   for (kind, heads, dim, dt), layers in
-                   sorted(paged.items(), key=lambda kv: kv[1][0]))
-    return CacheSpec(len(caches), groups, tuple(states))
-
-
-def spec_of_model(model: Any, model_type: str | None = None) -> CacheSpec:
-    """Read a model's cache spec off its own cache after a one-token forward pass."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    model_type = str(model_type or getattr(getattr(model, "args", None), "model_type", None)
-                     or type(model).__module__.rsplit(".", 1)[-1])
-    caches = make_prompt_cache(model)
-    check_cache_types(caches, model_type)
-    model(mx.array([[0]]), cache=caches)
-    mx.eval([getattr(c, "keys", None) for c in caches if getattr(c, "keys", None) is not None])
-    return spec_from_caches(caches, model_type)
+    NOTE: the setting enters the fingerprint, so pages of two settings never mix: their chain
+    hashes, disk directory, store keys and exports all differ, and each is a clean miss (not a
+    foreign file, removed) for the other."""
+    quant = make_quant(bits, group_size)
+    if quant is None:
+        return spec, fingerprint
+    blob = json.dumps([fingerprint, quant.describe()], sort_keys=True).encode()
+    return spec.with_quant(quant), hashlib.sha256(blob).hexdigest()

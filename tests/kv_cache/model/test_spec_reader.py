@@ -1,25 +1,16 @@
-"""kv_cache/spec.py: cache specs read off each family's own caches, JSON round trips, and a clear
-load-time error for caches the server cannot page or snapshot."""
+"""kv_cache/model/spec_reader.py: cache specs read off each family's own caches, JSON round trips,
+and a clear load-time error for caches the server cannot page or snapshot."""
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKVCache
 
-from kv_cache.model.kinds import FULL, STATE, SlidingWindow
-from kv_cache.model.spec import (CacheSpec, GroupSpec, UnsupportedCacheError, spec_from_caches,
-                                 spec_of_model)
+from kv_cache.layout.kinds import FULL, STATE, SlidingWindow
+from kv_cache.layout.spec import CacheSpec, GroupSpec, UnsupportedCacheError
+from kv_cache.model.spec_reader import spec_from_caches, spec_of_model
 from mlx_kvserver.models import resolve_and_load
 from tests.tiny_families import SLIDING_WINDOW, make_tiny_family_dir, make_tiny_family_model
 from tests.tiny_model import make_tiny_model, make_tiny_model_dir
-
-
-def test_plain_spec_is_one_full_group():
-    spec = CacheSpec.plain(3, 2, 8, mx.float16)
-    assert spec.groups == (GroupSpec(FULL, (0, 1, 2), 2, 8, "float16"),)
-    assert spec.states == () and not spec.has_state and not spec.has_window
-    assert spec.groups[0].page_bytes(4) == 3 * 2 * 2 * 4 * 8 * 2
-    assert spec.groups[0].shape(5) == (3, 2, 2, 5, 8)
-    assert spec.groups[0].window == 0 and spec.groups[0].kind.reads_all
 
 
 def test_llama_spec():

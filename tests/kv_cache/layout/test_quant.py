@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kv_cache.pages.quant import KVQuant, make_quant
+from kv_cache.layout.quant import KVQuant, make_quant
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 SETTINGS = [(8, 64), (8, 32), (4, 64), (4, 32), (4, 128), (8, 128)]

@@ -3,7 +3,7 @@
 Every rule that depends on the kind of a layer group lives here, once: the callers (the
 sequence, the manager, restoring, the disk lookup, export) ask the group's kind object instead
 of comparing kind names. A kind is a small frozen value; its ``name`` (and a window's size) is
-what the cache spec's canonical JSON records (``kv_cache.model.spec``).
+what the cache spec's canonical JSON records (``kv_cache.layout.spec``).
 
 - ``FullAttention``: a query reads every earlier position, so every page from the first is
   needed, kept, and can be shared through a prefix view (``kv_cache.model.attention``).
