@@ -17,6 +17,8 @@ its :class:`End` (with a problem, when there was one). A block may hold several 
   JSON as it streams.
 - :class:`WholeReader`: every other mlx-lm format (pythonic, ...), parsed when the block ends.
 
+:func:`.readers.reader_for` picks the reader of a format.
+
 A reader never raises: what it cannot read is an :class:`End` with a problem, or
 :class:`Unparsed` (a closed block with no call in it: its text goes back to the answer), or
 :class:`Dropped` (a block cut off by ``max_tokens`` before a name: nothing to call).
@@ -254,8 +256,8 @@ def _json_string(raw: str) -> str:
 
 # -- the formats --------------------------------------------------------------------------------
 
-_JNAME = r'"name"\s*:\s*"(?P<jname>(?:[^"\\]|\\.)*)"'
-HERMES_HEAD = r"\s*\{\s*" + _JNAME + r'\s*,\s*"arguments"\s*:\s*'
+JNAME = r'"name"\s*:\s*"(?P<jname>(?:[^"\\]|\\.)*)"'
+HERMES_HEAD = r"\s*\{\s*" + JNAME + r'\s*,\s*"arguments"\s*:\s*'
 OBJECT_TAIL = r"\s*\}"
 
 
@@ -304,42 +306,12 @@ def json_objects(body: str) -> list[tuple[str, Any]]:
     return normalise(items)
 
 
-def reader_for(parser: str, tools: list[dict]) -> CallReader:
-    """A fresh reader for one block of format ``parser`` (a :class:`.formats.ChatFormat`'s
-    ``tool_parser``); ``tools`` in Hugging Face's shape (XML formats type values by them)."""
-    from .xml_calls import Gemma4Reader, XmlCallsReader, XML_FORMATS
-
-    if parser in ("fallback", "json_tools"):
-        return JsonCallsReader(HERMES_HEAD, OBJECT_TAIL, json_objects)
-    if parser == "llama3_json":
-        head = r"\s*;?\s*\{\s*" + _JNAME + r'\s*,\s*"(?:parameters|arguments)"\s*:\s*'
-        return JsonCallsReader(head, OBJECT_TAIL, json_objects, multi=True, rest=r"[\s;]*")
-    if parser == "mistral":
-        return MistralReader(tools)
-    if parser == "kimi_k2":
-        head = (r"\s*<\|tool_call_begin\|>\s*(?:functions\.)?(?P<name>[^:<]+?)(?::\d+)?\s*"
-                r"<\|tool_call_argument_begin\|>\s*")
-        return JsonCallsReader(head, r"\s*<\|tool_call_end\|>", mlx_parser("kimi_k2", tools),
-                               multi=True)
-    if parser == "deepseek_v3":
-        head = (r"\s*<｜tool▁call▁begin｜>(?:function<｜tool▁sep｜>(?P<name>[^\n<]+)\n```"
-                r"(?:json)?\n|(?!function<｜tool▁sep｜>)(?P<name2>[^<\n]+?)<｜tool▁sep｜>)")
-        head = head.replace("(?P<name2>", "(?P<name>")  # one name group in either branch
-        return JsonCallsReader(head, r"\s*(?:```)?\s*<｜tool▁call▁end｜>", deepseek_calls,
-                               multi=True)
-    if parser in XML_FORMATS:
-        return XmlCallsReader(parser, tools)
-    if parser == "gemma4":
-        return Gemma4Reader(tools)
-    return WholeReader(mlx_parser(parser, tools))
-
-
 class MistralReader(CallReader):
     """``[TOOL_CALLS]`` followed by a JSON list of calls (v0.3) or by ``name[ARGS]{...}`` (one
     marker per call in newer models): decided by the first character that is not a space."""
 
     _HEADER = r"\s*(?P<name>[\w.-]+)\s*(?:\[CALL_ID\][^\[]*)?\[ARGS\]\s*"
-    _LIST = r"\s*[\[,]\s*\{\s*" + _JNAME + r'\s*,\s*"arguments"\s*:\s*'
+    _LIST = r"\s*[\[,]\s*\{\s*" + JNAME + r'\s*,\s*"arguments"\s*:\s*'
 
     def __init__(self, tools: list[dict]) -> None:
         self.tools = tools

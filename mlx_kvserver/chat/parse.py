@@ -25,10 +25,11 @@ from __future__ import annotations
 import logging
 
 from .call_events import CallTracker, new_call_id
-from .calls import CallReader, reader_for
+from .calls import CallReader
 from .conversation import Tool, ToolCall
 from .formats import LLAMA3_JSON, ChatFormat
 from .output import Delta, ReasoningDelta, TextDelta
+from .readers import reader_for
 from .render import hf_tool
 
 __all__ = ["OutputParser", "new_call_id"]
