@@ -123,9 +123,10 @@ def _scale(model_type: str, path: str, ndim: int) -> float:
     return rules.get("*", 3.0) if ndim >= 2 else 1.0
 
 
-def make_tiny_family_model(model_type: str, seed: int = 0) -> nn.Module:
-    """The tiny ``model_type`` model with seeded random float32 weights."""
-    config = tiny_family_config(model_type)
+def make_tiny_family_model(model_type: str, seed: int = 0, vocab: int | None = None) -> nn.Module:
+    """The tiny ``model_type`` model with seeded random float32 weights (``vocab``: its
+    vocabulary's size, the tiny tokenizer's by default)."""
+    config = tiny_family_config(model_type, vocab)
     model_class, args_class = _get_classes(config)
     mx.random.seed(seed)
     model = model_class(args_class.from_dict(config))
