@@ -270,6 +270,7 @@ class Grammars:
         return self._cached(key, lambda: self._build_harmony(chosen))
 
     def _build_tools(self, tools: list[Tool], start: str, end: str, parallel: bool) -> Grammar:
+        self._tokenizer("tools")  # NOTE: first: _lark_text writes special tokens as tokens
         rules = []
         for i, t in enumerate(tools):
             head = json.dumps({"name": t.name}, ensure_ascii=False)[:-1] + ', "arguments": '
