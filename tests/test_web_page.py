@@ -21,10 +21,12 @@ import pytest
 from mlx_kvserver.config import ServerConfig
 from tests.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
 from tests.server_utils import running_server
+from tests.services import required, unavailable
 from tests.test_repl import WEATHER, thinking_answer
 
 CHROMIUM = find_chromium()
-needs_browser = pytest.mark.skipif(CHROMIUM is None, reason=MISSING)
+needs_browser = pytest.mark.skipif(CHROMIUM is None and "chromium" not in required(),
+                                   reason=MISSING)
 STORAGE_KEY = "mlx-kvchat.conversations.v1"
 KEY = "page-s3cret"
 
@@ -66,7 +68,7 @@ def downloads(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def web(downloads):
     if CHROMIUM is None:
-        pytest.skip(MISSING)
+        unavailable("chromium", MISSING)
     driver = start_chromium(*CHROMIUM, downloads=downloads)
     yield driver
     quit_chromium(driver)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import importlib.util
 import json
 
 import anthropic
@@ -465,8 +464,6 @@ def test_claude_code_like_request(server, tiny_lm):
     assert m.type == "message"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mlx_kvserver.chat.constraints") is None,
-                    reason="forced tool calls need the grammar (mlx_kvserver/chat/constraints.py)")
 def test_tool_round_trip(client, tiny_lm):
     """tool_choice any is grammar-constrained: the tiny random model must call the tool with
     input that matches its schema; then the result goes back and a text answer follows.

@@ -146,19 +146,11 @@ def test_model_alias_and_unknown_name(client, tiny_lm):
     assert "--model-alias" in e.value.body["message"] and tiny_lm.name in e.value.body["message"]
 
 
-def _needs_grammar():
-    try:
-        import mlx_kvserver.chat.constraints  # noqa: F401
-    except ImportError as e:
-        pytest.skip(f"the grammar module is not available here: {e}")
-
-
 @pytest.mark.parametrize("model", ["tiny", "qwen3"])
 def test_forced_tool_call_round_trip(client, tiny_lm, qwen3, model):
     """tool_choice 'required' makes even a random-weight model call: the call parses, names a
     given tool and matches its schema; the result goes back and the next turn answers from the
     cache."""
-    _needs_grammar()
     lm = tiny_lm if model == "tiny" else qwen3
     extra = {"reasoning_effort": "none"} if model == "qwen3" else {}
     first = client.chat.completions.create(model=lm.name, messages=HI, tools=[WEATHER],
@@ -183,7 +175,6 @@ def test_forced_tool_call_round_trip(client, tiny_lm, qwen3, model):
 
 
 def test_streamed_tool_call_deltas(client, tiny_lm):
-    _needs_grammar()
     stream = client.chat.completions.create(
         model=tiny_lm.name, messages=HI, tools=[WEATHER], max_tokens=200, temperature=0,
         tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True,
@@ -205,7 +196,6 @@ def test_streamed_tool_call_deltas(client, tiny_lm):
 
 
 def test_json_schema_response_format(client, tiny_lm):
-    _needs_grammar()
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
                                                "mood": {"enum": ["happy", "sad"]}},
               "required": ["name", "mood"], "additionalProperties": False}

@@ -5,7 +5,6 @@ server with the tiny model (previous_response_id, a restart, tools, chat parity)
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import time
 from types import SimpleNamespace
@@ -487,11 +486,6 @@ def test_live_same_answer_as_chat_completions(live, tiny_lm):
     assert r.usage.input_tokens == c.usage.prompt_tokens
 
 
-HAS_CONSTRAINTS = importlib.util.find_spec("mlx_kvserver.chat.constraints") is not None
-
-
-@pytest.mark.skipif(not HAS_CONSTRAINTS, reason="mlx_kvserver.chat.constraints (grammar-forced "
-                    "tool calls) is not there yet")
 def test_live_tool_round_trip_forced_by_grammar(live, tiny_lm):
     client = _live(live.url)
     params = {"type": "object", "properties": {"cmd": {"type": "string", "maxLength": 10}},

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-import pytest
+from tests.services import unavailable
 
 BINARY = shutil.which("redis-server")
 SKIP_REASON = "no redis-server binary (apt-get install redis-server; .ci/run does)"
@@ -42,7 +42,7 @@ class RedisProc:
 
     def start(self) -> "RedisProc":
         if BINARY is None:
-            pytest.skip(SKIP_REASON)
+            unavailable("redis-server", SKIP_REASON)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [BINARY, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.folder),
