@@ -192,7 +192,7 @@ class XmlCallsReader(CallReader):
         if st == _CALL and rest.strip():
             if self.style == "glm" and closed and regex.fullmatch(r"\s*[^<\s][^<\n]*\s*", rest):
                 out += [Name(rest.strip()), Args("{}"), End()]  # a call without arguments
-            elif self.calls == 0:
+            elif self.calls == 0 and closed:  # cut off in the head: no name to call
                 out += whole_pieces(self.whole, rest, closed)
             else:
                 out.append(Unparsed(rest) if closed else Dropped(rest))
@@ -372,7 +372,8 @@ class Gemma4Reader(CallReader):
                 out.append(Name(m.group("name")))
             else:
                 self._translate(out)
-                break
+                if self.state == _VALUE:  # else the call ended (or broke): on with the rest
+                    break
         return out
 
     def _translate(self, out: list[Piece]) -> None:
