@@ -285,7 +285,8 @@ def plot(path: Path, rows: list[dict], peer: list[dict] | None, args) -> None:
     ax.set_title(f"Agent session ({args.api}, {rows[0]['prompt_tokens']:,}-token first prompt)")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from bench_results import result_path
+    fig.savefig(result_path(path), dpi=120)
 
 
 def main() -> None:
@@ -357,7 +358,8 @@ def main() -> None:
     print(table(rows, peer_rows))
     print(json.dumps(summary, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({
+        from bench_results import write_result
+        write_result(args.json, json.dumps({
             "command": " ".join(sys.argv), "model": str(folder),
             "initial_tokens_measured": ours.initial_measured, "tools": len(ours.tools),
             "summary": summary, "turns": rows, "peer_name": args.peer, "peer": peer_rows},

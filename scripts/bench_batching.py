@@ -204,7 +204,8 @@ def plot(report: dict, path: Path) -> None:
     a.legend(fontsize=7)
     b.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from bench_results import result_path
+    fig.savefig(result_path(path), dpi=110)
 
 
 LINE = re.compile(r"(\S+) N=(\d+): round 1 TTFT median ([\d.]+)s, ([\d.]+) tok/s; round 2 TTFT "
@@ -274,7 +275,8 @@ def main() -> None:
 def write(report: dict, args) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(report, indent=1, default=str)
-    (args.out / f"{args.name}.json").write_text(text)
+    from bench_results import write_result
+    write_result(args.out / f"{args.name}.json", text)
 
 
 if __name__ == "__main__":

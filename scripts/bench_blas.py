@@ -157,7 +157,8 @@ def main() -> None:
     result["prefill"] = prefill
     print(json.dumps(prefill), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        from bench_results import write_result
+        write_result(args.json, json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

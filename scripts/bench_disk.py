@@ -62,7 +62,8 @@ def main():
                                                         / final_kv, 2)}
     print(json.dumps({"summary": summary, "turns": rows}, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "turns": rows}, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps({"summary": summary, "turns": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -197,7 +197,8 @@ def main() -> None:
             skipped[family] = str(e)
     print(table(results, skipped))
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "skipped": skipped}, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps({"results": results, "skipped": skipped}, indent=1))
 
 
 if __name__ == "__main__":

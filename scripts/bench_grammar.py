@@ -305,7 +305,8 @@ def main() -> None:
           " us (mean/p50/p99)")
     print(json.dumps(res, indent=1, default=str))
     if a.json:
-        a.json.write_text(json.dumps(res, indent=1, default=str))
+        from bench_results import write_result
+        write_result(a.json, json.dumps(res, indent=1, default=str))
 
 
 if __name__ == "__main__":

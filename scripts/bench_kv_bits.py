@@ -393,7 +393,8 @@ def main() -> None:
                   "prefill_256": attention(args.history, max(3, args.reps // 5), queries=256)}
     print(json.dumps(result, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        from bench_results import write_result
+        write_result(args.json, json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -188,7 +188,8 @@ def main():
     result["branches"] = [branches(lm, prompt, 4, 128, ps) for ps in sizes]
     print(json.dumps(result, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -94,7 +94,8 @@ def main():
             out[name] = measure(root, pool, prompt, keys, args.repeat)
     print(json.dumps(out, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

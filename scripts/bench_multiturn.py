@@ -161,7 +161,8 @@ def plot(runs, path: Path):
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    from bench_results import result_path
+    fig.savefig(result_path(path), dpi=110)
 
 
 def main():
@@ -226,9 +227,10 @@ def main():
                      f"{row['median_ttft_later']:.3f} | {row['mean_cached_fraction']:.2f} |")
     report = {"table": table, "checks": checks, "runs": runs,
               "settings": {k: str(v) for k, v in vars(args).items()}}
-    (args.out / "multiturn.json").write_text(json.dumps(report, indent=1))
-    (args.out / "multiturn.md").write_text("\n".join(lines) + "\n\n" + json.dumps(checks, indent=1)
-                                           + "\n")
+    from bench_results import write_result
+    write_result(args.out / "multiturn.json", json.dumps(report, indent=1))
+    write_result(args.out / "multiturn.md", "\n".join(lines) + "\n\n" + json.dumps(checks, indent=1)
+                 + "\n")
     print("\n".join(lines))
     print(json.dumps(checks, indent=1))
 

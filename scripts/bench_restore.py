@@ -288,7 +288,8 @@ def main():
         out = tiny(args.tiny_history, args.reps, work, args.tiny_server)
         print(json.dumps(out, indent=1))
         if args.json:
-            args.json.write_text(json.dumps(out, indent=1))
+            from bench_results import write_result
+            write_result(args.json, json.dumps(out, indent=1))
         return
     lm = resolve_and_load(None)
     out = {"model": lm.name, "throughput": throughput(lm, args.tokens, args.repeat, work),
@@ -299,7 +300,8 @@ def main():
         out["ttft"] = ttft(args.reps, args.max_tokens, work, not args.no_warmup)
     print(json.dumps(out, indent=1))
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

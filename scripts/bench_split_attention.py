@@ -78,7 +78,8 @@ def main():
         rows.append(one(*shape, args.repeat))
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":

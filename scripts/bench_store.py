@@ -227,7 +227,8 @@ def main():
         finally:
             proc.stop()
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

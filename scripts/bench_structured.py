@@ -120,7 +120,8 @@ def main() -> None:
         print(f"{clients} client(s): {free:.1f} tok/s free, {with_:.1f} with the schema: "
               f"{free / with_:.2f}x slower")
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2))
+        from bench_results import write_result
+        write_result(args.json, json.dumps(report, indent=2))
 
 
 def _parses(text: str) -> bool:

@@ -184,7 +184,8 @@ def main():
             "same_answer": r4["text"] == warm[3]["text"]}
     print(json.dumps(summary, indent=1))
     if args.json:
-        args.json.write_text(json.dumps({"summary": summary, "raw": result}, indent=1))
+        from bench_results import write_result
+        write_result(args.json, json.dumps({"summary": summary, "raw": result}, indent=1))
 
 
 if __name__ == "__main__":

@@ -118,8 +118,9 @@ def main() -> None:
         rows.append(row)
         print(json.dumps(row), flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"command": " ".join(sys.argv), "config": cfg,
-                                               "rows": rows}, indent=1) + "\n")
+        from bench_results import write_result
+        write_result(args.json, json.dumps({"command": " ".join(sys.argv), "config": cfg,
+                                            "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
