@@ -226,9 +226,13 @@ class JsonCallsReader(CallReader):
         elif st == _HEAD and self.buf.strip():
             if self.rest.fullmatch(self.buf) is None:
                 out += whole_pieces(self.whole, self.buf, closed)
-        elif st == _WHOLE and self.calls:  # text after the calls (what ends them taken off)
-            rest = self.buf[self.rest.match(self.buf).end():]
-            out += [Unparsed(rest)] if rest.strip() else []
+        elif st == _WHOLE and self.calls:  # after the calls: more calls, parsed whole, or text
+            rest = self.buf.lstrip(" \t\r\n;,")
+            pieces = whole_pieces(self.whole, rest, closed) if rest.strip() else []
+            if any(isinstance(p, (Unparsed, Dropped)) for p in pieces):
+                rest = self.buf[self.rest.match(self.buf).end():]
+                pieces = [Unparsed(rest)] if rest.strip() else []
+            out += pieces
         elif st == _WHOLE:
             out += whole_pieces(self.whole, self.buf, closed)
         elif st == _DRAIN and self.rest.fullmatch(self.buf) is None:
@@ -292,8 +296,8 @@ def json_objects(body: str) -> list[tuple[str, Any]]:
     whitespace, ``;`` or ``,`` and optionally inside a list (Llama 3.x, Mistral's list, hermes)."""
     dec, items, i = json.JSONDecoder(), [], 0
     body = body.strip()
-    if body.startswith("[") and body.endswith("]"):
-        body = body[1:-1]
+    body = body[1:] if body.startswith("[") else body  # a list, or the rest of one
+    body = body[:-1] if body.endswith("]") else body
     while True:
         while i < len(body) and body[i] in " \t\r\n;,":
             i += 1

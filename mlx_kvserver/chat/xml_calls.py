@@ -352,6 +352,7 @@ class Gemma4Reader(CallReader):
         self.escape = False
         self.stack: list[str] = []
         self.last = ""  # the last structural character passed to the JSON side
+        self.raw = ""  # the current call's arguments as written, so far
         self.problem: str | None = None
 
     def feed(self, text: str) -> list[Piece]:
@@ -369,6 +370,7 @@ class Gemma4Reader(CallReader):
                     break
                 self.buf = self.buf[m.end():]
                 self.json, self.state, self.stack, self.last = JsonPrefix(True), _VALUE, [], ""
+                self.raw, self.word, self.in_str = "", "", None
                 out.append(Name(m.group("name")))
             else:
                 self._translate(out)
@@ -377,9 +379,12 @@ class Gemma4Reader(CallReader):
         return out
 
     def _translate(self, out: list[Piece]) -> None:
-        assert self.json is not None
-        i, buf, js = 0, self.buf, []
+        """Translate what the buffer holds; each piece of JSON goes to the JSON side with the
+        offset of the text it came from, so text that breaks it is passed on as written."""
+        i, buf, base = 0, self.buf, len(self.raw)
+        steps: list[tuple[int, str]] = []  # (offset in self.raw where it began, JSON text)
         while i < len(buf):
+            at = base + i
             quote = buf.startswith(_QUOTE, i)
             if not quote and buf[i] == "<" and _QUOTE.startswith(buf[i:]):
                 break  # maybe a delimiter: wait for more
@@ -389,58 +394,68 @@ class Gemma4Reader(CallReader):
                 if not nxt or (_QUOTE.startswith(nxt) and len(nxt) < len(_QUOTE)):
                     break  # cannot tell yet
                 if nxt.startswith(_QUOTE) or nxt[0] in ",}":
-                    js.append('"')
+                    steps.append((at, '"'))
                     self.in_str = None
                     i += 1 + (len(_QUOTE) if nxt.startswith(_QUOTE) else 0)
                     continue
             if quote and kind != '"':
-                self._word(js)
-                js.append('"')
+                self._word(steps, at)
+                steps.append((at, '"'))
                 self.in_str, i = (None if kind else "q"), i + len(_QUOTE)
                 continue
             ch = buf[i]
             i += 1
             if kind == '"':  # a plain JSON string: passed on as written
-                js.append(ch)
+                steps.append((at, ch))
                 self.escape = not self.escape and ch == "\\"
                 if ch == '"' and not self.escape:
                     self.in_str = None
             elif kind:
-                js.append(json.dumps(ch, ensure_ascii=False)[1:-1])
+                steps.append((at, json.dumps(ch, ensure_ascii=False)[1:-1]))
             elif ch in "'\"" and not self.word:  # a string in another quote (models slip)
-                js.append('"')
+                steps.append((at, '"'))
                 self.in_str, self.escape = ch, False
             elif ch.isalnum() or ch in "_-.+":
                 self.word += ch
             elif ch == ":" and self.word and self.last in ("{", ",") and self.stack[-1:] == ["{"]:
-                js.append(json.dumps(self.word) + ":")
+                steps.append((at - len(self.word), json.dumps(self.word) + ":"))
                 self.word, self.last = "", ":"
             else:
-                self._word(js)
+                self._word(steps, at)
                 if ch in "{[":
                     self.stack.append(ch)
                 elif ch in "}]" and self.stack:
                     self.stack.pop()
                 if not ch.isspace():
                     self.last = ch
-                js.append(ch)
+                steps.append((at, ch))
                 if not self.stack:
                     break  # the call's arguments are complete
+        self.raw += buf[:i]
         self.buf = buf[i:]
-        text, used = self.json.feed("".join(js))
-        if text:
-            out.append(Args(text))
-        if self.json.error:
-            self.state = _BROKEN
-            self.problem = f"invalid_json: {self.json.error}"
-        elif self.json.done:
-            out.append(End())
-            self.calls += 1
-            self.state = _CALL
+        self._pass_on(steps, out)
 
-    def _word(self, js: list[str]) -> None:
+    def _pass_on(self, steps: list[tuple[int, str]], out: list[Piece]) -> None:
+        assert self.json is not None
+        for at, js in steps:
+            held = self.json.pending
+            text, _ = self.json.feed(js)
+            if text:
+                out.append(Args(text))
+            if self.json.error:  # from here on the text as written
+                self.state, self.problem = _BROKEN, f"invalid_json: {self.json.error}"
+                self.buf = held + self.raw[at:] + self.buf
+                self.word = ""
+                return
+            if self.json.done:
+                out.append(End())
+                self.calls += 1
+                self.state = _CALL
+                return
+
+    def _word(self, steps: list[tuple[int, str]], at: int) -> None:
         if self.word:
-            js.append(self.word)
+            steps.append((at - len(self.word), self.word))
             self.word, self.last = "", "v"
 
     def close(self, closed: bool) -> list[Piece]:

@@ -168,8 +168,6 @@ def test_gemma4_invalid_json_midway():
           "invalid_json: the arguments end before they are complete")]
 
 
-@pytest.mark.xfail(strict=True, reason="Gemma4Reader drops the held text and the rest of the "
-                   "translated chunk when JsonPrefix stops: the arguments as written lose it")
 def test_gemma4_invalid_json_keeps_the_text_as_written():
     body = 'call:get_weather{city:<|"|>Paris<|"|>,,days:3}'
     assert summary([p for _, p in stream("gemma4", body)])[0][2] == ",,days:3}"
