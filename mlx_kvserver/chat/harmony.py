@@ -46,9 +46,8 @@ from .conversation import Tool
 from .output import Delta, ReasoningDelta, TextDelta
 from .parse import OutputParser, _first, _partial
 
-START, END, MESSAGE, CHANNEL = "<|start|>", "<|end|>", "<|message|>", "<|channel|>"
-CONSTRAIN, RETURN, CALL = "<|constrain|>", "<|return|>", "<|call|>"
-SPECIAL = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
+START, END, MESSAGE = "<|start|>", "<|end|>", "<|message|>"
+RETURN, CALL = "<|return|>", "<|call|>"
 MAX_HEADER = 512
 NOT_TOOLS = ("assistant", "user", "all")
 
@@ -81,7 +80,6 @@ class HarmonyParser:
         self._kind = _REASONING
         self._buf = ""  # text not yet decided
         self._reader: JsonCallsReader | None = None
-        self._name = ""
         self._fresh = True  # the open message has passed nothing on yet
         self._role_given = not in_reasoning
         self._stopped = False  # another author's message began: the answer is over
@@ -178,9 +176,10 @@ class HarmonyParser:
         ch = _CHANNEL.search(header)
         if to is not None and to not in NOT_TOOLS and self._calls_on:
             self._start_body(_CALL)
-            self._name = to[len("functions."):] if to.startswith("functions.") else to
+            name = to[len("functions."):] if to.startswith("functions.") else to
+            # the reader's head is the name as its own line: the call starts at once
             self._reader = JsonCallsReader(r"(?P<name>[^\n]*)\n", r"\s*", json_objects)
-            self._deliver(self._reader.feed(self._name + "\n"), out)
+            self._deliver(self._reader.feed(name + "\n"), out)
         else:
             self._start_body(_REASONING if ch and ch.group(1) == "analysis" else _TEXT)
 
