@@ -7,7 +7,9 @@
              over ``--gen`` (200) generated tokens on 20 chat prompts decoded together, and the
              perplexity of a fixed text of ~2,000 tokens (``bench_ttft.document``). The model
              reads keys and values through a cache that round-trips them exactly as pages do
-             (``KVQuant.round_trip``), so these are the figures of the paged cache too.
+             (``KVQuant.round_trip``), so these are the figures of the paged cache too. For
+             reference, the same perplexity with ``mx.quantize``'s own round trip at 8 and 4
+             bits (``mx_quantize_q8`` / ``_q4``: not exact, so not usable as pages).
 
   serving    with the default model, each setting through the cache as the server's engine
              sets it up (prefix views, the runner): bytes per token of KV in memory and on
@@ -185,7 +187,25 @@ def quality(gen: int) -> dict:
             })
         out[f"q{bits}" if bits else "full"] = row
         print(json.dumps({f"q{bits}" if bits else "full": row}), flush=True)
+    for bits in (8, 4):  # for reference: mx.quantize's own round trip (not a projection: no pages)
+        ppl = perplexity(lm.model, text, MxQuantizeRoundTrip(bits))
+        out[f"mx_quantize_q{bits}"] = {"perplexity": ppl, "perplexity_ratio": ppl / base[1]}
+        print(json.dumps({f"mx_quantize_q{bits}": out[f"mx_quantize_q{bits}"]}), flush=True)
     return out
+
+
+class MxQuantizeRoundTrip:
+    """``mx.dequantize(mx.quantize(x))`` at ``bits``, group size 64: the reference perplexity."""
+
+    def __init__(self, bits: int, group_size: int = 64):
+        self.bits, self.group_size = bits, group_size
+
+    def round_trip_pair(self, keys, values):
+        def rt(x):
+            q = mx.quantize(x, group_size=self.group_size, bits=self.bits)
+            return mx.dequantize(*q, group_size=self.group_size, bits=self.bits).astype(x.dtype)
+
+        return rt(keys), rt(values)
 
 
 SYSTEM, TURN = 200, (60, 140)  # a 20-turn conversation: system prompt, then user + answer
