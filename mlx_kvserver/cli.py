@@ -132,8 +132,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def load_engine(config: ServerConfig):
     """Load the configured models and build the registry and the engine."""
-    from .engine import Engine
-    from .models import ModelRegistry, resolve_and_load
+    from .engine.engine import Engine
+    from .models.registry import ModelRegistry
+    from .models.loading import resolve_and_load
 
     models = []
     for spec in config.models:
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     if os.environ.get("MLX_KVSERVER_NO_BLAS") is None and args.no_fast_blas:
         os.environ["MLX_KVSERVER_NO_BLAS"] = "1"
-    from . import blas
+    from .platform import blas
     blas.maybe_reexec()
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -31,8 +31,8 @@ import mlx.core as mx
 from mlx.utils import tree_flatten, tree_map
 from mlx_lm.models import llama
 
-from mlx_kvserver.convert import save_mlx_folder
-from mlx_kvserver.models import LoadedModel, resolve_and_load
+from mlx_kvserver.models.convert import save_mlx_folder
+from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
 
 
 def random_config(base: dict[str, Any], *, layers: int, hidden: int, heads: int, kv_heads: int,

@@ -58,7 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlx_kvserver import blas
+from mlx_kvserver.platform import blas
 
 blas.maybe_reexec()  # before anything runs MLX here (the default model's conversion)
 
@@ -82,8 +82,8 @@ def model_folder(spec: str, work: Path, context: int) -> Path:
         return Path(spec).expanduser().resolve()
     from agent_model import raise_context
 
-    from mlx_kvserver.convert import save_mlx_folder
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.convert import save_mlx_folder
+    from mlx_kvserver.models.loading import resolve_and_load
 
     out = work / "model"
     save_mlx_folder(resolve_and_load("default"), out)

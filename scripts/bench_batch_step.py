@@ -22,7 +22,7 @@ import mlx.core as mx  # noqa: E402
 import kv_cache.model.attention as attention  # noqa: E402
 from bench_batching import on_document  # noqa: E402
 from bench_ttft import document  # noqa: E402
-from mlx_kvserver.models import resolve_and_load  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
 
 def step_time(runner, seqs, tokens, reps: int = 8) -> float:

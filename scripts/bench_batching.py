@@ -129,7 +129,7 @@ def on_document(lm, doc: str, n: int, chunk: int = 256):
     from kv_cache.model.attention import PrefixViews
     from kv_cache.manager import CacheManager
     from kv_cache.pages.pool import PagePool
-    from mlx_kvserver.runner import Runner
+    from mlx_kvserver.engine.runner import Runner
 
     tok = lm.tokenizer
     pool = PagePool(spec=lm.cache_spec, page_size=32, max_bytes=8 << 30,
@@ -156,7 +156,7 @@ def kv_bytes(args, doc: str) -> dict:
     """KV bytes held while 8 conversations on the document decode together, against one."""
     import mlx.core as mx
 
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     lm = resolve_and_load(args.model)
 
@@ -261,8 +261,8 @@ def main() -> None:
                 report["servers"]["ours"] = {}
                 run_server("ours", args, doc, work, report["servers"]["ours"], save)
             if not args.skip_mlxlm:
-                from mlx_kvserver.convert import save_mlx_folder
-                from mlx_kvserver.models import resolve_and_load
+                from mlx_kvserver.models.convert import save_mlx_folder
+                from mlx_kvserver.models.loading import resolve_and_load
 
                 args.mlx_folder = save_mlx_folder(resolve_and_load(args.model), work / "mlx")
                 report["servers"]["mlx-lm"] = {}

@@ -1,6 +1,6 @@
 """GFLOP/s of every BLAS candidate for MLX's CPU backend here, and the default model's prefill.
 
-Each candidate the launcher knows (mlx_kvserver/blas.py) that is installed, plus MLX's own
+Each candidate the launcher knows (mlx_kvserver/platform/blas.py) that is installed, plus MLX's own
 reference BLAS and any --library given, runs in a child process of its own with it preloaded: a
 1024x576 @ 576x1536 float32 matmul through MLX (a prefill's shape for the default model: 1,024
 tokens, hidden size 576, MLP width 1,536), timed --repeats times after a warm-up, at each thread
@@ -26,8 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from mlx_kvserver import blas, blas_probe  # noqa: E402
-from mlx_kvserver.blas_candidates import Candidate  # noqa: E402
+from mlx_kvserver.platform import blas, blas_probe  # noqa: E402
+from mlx_kvserver.platform.blas_candidates import Candidate  # noqa: E402
 
 THREAD_VARS = ("OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "OMP_NUM_THREADS")
 
@@ -55,7 +55,7 @@ PREFILL = r"""
 import json, statistics, sys, time
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_kvserver.models import resolve_and_load
+from mlx_kvserver.models.loading import resolve_and_load
 n, repeats = int(sys.argv[1]), int(sys.argv[2])
 lm = resolve_and_load(None)
 vocab = lm.model.args.vocab_size

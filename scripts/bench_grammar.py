@@ -38,7 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 from mlx_kvserver.chat.constraints import Grammars  # noqa: E402
 from mlx_kvserver.chat.conversation import ResponseFormat, ToolChoice  # noqa: E402
-from mlx_kvserver.models import ChatTokenizer, resolve_and_load  # noqa: E402
+from mlx_kvserver.models.tokenizer import ChatTokenizer  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 from tests.chat.agent_tools import agent_tool_objects, agent_tools  # noqa: E402
 
 SCHEMA = {  # a structured answer: nested object, enums, an array of objects, bounded numbers

@@ -158,7 +158,7 @@ def perplexity(model, tokens: list[int], quant: KVQuant | None, chunk: int = 256
 
 def quality(gen: int) -> dict:
     from bench_ttft import document
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     lm = resolve_and_load(None)
     tok = lm.tokenizer
@@ -216,7 +216,7 @@ def _setup(lm, bits: int | None, root: Path | None):
     from kv_cache.model.attention import PrefixViews
     from kv_cache.opening import open_cache
     from kv_cache.layout.spec import with_kv_bits
-    from mlx_kvserver.runner import Runner
+    from mlx_kvserver.engine.runner import Runner
 
     spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, bits)
     m = open_cache(spec, fp, page_size=32, max_ram_bytes=4 << 30, policy="lru", disk_dir=root,
@@ -316,7 +316,7 @@ def decode(rounds: int, steps: int = 8) -> dict:
     """Decode tokens/s at 1 and 8 sequences, the settings taking turns round by round (the
     machine is shared: a paired ratio per round says more than one long run each)."""
     from bench_ttft import document
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     lm = resolve_and_load(None)
     doc = lm.tokenizer.encode(document())
@@ -372,7 +372,7 @@ def _conversation_bytes(lm, bits, root: Path, turns: int = 20) -> dict:
 
 def serving(reps: int, work: Path) -> dict:
     from bench_ttft import document
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     lm = resolve_and_load(None)
     doc = lm.tokenizer.encode(document())

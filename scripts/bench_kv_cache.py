@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlx_kvserver import blas  # noqa: E402
+from mlx_kvserver.platform import blas  # noqa: E402
 
 blas.maybe_reexec()
 
@@ -29,7 +29,7 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from kv_cache.pages.pool import PagePool  # noqa: E402
 from kv_cache.model.sequence import PagedSequence  # noqa: E402
-from mlx_kvserver.models import resolve_and_load  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
 MB = 1 << 20
 

@@ -8,7 +8,7 @@ go, on loopback, with the default model:
   ours-restart   this server restarted on the same cache directory; every conversation (and the
                  fork) resumed with one new turn
   mlxlm-warm     mlx-lm's server (python -m mlx_lm.server) on the same model, converted to an MLX
-                 folder by mlx_kvserver.convert, with its in-memory prompt cache
+                 folder by mlx_kvserver.models.convert, with its in-memory prompt cache
   mlxlm-restart  mlx-lm's server restarted; every conversation resumed with one new turn
   floor          in-process: prefill of only the new tokens on a resident cache
 Writes docs/multiturn.md (table) and docs/multiturn_ttft.png (TTFT per turn, log scale).
@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from mlx_kvserver import blas  # noqa: E402
+from mlx_kvserver.platform import blas  # noqa: E402
 
 blas.maybe_reexec()
 
@@ -116,7 +116,7 @@ def floor(records, args):
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     lm = resolve_and_load(args.model)
     out = []
@@ -194,8 +194,8 @@ def main():
     finally:
         server.stop()
     if not args.skip_mlxlm:
-        from mlx_kvserver.convert import save_mlx_folder
-        from mlx_kvserver.models import resolve_and_load
+        from mlx_kvserver.models.convert import save_mlx_folder
+        from mlx_kvserver.models.loading import resolve_and_load
 
         folder = save_mlx_folder(resolve_and_load(args.model), work / "mlx-model")
         peer = MlxLmServer(folder, port, work)

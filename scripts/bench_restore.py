@@ -50,8 +50,8 @@ from kv_cache.tiers.disk.store import DiskStore  # noqa: E402
 from kv_cache.pages.hashing import chain_hashes  # noqa: E402
 from kv_cache.manager import CacheManager  # noqa: E402
 from kv_cache.pages.pool import PagePool  # noqa: E402
-from mlx_kvserver.models import resolve_and_load  # noqa: E402
-from mlx_kvserver.runner import Runner  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
+from mlx_kvserver.engine.runner import Runner  # noqa: E402
 
 PAGE = 32  # the server's default page size
 

@@ -50,7 +50,7 @@ PAGE = 32  # the server's default page size
 
 
 def geometry(tiny: bool) -> Geometry:
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     if tiny:
         return Geometry("tiny", PAGE, CacheSpec.plain(2, 2, 16, mx.float32))

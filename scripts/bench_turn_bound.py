@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from mlx_lm.models import base as mlx_base  # noqa: E402
 from mlx_lm.models.cache import KVCache  # noqa: E402
 
-from mlx_kvserver.models import resolve_and_load  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
 
 def products_only(queries, keys, values, cache, scale, mask, sinks=None):

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 
 from mlx_kvserver.config import ServerConfig  # noqa: E402
-from mlx_kvserver.models import resolve_and_load  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 from tests.server_utils import running_server  # noqa: E402
 from tests.tiny_model import make_tiny_model_dir  # noqa: E402
 

@@ -161,8 +161,8 @@ def load_tokenizer(spec: str | None = "default") -> Any:
     loading the model."""
     from pathlib import Path
 
-    from mlx_kvserver.gguf import build_tokenizer, is_gguf
-    from mlx_kvserver.models import default_model_path
+    from mlx_kvserver.models.gguf import build_tokenizer, is_gguf
+    from mlx_kvserver.models.loading import default_model_path
 
     path = default_model_path() if spec in (None, "default") else Path(spec).expanduser()
     if path.is_file() and is_gguf(path):

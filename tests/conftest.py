@@ -55,7 +55,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_lm(tiny_model_dir):
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     return resolve_and_load(str(tiny_model_dir))
 
@@ -63,7 +63,7 @@ def tiny_lm(tiny_model_dir):
 @pytest.fixture(scope="session")
 def tiny_lm_b(tmp_path_factory):
     """A second, different tiny model (for several models in one server)."""
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
     from tests.server_utils import tiny_dir
 
     return resolve_and_load(str(tiny_dir(tmp_path_factory, seed=1)))

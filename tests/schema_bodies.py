@@ -1,5 +1,5 @@
 """Request bodies made from the OpenAPI description's own schemas, for tests that check that a body
-the description calls valid is one the server accepts (tests/test_openapi_bodies.py,
+the description calls valid is one the server accepts (tests/api/test_openapi_bodies.py,
 tests/test_fuzz_api.py).
 
 :func:`draw` walks a schema (``$ref``, ``oneOf``/``anyOf``, ``enum``/``const``, ``examples``,

@@ -14,8 +14,9 @@ import uvicorn
 
 from mlx_kvserver.api import build_app
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.models import LoadedModel, ModelRegistry
-from mlx_kvserver.engine import Engine
+from mlx_kvserver.models.loading import LoadedModel
+from mlx_kvserver.models.registry import ModelRegistry
+from mlx_kvserver.engine.engine import Engine
 
 
 def make_engine(models: list[LoadedModel], config: ServerConfig) -> Engine:

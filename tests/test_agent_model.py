@@ -8,7 +8,7 @@ import json
 import mlx.core as mx
 import pytest
 
-from mlx_kvserver.models import resolve_and_load
+from mlx_kvserver.models.loading import resolve_and_load
 from scripts import agent_model
 
 MESSAGES = [{"role": "system", "content": "You are a coding agent."},

@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.models import resolve_and_load
+from mlx_kvserver.models.loading import resolve_and_load
 from tests.agent_sessions import APIS, ID_PATTERNS, MODELS, Session, load_tokenizer, send
 from tests.server_utils import running_server
 from tests.tiny_model import make_tiny_model, make_tiny_tokenizer, tiny_config, write_model_dir

@@ -1,7 +1,8 @@
 """The layers' import rules, read from the source (docs/ARCHITECTURE.md, "Layers").
 
 ``kv_cache`` never imports the server; the server uses the library through its package root
-only (``from kv_cache import ...``); inside the library nothing imports a layer above its own,
+only (``from kv_cache import ...``), and its own rooms import only down (base < platform, chat <
+models < engine < api < cli < clients: ``SERVER_ALLOWED``); inside the library nothing imports a layer above its own,
 floor by floor: ``layout/`` (the cache's description: kinds of layer, a page's geometry and
 codec) knows only the base; ``pages/`` knows the layout; ``model/`` knows pages; ``tiers/`` know
 pages and the layout; the manager and its parts at the top know everything. Relative imports
@@ -99,6 +100,44 @@ def test_the_server_uses_the_library_through_its_package_root(path):
     bad = [(line, m) for line, m in _imports(path)
            if m.startswith("kv_cache.") and m.split(".")[1] not in _root_names()]
     assert not bad, f"{path.relative_to(ROOT)} reaches inside kv_cache: {bad}"
+
+
+SERVER_ALLOWED = {  # the server's rooms, floor by floor: each may import the ones listed
+    "base": {"base"},  # config.py, errors.py
+    "platform": {"base", "platform"},  # the CPU's BLAS, ELF symbols
+    "chat": {"base", "chat"},  # the conversation model, templates, output parsing, grammars
+    "models": {"base", "chat", "models"},  # loading, tokenizer, registry
+    "engine": {"base", "chat", "models", "engine"},  # the thread, scheduler, runner, requests
+    "api": {"base", "chat", "models", "engine", "api"},  # HTTP: one module per API
+    "top": {"base", "platform", "chat", "models", "engine", "api", "top"},  # cli.py, __main__.py
+    "clients": {"base", "platform", "chat", "models", "engine", "api", "top", "clients"},
+}
+
+
+def _server_layer(module: str) -> str:
+    parts = module.split(".")
+    if module in ("mlx_kvserver", "mlx_kvserver.config", "mlx_kvserver.errors"):
+        return "base"
+    if len(parts) > 1 and parts[1] in SERVER_ALLOWED and parts[1] not in ("base", "top"):
+        return parts[1]
+    return "top"
+
+
+@pytest.mark.parametrize("path", _files("mlx_kvserver"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_server_imports_only_its_own_floor_and_below(path):
+    module = _module_of(path)
+    here = _server_layer(module)
+    bad = [(line, m) for line, m in _imports(path) if m.startswith("mlx_kvserver.")
+           and _server_layer(m) not in SERVER_ALLOWED[here]]
+    assert not bad, f"{module} ({here}) imports above its floor: {bad}"
+
+
+def test_every_server_module_has_a_room():
+    """No module left at the root besides the entry points and the base (config, errors)."""
+    loose = [_module_of(p) for p in _files("mlx_kvserver")
+             if len(p.relative_to(ROOT / "mlx_kvserver").parts) == 1]
+    assert sorted(loose) == ["mlx_kvserver", "mlx_kvserver.__main__", "mlx_kvserver.cli",
+                             "mlx_kvserver.config", "mlx_kvserver.errors"]
 
 
 def _root_names() -> set[str]:

@@ -11,7 +11,7 @@ from tests.server_utils import running_server
 
 @pytest.fixture(scope="module")
 def default_lm():
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     return resolve_and_load("default")
 

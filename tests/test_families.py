@@ -21,7 +21,7 @@ import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.models import LoadedModel, resolve_and_load
+from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
 from tests.server_utils import running_server
 from tests.tiny_families import FAMILIES, SLIDING_WINDOW, make_tiny_family_dir
 

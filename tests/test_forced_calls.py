@@ -35,7 +35,7 @@ ENOUGH, MID_CALL, IN_NAME, BEFORE_NAME = 200, 20, 12, 3
 
 @pytest.fixture(scope="module")
 def url():
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     lm = resolve_and_load("default")
     with running_server([lm], ServerConfig(max_batch=16)) as u:

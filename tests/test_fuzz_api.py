@@ -609,6 +609,6 @@ def test_the_openapi_description_covers_every_route(fuzz_server):
 def engine_app(engine):
     """An app like the fuzzed server's (for its routes; never started)."""
     from mlx_kvserver.api import build_app
-    from mlx_kvserver.models import ModelRegistry
+    from mlx_kvserver.models.registry import ModelRegistry
 
     return build_app(ServerConfig(), ModelRegistry(list(engine.models.values())), engine)

@@ -28,10 +28,10 @@ from mlx_kvserver.chat.conversation import Conversation, Message, Text
 from mlx_kvserver.chat.render import render
 from mlx_kvserver.chat.support import chat_support
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.models import resolve_and_load
+from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
 from tests.server_utils import make_engine, running_server
-from tests.test_prepare import idle
+from tests.engine.test_prepare import idle
 
 SEED = 3  # a tiny model that reasons briefly before its call (most write on to max_tokens)
 ASK = "Weather in Rome?"

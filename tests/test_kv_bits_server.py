@@ -18,7 +18,7 @@ from tests.tiny_model import make_tiny_model_dir
 @pytest.fixture(scope="module")
 def lm32(tmp_path_factory):
     """A tiny model with head_dim 32 (the smallest group MLX quantizes)."""
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     path = make_tiny_model_dir(tmp_path_factory.mktemp("tiny32"), seed=2, hidden=128, heads=4)
     return resolve_and_load(str(path))

@@ -32,7 +32,7 @@ def redis_server(tmp_path):
 @pytest.fixture(scope="module")
 def tiny_lm_again(tiny_model_dir):
     """The tiny model loaded a second time: the second server's own copy."""
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
 
     return resolve_and_load(str(tiny_model_dir))
 

@@ -36,14 +36,14 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
-                                 Text, ToolCall, ToolChoice, ToolResult)
+from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling, Text,
+                                 ToolCall, ToolChoice, ToolResult)
 from ..chat.output import Error, Finish, Usage
 from ..errors import RequestError, bad_request
 from .anthropic_output import message_body, stream
 from .http import SSE_HEADERS, job_events, read_object
-from .validate import (boolean, check_history, check_message_id, json_schema, model_name,
-                       number, obj, stop_list, string, tool, tool_entries, tool_list)
+from .validate import (boolean, check_history, check_message_id, json_schema, model_name, number,
+                       obj, stop_list, string, tool, tool_entries, tool_list)
 
 ROLES = ("user", "assistant", "system")
 UNSERVED = ("image", "document", "search_result", "container_upload")

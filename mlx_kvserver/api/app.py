@@ -19,14 +19,14 @@ from ..chat.conversation import Conversation
 from ..chat.normalize import Normalizer
 from ..chat.output import Accepted, Error
 from ..config import ServerConfig
-from ..engine import Engine
+from ..engine.engine import Engine
 from ..errors import RequestError
-from ..metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
-from ..models import ModelRegistry, UnknownModelError
+from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
+from ..models.registry import ModelRegistry, UnknownModelError
 from .openapi import openapi_spec
-from ..request import Job
-from ..response_store import ResponseStore
-from ..web import page_routes
+from ..engine.request import Job
+from .response_store import ResponseStore
+from .page import page_routes
 from . import anthropic, completions, openai_chat, responses
 from .guard import RequestGuard, allowed_hosts, check_api_key
 from .http import error_responder

@@ -14,15 +14,15 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling,
-                                 Text, ToolCall, ToolChoice, ToolResult)
+from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling, Text,
+                                 ToolCall, ToolChoice, ToolResult)
 from ..chat.output import (Error, Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
                            ToolCallDelta, ToolCallStart, Usage)
 from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
-from .validate import (ROLES, boolean, check_history, check_message_id, json_schema,
-                       model_name, number, obj, seed_value, stop_list, string, text_value, tool,
-                       tool_entries, tool_list)
+from .validate import (ROLES, boolean, check_history, check_message_id, json_schema, model_name,
+                       number, obj, seed_value, stop_list, string, text_value, tool, tool_entries,
+                       tool_list)
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 

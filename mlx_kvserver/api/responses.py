@@ -33,17 +33,17 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Text,
-                                 ToolCall, ToolResult)
-from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta,
-                           ToolCallStart, Usage)
+from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Text, ToolCall,
+                                 ToolResult)
+from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
+                           Usage)
 from ..errors import RequestError, bad_request
-from ..response_store import message_from_json, message_to_json
+from .response_store import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
 from .openai_chat import EFFORTS, response_format, sampling, tool_choice
 from .responses_output import Output, answer_message, usage_body
-from .validate import (boolean, check_history, check_message_id, model_name,
-                       number, obj, string, text_value, tool, tool_entries, tool_list)
+from .validate import (boolean, check_history, check_message_id, model_name, number, obj, string,
+                       text_value, tool, tool_entries, tool_list)
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 SUMMARIES = (None, "auto", "concise", "detailed")

@@ -504,7 +504,7 @@ def test_thinking_blocks_stream_and_come_back(tmp_path, tmp_path_factory):
     """A template whose generation prompt opens a think block (Qwen3.5-style): the random
     model's output is reasoning, which comes back as a thinking block (signature ""), streamed
     as thinking_delta then signature_delta; sent back on the next turn, it is accepted."""
-    from mlx_kvserver.models import resolve_and_load
+    from mlx_kvserver.models.loading import resolve_and_load
     from tests.chat.templates import QWEN3_STRICT
     from tests.tiny_model import make_tiny_model_dir
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.models import resolve_and_load
+from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
 from tests.server_utils import running_server
 

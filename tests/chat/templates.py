@@ -13,7 +13,7 @@ from __future__ import annotations
 from tokenizers import AddedToken
 from transformers import PreTrainedTokenizerFast
 
-from mlx_kvserver.models import ChatTokenizer
+from mlx_kvserver.models.tokenizer import ChatTokenizer
 from tests.chat.gpt_oss_template import GPT_OSS
 from tests.tiny_model import make_tiny_tokenizer
 

@@ -19,7 +19,7 @@ import pytest
 from mlx_kvserver.chat.constraints import Grammar, Grammars, apply_rows
 from mlx_kvserver.chat.conversation import ResponseFormat, Tool, ToolChoice
 from mlx_kvserver.errors import RequestError
-from mlx_kvserver.models import ChatTokenizer
+from mlx_kvserver.models.tokenizer import ChatTokenizer
 
 from .agent_tools import agent_tool_objects  # noqa: E402
 
@@ -125,8 +125,8 @@ def grammars(request: pytest.FixtureRequest) -> Grammars:
                                      eos_token="<|im_end|>")
         tok = ChatTokenizer(hf, chat_template=CHAT_TEMPLATE)
     else:
-        from mlx_kvserver.gguf import build_tokenizer
-        from mlx_kvserver.models import default_model_path
+        from mlx_kvserver.models.gguf import build_tokenizer
+        from mlx_kvserver.models.loading import default_model_path
         path = default_model_path()  # installed by the set-up (scripts/setup.sh)
         _, meta = mx.load(str(path), return_metadata=True)
         hf, eos = build_tokenizer(meta)

@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, Tool,
-                                            ToolCall, ToolResult)
+from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, Tool, ToolCall,
+                                            ToolResult)
 from mlx_kvserver.chat.formats import detect
 from mlx_kvserver.chat.render import SYSTEM_PREFIX, TOOLS_HOW, TOOLS_INTRO, render
 from mlx_kvserver.errors import RequestError

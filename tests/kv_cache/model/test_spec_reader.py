@@ -8,7 +8,7 @@ from mlx_lm.models.cache import CacheList, KVCache, QuantizedKVCache, RotatingKV
 from kv_cache.layout.kinds import FULL, STATE, SlidingWindow
 from kv_cache.layout.spec import CacheSpec, GroupSpec, UnsupportedCacheError
 from kv_cache.model.spec_reader import spec_from_caches, spec_of_model
-from mlx_kvserver.models import resolve_and_load
+from mlx_kvserver.models.loading import resolve_and_load
 from tests.tiny_families import SLIDING_WINDOW, make_tiny_family_dir, make_tiny_family_model
 from tests.tiny_model import make_tiny_model, make_tiny_model_dir
 
@@ -105,7 +105,7 @@ def test_fingerprint_includes_the_spec(tmp_path):
     a = resolve_and_load(str(make_tiny_family_dir(tmp_path / "a", "gemma3_text")))
     assert a.cache_spec.has_window
     # Same weights and config, served as if every layer were global: another fingerprint.
-    from mlx_kvserver import models
+    from mlx_kvserver.models import loading as models
 
     other = models._fingerprint(a.model, [tmp_path / "a" / "model.safetensors"], {}, a.tokenizer,
                                 CacheSpec.plain(4, 2, 16, mx.float32))

@@ -17,11 +17,11 @@ from kv_cache.manager import CacheManager
 from kv_cache.pages.pool import PagePool
 from kv_cache.tokens import common_prefix
 from mlx_kvserver.chat.output import Accepted
-from mlx_kvserver.models import LoadedModel, resolve_and_load
-from mlx_kvserver.request import Request
-from mlx_kvserver.runner import Runner
-from mlx_kvserver.scheduler import Scheduler
-from tests.test_scheduler import Collect, run, text
+from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
+from mlx_kvserver.engine.request import Request
+from mlx_kvserver.engine.runner import Runner
+from mlx_kvserver.engine.scheduler import Scheduler
+from tests.engine.test_scheduler import Collect, run, text
 from tests.tiny_families import make_tiny_family_dir
 
 PAGE = 8

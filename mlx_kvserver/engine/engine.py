@@ -1,0 +1,211 @@
+"""The engine: one thread owns the models, their caches and their schedulers.
+
+The HTTP layer submits a ``Job`` (``request.py``) and reads its events from an asyncio queue.
+The engine thread admits queued jobs between steps, runs cache-management calls (``call``)
+between steps, and steps every model's scheduler (``scheduler.py``) while any has work: many
+requests are answered at once, each step decoding one token for all of them. A step returns its
+typed events (``chat/output.py``), which the engine hands to their jobs.
+
+Each model's cache is one ``kv_cache.CacheManager`` (``kv_cache.open_cache``); the engine reads
+it only through the manager's plain values (``report``, ``describe``) and ``kv_cache``'s export
+and import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import mlx.core as mx
+
+from kv_cache import CacheManager, export_entry, import_entry, open_cache, with_kv_bits
+
+from ..chat.output import Done, Error
+from ..config import GB, ServerConfig
+from ..errors import RequestError
+from ..models.loading import LoadedModel
+from .request import Job
+from .runner import Runner
+from .scheduler import Events, Scheduler
+
+log = logging.getLogger("mlx_kvserver.engine")
+
+__all__ = ["Engine", "Job"]
+
+
+@dataclass
+class Control:
+    """A function to run on the worker thread (cache management), with its result."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+
+
+class Engine:
+    """Owns the models' caches and schedulers and steps them on one thread."""
+
+    def __init__(self, models: list[LoadedModel], config: ServerConfig | None = None):
+        """One cache and scheduler per model, with ``config``'s cache and batching settings."""
+        config = config or ServerConfig()
+        self.models = {lm.name: lm for lm in models}
+        self.managers: dict[str, CacheManager] = {}
+        self.schedulers: dict[str, Scheduler] = {}
+        for lm in models:
+            spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
+                                             config.kv_group_size)
+            manager = open_cache(
+                spec, fingerprint, page_size=config.page_size,
+                max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
+                disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
+                max_resident=config.max_resident_sequences,
+                about={"name": lm.name, "source": lm.source}, store_url=config.kv_store,
+                store_namespace=config.kv_store_namespace)
+            self.managers[lm.name] = manager
+            self.schedulers[lm.name] = Scheduler(manager, Runner(lm.model, manager, lm.name),
+                                                 max_batch=config.max_batch,
+                                                 prefill_chunk=config.prefill_chunk)
+        self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=config.max_queue)
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="generation", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=60)
+            self._thread = None
+        for manager in self.managers.values():
+            manager.close()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread, between two steps, and return its result."""
+        control = Control(fn)
+        self._queue.put(control)  # control calls are small: they do not count against the limit
+        return await asyncio.wrap_future(control.future)
+
+    def submit(self, job: Job) -> None:
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise RequestError(429, "the server is busy; try again shortly",
+                           type="rate_limit_error", code="queue_full")
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    @property
+    def busy(self) -> bool:
+        return any(s.busy for s in self.schedulers.values())
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences decoding together now (all models)."""
+        return sum(s.batch_size for s in self.schedulers.values())
+
+    def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            for s in self.schedulers.values():
+                self._deliver(s.close())
+            # NOTE: MLX keeps streams per thread; a thread that ran MLX and ends without
+            # clearing them can abort the process at exit ("terminate called without an
+            # active exception", seen in 3 of 10 threaded runs, 0 of 12 with this).
+            mx.clear_streams()
+
+    def _serve(self) -> None:
+        while True:
+            block = not self.busy
+            while True:  # everything queued now, waiting only when there is nothing to step
+                try:
+                    item = self._queue.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if item is None:
+                    return
+                if isinstance(item, Control):
+                    self._control(item)
+                else:
+                    self._admit(item)
+            for scheduler in self.schedulers.values():
+                if scheduler.busy:
+                    try:  # a prompt's first token goes out before the next decode step
+                        self._deliver(scheduler.step_prompts())
+                        self._deliver(scheduler.step_answers())
+                    except Exception as e:  # the engine never dies with a request
+                        log.exception("step failed")
+                        self._deliver(scheduler.fail_all(RequestError(
+                            500, f"generation failed: {e}", type="server_error")))
+            for manager in self.managers.values():
+                manager.flush()  # disk writes, after the step's answers are out
+
+    @staticmethod
+    def _deliver(events: Events) -> None:
+        for job, event in events:
+            job.send(event)
+
+    def _admit(self, job: Job) -> None:
+        if job.cancelled.is_set():
+            job.send(Done())
+            return
+        try:
+            self.schedulers[job.lm.name].add(job)
+        except RequestError as e:
+            job.send(Error(e))
+            job.send(Done())
+        except Exception as e:
+            log.exception("%s could not be admitted", job.id)
+            job.send(Error(RequestError(500, f"generation failed: {e}", type="server_error")))
+            job.send(Done())
+
+    @staticmethod
+    def _control(control: Control) -> None:
+        if not control.future.set_running_or_notify_cancel():
+            return
+        try:
+            control.future.set_result(control.fn())
+        except BaseException as e:
+            control.future.set_exception(e)
+
+    # -- reports and cache management (each runs on the worker thread through ``call``) --------
+
+    def cache_stats(self) -> dict:
+        """Per model: memory and disk tiers, and the tokens prompts read again."""
+        return {name: {**manager.report(), "reread": dict(self.schedulers[name].reread)}
+                for name, manager in self.managers.items()}
+
+    def entry_info(self, key: str) -> dict | None:
+        for name, manager in self.managers.items():
+            info = manager.describe(key)
+            if info is not None:
+                return {"object": "kv_cache.entry", "message_id": key, "model": name, **info}
+        return None
+
+    def delete_entry(self, key: str) -> bool:
+        return any([manager.drop(key) for manager in self.managers.values()])
+
+    def export_entry(self, key: str) -> tuple[str, bytes] | None:
+        for name, manager in self.managers.items():
+            data = export_entry(manager, key)
+            if data is not None:
+                return name, data
+        return None
+
+    def import_entry(self, model: str, path: str, key: str | None) -> dict:
+        manager = self.managers[model]
+        entry = import_entry(manager, path, key)
+        info = manager.describe(entry.key)
+        return {"object": "kv_cache.entry", "message_id": entry.key, "model": model,
+                **{k: info[k] for k in ("tokens", "in_memory", "on_disk")}}

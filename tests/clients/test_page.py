@@ -1,0 +1,459 @@
+"""The chat page at / in a real headless Chromium (selenium, Debian's chromium + chromium-driver)
+against the real server on the tiny model: turns from the cache across a reload and a server
+restart, edit, regenerate, fork, model choice, the cache panel, the API-key prompt, and model
+output with HTML in it rendered as text; a turn's reasoning and tool calls (canned events from a
+stub, see that test). Without a browser the browser tests are skipped, and
+the skip reason says so (pytest -ra prints it in the summary)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import struct
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from mlx_kvserver.config import ServerConfig
+from tests.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
+from tests.server_utils import running_server
+from tests.services import required, unavailable
+from tests.clients.test_repl import WEATHER, thinking_answer
+
+CHROMIUM = find_chromium()
+needs_browser = pytest.mark.skipif(CHROMIUM is None and "chromium" not in required(),
+                                   reason=MISSING)
+STORAGE_KEY = "mlx-kvchat.conversations.v1"
+KEY = "page-s3cret"
+
+
+class Served:
+    """A running server that can be stopped and started again on the same port."""
+
+    def __init__(self, models, config: ServerConfig):
+        self.models, self.config, self.port, self._cm = models, config, 0, None
+
+    def start(self) -> None:
+        self._cm = running_server(self.models, self.config, port=self.port)
+        self.url = self._cm.__enter__()
+        self.root = self.url.removesuffix("/v1")
+        self.port = int(self.root.rsplit(":", 1)[1])
+
+    def stop(self) -> None:
+        self._cm.__exit__(None, None, None)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def served(tiny_lm, tiny_lm_b, tmp_path_factory):
+    config = ServerConfig(max_tokens=8, kv_cache_dir=tmp_path_factory.mktemp("page-kv"))
+    s = Served([tiny_lm, tiny_lm_b], config)
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def downloads(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("downloads")
+
+
+@pytest.fixture(scope="module")
+def web(downloads):
+    if CHROMIUM is None:
+        unavailable("chromium", MISSING)
+    driver = start_chromium(*CHROMIUM, downloads=downloads)
+    yield driver
+    quit_chromium(driver)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def until(web, predicate, timeout: float = 30, what: str = "the page"):
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    # polled every 50 ms, not selenium's default 500 ms: an answer of the tiny model takes less
+    return WebDriverWait(web, timeout, poll_frequency=0.05).until(lambda w: predicate(w),
+                                                                  f"waiting for {what}")
+
+
+def css(web, selector: str):
+    from selenium.webdriver.common.by import By
+
+    return web.find_elements(By.CSS_SELECTOR, selector)
+
+
+def open_page(web, root: str) -> None:
+    web.get(root + "/")
+    until(web, lambda w: w.execute_script("return document.body.dataset.ready") == "1")
+
+
+def answers(web) -> int:
+    return int(css(web, "#main")[0].get_attribute("data-answers"))
+
+
+def answered(web, before: int) -> dict:
+    """Waits for the next answer to finish; its message_id and the figures under it."""
+    until(web, lambda w: answers(w) > before and
+          css(w, "#main")[0].get_attribute("data-state") == "idle", what="an answer")
+    error = css(web, "#error")[0]
+    assert not error.is_displayed(), error.text
+    last = css(web, "#messages .msg")[-1]
+    stats = last.find_elements("css selector", ".msg-stats")[0]
+    return {"id": last.get_attribute("data-message-id"), "text": stats.text,
+            "cached": int(stats.get_attribute("data-cached")),
+            "prompt": int(stats.get_attribute("data-prompt"))}
+
+
+def say(web, text: str) -> dict:
+    before = answers(web)
+    box = css(web, "#input")[0]
+    box.send_keys(text)
+    css(web, "#send")[0].click()
+    return answered(web, before)
+
+
+def click_action(web, index: int, name: str) -> None:
+    msg = css(web, f'#messages .msg[data-index="{index}"]')[0]
+    web.execute_script("arguments[0].scrollIntoView()", msg)
+    msg.find_elements("css selector", f".act-{name}")[0].click()
+
+
+def stored(web) -> dict:
+    return json.loads(web.execute_script(f"return localStorage.getItem('{STORAGE_KEY}')"))
+
+
+def active(web) -> dict:
+    data = stored(web)
+    return next(c for c in data["conversations"] if c["id"] == data["current"])
+
+
+# -- the page in a browser ----------------------------------------------------------------------
+
+
+@needs_browser
+def test_turns_come_from_the_cache_across_reload_edit_fork_and_restart(served, web, tiny_lm,
+                                                                       tiny_lm_b):
+    open_page(web, served.root)
+    assert css(web, "#model-choice")[0].is_displayed()  # two models served: a choice
+    first = say(web, "hello there")
+    assert first["cached"] == 0 and "ttft" in first["text"] and "tok/s" in first["text"]
+    second = say(web, "tell me more")
+    assert 0 < second["cached"] < second["prompt"]  # the history came from the cache
+    assert not css(web, "#turns")[0].get_attribute("hidden")
+    assert len(css(web, "#turns-chart svg rect.bar-cached")) == 2
+    conv = active(web)
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant"] * 2
+    assert all(m["message_id"] for m in conv["messages"])
+    assert conv["messages"][-1]["message_id"] == second["id"]
+
+    web.refresh()  # the conversation comes back from localStorage, with its ids
+    until(web, lambda w: len(css(w, "#messages .msg")) == 4)
+    third = say(web, "and then?")
+    assert third["cached"] > second["prompt"] // 2
+
+    user_id = active(web)["messages"][4]["message_id"]  # edit the third question
+    click_action(web, 4, "edit")
+    area = css(web, ".edit-input")[0]
+    area.clear()
+    area.send_keys("a different question")
+    before = answers(web)
+    css(web, ".edit-save")[0].click()
+    edited = answered(web, before)
+    msgs = active(web)["messages"]
+    assert len(msgs) == 6 and msgs[4]["content"] == "a different question"
+    assert msgs[4]["message_id"] != user_id  # an edited message is a new message
+    assert edited["cached"] > 0  # the turns before it still come from the cache
+
+    before = answers(web)
+    click_action(web, 5, "regen")
+    regen = answered(web, before)
+    assert regen["id"] != edited["id"] and regen["cached"] >= edited["prompt"] - 1
+    assert len(active(web)["messages"]) == 6
+
+    original = active(web)
+    click_action(web, 1, "fork")  # a new conversation with the first question and answer
+    until(web, lambda w: len(css(w, "#conversations li")) == 2)
+    fork = active(web)
+    assert fork["id"] != original["id"]
+    assert [m["message_id"] for m in fork["messages"]] == \
+        [m["message_id"] for m in original["messages"][:2]]
+    branch = say(web, "a branch")
+    assert branch["cached"] > 0
+    assert len(next(c for c in stored(web)["conversations"]
+                    if c["id"] == original["id"])["messages"]) == 6  # the original is intact
+
+    from selenium.webdriver.support.ui import Select
+
+    Select(css(web, "#model")[0]).select_by_value(tiny_lm_b.name)
+    other = say(web, "and on the other model?")
+    assert tiny_lm_b.name in other["text"] and other["cached"] == 0  # its own cache: empty
+    assert active(web)["messages"][-1]["model"] == tiny_lm_b.name
+
+    served.restart()  # a new server process state: the cache comes back from disk
+    web.refresh()
+    until(web, lambda w: w.execute_script("return document.body.dataset.ready") == "1")
+    css(web, f'#conversations li[data-id="{original["id"]}"] .conv-open')[0].click()
+    until(web, lambda w: len(css(w, "#messages .msg")) == 6)
+    assert Select(css(web, "#model")[0]).first_selected_option.text == tiny_lm.name
+    after = say(web, "after a restart")
+    assert after["cached"] > regen["prompt"] // 2
+    stats = httpx.get(f"{served.url}/kv_cache/stats").json()["models"][tiny_lm.name]
+    assert stats["disk_hits"] >= 1
+
+
+@needs_browser
+def test_cache_panel_shows_stats_exports_and_deletes(served, web, downloads, tiny_lm):
+    open_page(web, served.root)
+    css(web, "#new-chat")[0].click()
+    say(web, "fill the cache")
+    reply_id = say(web, "and a second turn")["id"]
+    css(web, "#toggle-cache")[0].click()
+    until(web, lambda w: css(w, f'.cache-entry[data-message-id="{reply_id}"]'), what="entries")
+    section = css(web, f'.cache-model[data-model="{tiny_lm.name}"]')[0]
+    rows = {r.get_attribute("data-stat"): r.text for r in
+            section.find_elements("css selector", "tr")}
+    assert set(rows) >= {"hits", "tokens", "ram", "ram-entries", "shared", "disk", "evictions"}
+    assert " of " in rows["ram"] and "GiB" in rows["ram"] and " of " in rows["disk"]
+    assert len(section.find_elements("css selector", "meter")) == 2
+    assert len(css(web, ".cache-entry")) == 4  # both questions and both answers
+
+    entry = css(web, f'.cache-entry[data-message-id="{reply_id}"]')[0]
+    entry.find_elements("css selector", ".entry-export")[0].click()
+    target = downloads / f"kv-{reply_id}.safetensors"
+    deadline = time.monotonic() + 20
+    while not target.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    data = target.read_bytes()
+    header = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]])
+    assert header["__metadata__"]["key"] == reply_id
+
+    entry.find_elements("css selector", ".entry-delete")[0].click()
+    until(web, lambda w: not css(w, f'.cache-entry[data-message-id="{reply_id}"]'),
+          what="the entry to go")
+    assert httpx.get(f"{served.url}/kv_cache/{reply_id}").status_code == 404
+
+
+EVIL = """Here is **bold**, *italic* and `<b>code</b>`.
+
+<script>window.__pwned = "script"</script>
+<img src=x onerror="window.__pwned = 'img'">
+[click me](javascript:window.__pwned='link') and [a real link](https://example.com/a?b=1)
+See https://example.org/page.
+
+```html
+<img src=x onerror="window.__pwned = 'code'">
+```
+
+- one <iframe src="javascript:window.__pwned='iframe'"></iframe>
+- two"""
+
+
+@needs_browser
+def test_model_output_with_html_renders_as_text(served, web):
+    """An answer stored as the page stores answers (localStorage), with HTML and script in it:
+    the page renders it through its own Markdown renderer, as text."""
+    open_page(web, served.root)
+    conv = {"id": "conv-evil", "title": "<img src=x onerror=\"window.__pwned='title'\">",
+            "model": None, "created": 1, "updated": 4102444800000, "messages": [
+                {"role": "user", "content": "<b>hi</b><img src=x onerror=\"window.__pwned='u'\">",
+                 "message_id": "user-evil"},
+                {"role": "assistant", "content": EVIL, "message_id": "msg-evil"}]}
+    web.execute_script("localStorage.setItem(arguments[0], arguments[1])", STORAGE_KEY,
+                       json.dumps({"version": 1, "current": "conv-evil", "conversations": [conv]}))
+    open_page(web, served.root)
+    until(web, lambda w: len(css(w, "#messages .msg")) == 2)
+    time.sleep(1.0)  # an <img onerror> would have fired by now
+    assert web.execute_script("return window.__pwned") is None
+    for tag in ("script", "img", "iframe", "b"):
+        assert not css(web, f"#messages {tag}, #conversations {tag}"), tag
+    body = css(web, '#messages .msg[data-role="assistant"] .msg-body')[0]
+    text = body.text
+    assert '<script>window.__pwned = "script"</script>' in text
+    assert "<img src=x onerror=\"window.__pwned = 'img'\">" in text
+    assert "[click me](javascript:window.__pwned='link')" in text
+    assert [e.text for e in body.find_elements("css selector", "strong")] == ["bold"]
+    assert [e.text for e in body.find_elements("css selector", "em")] == ["italic"]
+    assert body.find_elements("css selector", "p code")[0].text == "<b>code</b>"
+    code = body.find_elements("css selector", "pre code")[0]
+    assert code.text == "<img src=x onerror=\"window.__pwned = 'code'\">"
+    assert code.get_attribute("class") == "lang-html"
+    links = body.find_elements("css selector", "a")
+    assert [a.get_attribute("href") for a in links] == ["https://example.com/a?b=1",
+                                                        "https://example.org/page"]
+    assert links[0].get_attribute("rel") == "noopener noreferrer nofollow"
+    items = body.find_elements("css selector", "ul li")
+    assert len(items) == 2 and "<iframe" in items[0].text
+    user = css(web, '#messages .msg[data-role="user"] .msg-body')[0]
+    assert user.text == "<b>hi</b><img src=x onerror=\"window.__pwned='u'\">"
+    assert css(web, "#conversations .conv-open")[0].text.startswith("<img src=x")
+
+
+@needs_browser
+def test_api_key_prompt(tiny_lm, web):
+    with running_server([tiny_lm], ServerConfig(max_tokens=4, api_key=KEY)) as url:
+        web.get(url.removesuffix("/v1") + "/")
+        until(web, lambda w: css(w, "#key-dialog")[0].is_displayed(), what="the key prompt")
+        assert "needs an API key" in css(web, "#key-message")[0].text
+        css(web, "#key-input")[0].send_keys("wrong")
+        css(web, "#key-form button[type=submit]")[0].click()
+        until(web, lambda w: "not accepted" in css(w, "#key-message")[0].text)
+        css(web, "#key-input")[0].send_keys(KEY)
+        css(web, "#key-form button[type=submit]")[0].click()
+        until(web, lambda w: w.execute_script("return document.body.dataset.ready") == "1")
+        assert not css(web, "#key-dialog")[0].is_displayed()
+        assert not css(web, "#model-choice")[0].is_displayed()  # one model: no choice
+        css(web, "#new-chat")[0].click()
+        assert say(web, "hello with a key")["prompt"] > 0
+        web.execute_script("sessionStorage.clear(); localStorage.clear()")
+
+
+class CannedChat:
+    """A stub server for the rendering check only: the page and its files are the real routes
+    (mlx_kvserver.api.page), /v1/models and /v1/chat/completions stream canned events shaped as the
+    server's (the tiny random-weight models make no reasoning or tool calls on their own). A
+    "wait" item holds the stream until ``gate`` is set; ``bodies`` are the requests it got."""
+
+    def __init__(self, answers: list[list]):
+        self.answers, self.bodies, self.gate = list(answers), [], threading.Event()
+
+    def app(self):
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, StreamingResponse
+        from starlette.routing import Route
+
+        from mlx_kvserver.api.page import page_routes
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+        async def chat(request):
+            self.bodies.append(await request.json())
+            chunks = self.answers.pop(0)
+
+            async def events():
+                for c in chunks:
+                    if c == "wait":
+                        await asyncio.to_thread(self.gate.wait, 30)
+                    else:
+                        yield f"data: {json.dumps(c)}\n\n"
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        return Starlette(routes=[*page_routes(), Route("/v1/models", models),
+                                 Route("/v1/chat/completions", chat, methods=["POST"])])
+
+
+THOUGHT = ["The user wants the weather. ", "<script>window.__pwned='r'</script> I should call ",
+           "the tool."]
+EVIL_CALL = {"id": "call_2", "type": "function", "function": {
+    "name": "<img src=x onerror=\"window.__pwned='name'\">", "arguments": "<b>not json</b>"}}
+
+
+def parts_of(msg) -> list[str]:
+    return [c.get_attribute("class") for c in msg.find_elements("css selector", ":scope > *")]
+
+
+@needs_browser
+def test_reasoning_folds_and_tool_calls_show_across_a_reload(web):
+    """Canned events (a stub, for the rendering only): the reasoning streams into an open
+    "Reasoning" block that folds when the answer starts; each tool call is a block with its
+    name and pretty-printed arguments, as text; both stay after a reload, and the next turn
+    sends them back as the server sent them."""
+    first = thinking_answer("msg-a", THOUGHT, ["Let me look that up."], [WEATHER, EVIL_CALL],
+                            "tool_calls")
+    first.insert(1 + len(THOUGHT), "wait")  # the reasoning is out; the answer waits
+    stub = CannedChat([first, thinking_answer("msg-b", [], ["It is sunny."])])
+    with serve_app(stub.app()) as root:
+        open_page(web, root)
+        before = answers(web)
+        css(web, "#input")[0].send_keys("weather in Paris?")
+        css(web, "#send")[0].click()
+        until(web, lambda w: css(w, ".msg-reasoning[open] .reasoning-body") and "the tool." in
+              css(w, ".msg-reasoning .reasoning-body")[0].text, what="the reasoning, open")
+        summary = css(web, ".msg-reasoning summary")[0].text
+        n = len("".join(THOUGHT))
+        assert summary == f"Reasoning… · {n} chars"
+        assert css(web, "#main")[0].get_attribute("data-state") == "streaming"
+        stub.gate.set()
+        answered(web, before)
+        msg = css(web, '#messages .msg[data-role="assistant"]')[-1]
+        assert parts_of(msg) == ["msg-head", "msg-reasoning", "msg-body", "msg-tools",
+                                 "msg-stats"]
+        details = msg.find_elements("css selector", ".msg-reasoning")[0]
+        assert details.get_attribute("open") is None  # folded once the answer started
+        assert re.fullmatch(rf"Reasoning · {n} chars · \d+\.\d s", details.text)
+        details.find_elements("css selector", "summary")[0].click()
+        assert details.find_elements("css selector", ".reasoning-body")[0].text == \
+            "".join(THOUGHT)
+        assert msg.find_elements("css selector", ".msg-body")[0].text == "Let me look that up."
+        calls = msg.find_elements("css selector", ".tool-call")
+        assert [c.find_elements("css selector", ".tool-call-name")[0].text for c in calls] == \
+            ["get_weather", EVIL_CALL["function"]["name"]]
+        args = [c.find_elements("css selector", ".tool-call-args")[0].text for c in calls]
+        assert args == ['{\n  "city": "Paris",\n  "days": 2\n}', "<b>not json</b>"]
+        assert "call_1" in calls[0].text
+        assert not css(web, "#messages script, #messages img, #messages b")
+        assert web.execute_script("return window.__pwned") is None
+        kept = active(web)["messages"][-1]
+        assert kept["reasoning_content"] == "".join(THOUGHT) and kept["reasoning_time"] >= 0
+        assert kept["tool_calls"] == [WEATHER, EVIL_CALL]
+
+        web.refresh()  # from localStorage: the same parts, the reasoning folded
+        until(web, lambda w: len(css(w, "#messages .msg")) == 2)
+        msg = css(web, '#messages .msg[data-role="assistant"]')[0]
+        assert parts_of(msg) == ["msg-head", "msg-reasoning", "msg-body", "msg-tools",
+                                 "msg-stats"]
+        assert msg.find_elements("css selector", ".msg-reasoning")[0].get_attribute("open") \
+            is None
+        assert len(msg.find_elements("css selector", ".tool-call")) == 2
+        say(web, "thanks")
+        sent = stub.bodies[1]["messages"][1]
+        assert sent == {"role": "assistant", "content": "Let me look that up.",
+                        "message_id": "msg-a", "reasoning_content": "".join(THOUGHT),
+                        "tool_calls": [WEATHER, EVIL_CALL]}
+        assert "reasoning_content" not in stub.bodies[1]["messages"][0]
+        web.execute_script("localStorage.clear()")
+
+
+# -- without a browser --------------------------------------------------------------------------
+
+STATIC = Path(__file__).resolve().parents[2] / "mlx_kvserver" / "clients" / "page"
+
+
+def test_page_scripts_never_parse_html():
+    """Model output reaches the DOM as text only: no HTML sinks anywhere in the page's code."""
+    sinks = ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(",
+             "new Function", "createContextualFragment", "DOMParser")
+    for path in STATIC.glob("*.js"):
+        source = path.read_text()
+        assert not [s for s in sinks if s in source], path.name
+
+
+def test_page_and_files_are_served_with_a_strict_policy(tiny_lm):
+    with running_server([tiny_lm], ServerConfig(api_key=KEY)) as url:
+        root = url.removesuffix("/v1")
+        page = httpx.get(f"{root}/")  # public: a browser cannot send the key for a page
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        csp = page.headers["content-security-policy"]
+        assert "script-src 'self'" in csp and "connect-src 'self'" in csp
+        assert "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
+        assert 'src="static/app.js"' in page.text
+        for name in ("app.js", "markdown.js", "parts.js", "store.js", "client.js", "chart.js",
+                     "cache.js", "style.css"):
+            r = httpx.get(f"{root}/static/{name}")
+            assert r.status_code == 200 and r.headers["x-content-type-options"] == "nosniff"
+            kind = "css" if name.endswith(".css") else "javascript"
+            assert kind in r.headers["content-type"], name
+        missing = httpx.get(f"{root}/static/nope.js")
+        assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
+        assert httpx.get(f"{root}/static/../api.py").status_code == 404
+        assert httpx.get(f"{url}/models").status_code == 401  # the API still needs the key

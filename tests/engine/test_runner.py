@@ -1,0 +1,93 @@
+"""The model runner's prompt pass: positions whose logits nobody reads have only the caches'
+state evaluated, and a long last piece runs its last token alone; the caches and the logits are
+those of the plain pass."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kv_cache import open_cache
+from mlx_kvserver.engine.runner import SPLIT_LAST, Runner
+from mlx_kvserver.engine.scheduler import Scheduler
+
+PROMPT = [(i * 37) % 250 + 3 for i in range(3 * SPLIT_LAST + 5)]
+
+
+def _runner(lm):
+    manager = open_cache(lm.cache_spec, lm.fingerprint, page_size=8, max_ram_bytes=64 << 20,
+                         policy="lru", disk_dir=None, max_disk_bytes=0, max_resident=0)
+    return manager, Runner(lm.model, manager, lm.name)
+
+
+def _plain(lm, seq, tokens) -> mx.array:
+    """The pass as it was: the model over the whole piece, its last logits evaluated."""
+    from kv_cache import forward
+
+    with forward():
+        out = lm.model(mx.array(tokens)[None], cache=seq.prepare())[0, -1]
+        mx.eval(out)
+    seq.append_tokens(tokens)
+    return out
+
+
+def _kv(seq) -> list[mx.array]:
+    return [a for c in seq.prepare() for a in c.state]
+
+
+def test_a_piece_without_logits_leaves_the_caches_of_the_plain_pass(tiny_lm):
+    manager, runner = _runner(tiny_lm)
+    a, b = manager.new_sequence(), manager.new_sequence()
+    try:
+        assert runner.prefill(a, PROMPT[:20], logits=False) is None
+        _plain(tiny_lm, b, PROMPT[:20])
+        assert a.tokens == b.tokens == PROMPT[:20]
+        for x, y in zip(_kv(a), _kv(b), strict=True):
+            assert mx.array_equal(x, y).item()
+        # and the next piece, with its logits, on top of it
+        la = runner.prefill(a, PROMPT[20:])
+        lb = _plain(tiny_lm, b, PROMPT[20:])
+        assert len(PROMPT[20:]) > SPLIT_LAST  # its last token ran alone
+        assert mx.allclose(la, lb, atol=1e-4).item()
+        assert mx.argmax(la).item() == mx.argmax(lb).item()
+        for x, y in zip(_kv(a), _kv(b), strict=True):
+            assert mx.allclose(x, y, atol=1e-5).item()
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("n", [1, SPLIT_LAST, SPLIT_LAST + 1])
+def test_short_and_long_last_pieces_give_the_plain_logits(tiny_lm, n):
+    manager, runner = _runner(tiny_lm)
+    a, b = manager.new_sequence(), manager.new_sequence()
+    try:
+        got, want = runner.prefill(a, PROMPT[:n]), _plain(tiny_lm, b, PROMPT[:n])
+        assert got.shape == want.shape and mx.allclose(got, want, atol=1e-4).item()
+        assert len(a.tokens) == n
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_scheduler_asks_for_logits_only_at_a_prompts_end(tiny_lm):
+    from tests.engine.test_scheduler import Collect, step
+
+    manager, runner = _runner(tiny_lm)
+    asked: list[tuple[int, bool]] = []
+    original = runner.prefill_many
+
+    def spy(seqs, pieces, logits=None):
+        asked.extend(zip([len(p) for p in pieces], logits))
+        return original(seqs, pieces, logits)
+
+    runner.prefill_many = spy
+    s = Scheduler(manager, runner, prefill_chunk=16)
+    job = Collect({"messages": [{"role": "user", "content": "word " * 40}], "max_tokens": 3,
+                   "temperature": 0}, tiny_lm)
+    s.add(job)
+    while s.busy:
+        step(s)
+    assert job.finished and not job.errors()
+    assert len(asked) >= 3, asked  # the prompt ran in several pieces
+    assert [flag for _, flag in asked] == [False] * (len(asked) - 1) + [True]
