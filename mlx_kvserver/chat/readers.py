@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from .calls import (HERMES_HEAD, OBJECT_TAIL, CallReader, JsonCallsReader, MistralReader,
                     WholeReader, deepseek_calls, json_objects, mlx_parser, JNAME)
-from .xml_calls import XML_FORMATS, Gemma4Reader, XmlCallsReader
+from .gemma_calls import Gemma4Reader
+from .xml_calls import XML_FORMATS, XmlCallsReader
 
 
 def reader_for(parser: str, tools: list[dict]) -> CallReader:

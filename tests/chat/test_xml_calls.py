@@ -1,6 +1,6 @@
-"""Call readers of the formats whose arguments are not JSON text (chat/xml_calls.py): parameters
-as tags (Qwen3-Coder, GLM 4.7, MiniMax M2) typed by the tool's schema, and Gemma 4's syntax
-translated to JSON, fed character by character."""
+"""Call readers of the formats whose arguments are parameters as tags (chat/xml_calls.py:
+Qwen3-Coder, GLM 4.7, MiniMax M2) typed by the tool's schema, fed character by character; what
+they share with Gemma 4's reader (chat/gemma_calls.py) is checked for it too."""
 
 from __future__ import annotations
 
@@ -42,13 +42,6 @@ def test_parameters_stream_as_json(parser):
     got = check_streams(parser, body, [("get_weather", P)] + ([("get_weather", R)] * several))
     opened = body.index(CITY_OPEN[parser]) + len(CITY_OPEN[parser])
     assert (opened, Args('{"city": "')) in got  # a parameter's head as soon as its tag is read
-
-
-def test_gemma4_translates_as_it_streams():
-    got = check_streams("gemma4", GEMMA_P + GEMMA_R,
-                        [("get_weather", '{"city":"Paris","days":3,"metric":true}'),
-                         ("get_weather", '{"city":"Rome","opts":{"a":[1,"x"]}}')])
-    assert (GEMMA_P.index("{") + 1, Args("{")) in got
 
 
 @pytest.mark.parametrize("parser", XML)
@@ -155,26 +148,3 @@ def test_a_value_left_open_when_the_block_closes(parser):
                                     "invalid_markup: a parameter is not closed")]
     assert whole(parser, body, closed=False) == [("get_weather", '{"city": "Paris', "",
                                                   "truncated")]
-
-
-def test_gemma4_invalid_json_midway():
-    body = 'call:get_weather{city:<|"|>Paris<|"|>,,days:3}'
-    for pieces in ([p for _, p in stream("gemma4", body)], None):
-        got = summary(pieces) if pieces else whole("gemma4", body)
-        assert got[0][0:2] == ("get_weather", '{"city":"Paris"')
-        assert got[0][3] == "invalid_json: unexpected ',' where a key belongs"
-    assert whole("gemma4", 'call:get_weather{city:<|"|>Par') == \
-        [("get_weather", '{"city":"Par', "",
-          "invalid_json: the arguments end before they are complete")]
-
-
-def test_gemma4_invalid_json_keeps_the_text_as_written():
-    body = 'call:get_weather{city:<|"|>Paris<|"|>,,days:3}'
-    assert summary([p for _, p in stream("gemma4", body)])[0][2] == ",,days:3}"
-    assert whole("gemma4", body)[0][2] == ",,days:3}"
-
-
-def test_gemma4_slipped_quotes():
-    body = "call:get_weather{city:'Paris',days:3}"
-    assert whole("gemma4", body) == [("get_weather", '{"city":"Paris","days":3}', "", None)]
-    assert whole("gemma4", 'call:get_weather{city:"Pa\\"ris"}')[0][1] == '{"city":"Pa\\"ris"}'
