@@ -2,8 +2,9 @@
 
 The rule, for every ``scripts/bench_*.py`` that writes a result (JSON, and the plots and tables
 written with it): the run writes the file it is told to; if that file already exists, it writes
-``NAME_<run start, UTC, YYYYMMDD-HHMMSS>.EXT`` beside it instead (one stamp for all files of a
-run), and says which file it wrote. A run that writes the same file again (a long run saving as it
+``NAME_<UTC time of the run's first result write, YYYYMMDD-HHMMSS>.EXT`` beside it instead (one
+stamp for all files of a run: the time this module was first imported, which the scripts do when
+they first write), and says which file it wrote. A run that writes the same file again (a long run saving as it
 goes) rewrites its own file only.
 """
 
