@@ -69,6 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-chunk", type=int, default=D.prefill_chunk,
                    help="prompt tokens read per step while other answers stream (default "
                         f"{D.prefill_chunk})")
+    p.add_argument("--speculate", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding in the batch, which never changes an answer: "
+                        "drafts from the token ids the server holds (ngram, the default), from a "
+                        "draft model (draft, the default with --draft-model), or none (off)")
+    p.add_argument("--num-draft-tokens", type=int, default=D.num_draft_tokens,
+                   help="the most draft tokens one answer verifies per step (default "
+                        f"{D.num_draft_tokens})")
+    p.add_argument("--draft-model", default=None, metavar="PATH|HF-ID",
+                   help="a small model with the served model's tokenizer that drafts where the "
+                        "conversation has nothing to offer")
     p.add_argument("--api-key", default=os.environ.get("MLX_KVSERVER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
     p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
@@ -101,6 +111,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-resident-sequences must be 0 or more")
     if args.max_batch < 1 or args.prefill_chunk < 1:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
+    if args.num_draft_tokens < 0:
+        raise SystemExit("--num-draft-tokens must be 0 or more")
+    speculate = args.speculate or ("draft" if args.draft_model else "ngram")
+    if speculate == "draft" and not args.draft_model:
+        raise SystemExit("--speculate draft needs --draft-model PATH|HF-ID")
     if args.kv_store:
         from kv_cache import check_store_url
 
@@ -121,7 +136,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
-        max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+        max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, speculate=speculate,
+        num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
         eviction_policy=args.eviction_policy, api_key=args.api_key, kv_store=args.kv_store,
         kv_store_namespace=args.kv_store_namespace,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,

@@ -48,6 +48,9 @@ class ServerConfig:
     # NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take
     # ~0.9 s, so a prompt arriving mid-stream stalls the other streams by about that much a step.
     prefill_chunk: int = 256  # prompt tokens per step
+    speculate: str = "ngram"  # off | ngram | draft: drafts verified in the batch (speculate.py)
+    num_draft_tokens: int = 8  # the most draft tokens one sequence verifies per step
+    draft_model: str | None = None  # a small model with the target's tokenizer (speculate=draft)
     eviction_policy: str = "lru"
     kv_store: str | None = None  # a shared page store (redis://, valkey://, unix://)
     kv_store_namespace: str = "kv"  # keeps tenants of one store apart

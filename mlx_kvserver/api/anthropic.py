@@ -259,7 +259,8 @@ def parse(body: dict, config, count_only: bool = False) -> Conversation:
         parallel_tool_calls=parallel, response_format=_output_format(body),
         thinking=_thinking(body.get("thinking")), continue_final=continue_final, model=model,
         n=1, stream=boolean(body, "stream", False),
-        use_kv_cache=boolean(body, "use_kv_cache", True))
+        use_kv_cache=boolean(body, "use_kv_cache", True),
+        speculate=boolean(body, "speculate", True))
 
 
 # -- answers ------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ def parse(body: dict, config) -> Conversation:
     return Conversation(prompt=_prompt(body.get("prompt")), sampling=s, model=model_name(body),
                         n=number(body, "n", 1), stream=boolean(body, "stream", False),
                         use_kv_cache=boolean(body, "use_kv_cache", True),
+                        speculate=boolean(body, "speculate", True),
                         echo=boolean(body, "echo", False))
 
 

@@ -2,6 +2,7 @@
 conversation model (``chat/conversation.py``).
 
 Beyond OpenAI's fields: ``message_id`` on messages (the cache's key), ``use_kv_cache``,
+``speculate`` (drafts verified in the batch; ``false`` turns them off for this request),
 ``top_k``, ``chat_template_kwargs`` (handed to the chat template), ``continue_final_message``
 (also implied by a history that ends with an assistant message: the answer continues it).
 """
@@ -187,7 +188,19 @@ def parse(body: dict, config) -> Conversation:
         response_format=response_format(body.get("response_format")),
         thinking=thinking_of(body), template_kwargs=dict(kwargs),
         continue_final=continue_final, model=model_name(body), n=number(body, "n", 1),
-        stream=boolean(body, "stream", False), use_kv_cache=boolean(body, "use_kv_cache", True))
+        stream=boolean(body, "stream", False), use_kv_cache=boolean(body, "use_kv_cache", True),
+        speculate=boolean(body, "speculate", True), prediction=_prediction(body))
+
+
+def _prediction(body: dict) -> str | None:
+    """OpenAI's ``prediction``: ``{"type": "content", "content": text or text parts}``."""
+    raw = body.get("prediction")
+    if raw is None:
+        return None
+    raw = obj(raw, "'prediction'", "prediction")
+    if raw.get("type") != "content":
+        raise bad_request("'prediction.type' must be 'content'", "prediction")
+    return _content(raw.get("content"), "prediction") or None
 
 
 def include_usage(body: dict) -> bool:
@@ -208,7 +221,11 @@ def usage_body(u: Usage) -> dict:
     body = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {"reasoning_tokens": u.reasoning_tokens}}
+            "completion_tokens_details": {
+                "reasoning_tokens": u.reasoning_tokens,
+                "accepted_prediction_tokens": u.draft_accepted,
+                "rejected_prediction_tokens": u.draft_rejected},
+            "decode_steps": u.decode_steps}
     if u.divergence is not None:  # this server's: why prompt tokens were read again
         body["kv_cache_divergence"] = u.divergence.as_dict()
     return body

@@ -65,7 +65,17 @@ SAMPLING = {"max_tokens": _or_null(_number("max_tokens")),
             "top_p": _or_null(_number("top_p")), "top_k": _or_null(_number("top_k")),
             "seed": _or_null({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
             "stop": STOP}
-COMMON = {"stream": BOOL, "use_kv_cache": {"type": ["boolean", "null"], "default": True}}
+COMMON = {"stream": BOOL, "use_kv_cache": {"type": ["boolean", "null"], "default": True},
+          "speculate": {"type": ["boolean", "null"], "default": True,
+                        "description": "drafts verified in the batch (never changes the answer)"}}
+PREDICTION = {"type": ["object", "null"], "required": ["type", "content"],
+              "properties": {"type": {"const": "content"},
+                             "content": {"oneOf": [{"type": "string"}, {
+                                 "type": "array", "items": {
+                                     "type": "object", "required": ["type", "text"],
+                                     "properties": {"type": {"const": "text"},
+                                                    "text": {"type": "string"}}}}]}},
+              "description": "the answer as you expect it (OpenAI's Predicted Outputs): a draft"}
 STREAM_OPTIONS = _or_null({"type": "object", "properties": {"include_usage": BOOL}})
 MESSAGE_ID = _or_null({"$ref": "#/components/schemas/MessageId"})
 
@@ -107,7 +117,7 @@ def chat(models: list[str] | None) -> dict:
         tools=_or_null({"type": "array", "maxItems": MAX_TOOLS, "items": CHAT_TOOL}),
         tool_choice=CHAT_CHOICE, parallel_tool_calls=BOOL, response_format=_or_null(FORMAT),
         reasoning_effort=_or_null({"enum": list(EFFORTS)}), logprobs=BOOL,
-        chat_template_kwargs=_or_null(OBJECT),
+        chat_template_kwargs=_or_null(OBJECT), prediction=PREDICTION,
         continue_final_message={**BOOL, "description": "true only after a last assistant "
                                 "message without tool calls"})
 

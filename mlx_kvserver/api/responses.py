@@ -243,7 +243,8 @@ def parse(body: dict, config, previous: list[Message] | None = None) -> Conversa
         parallel_tool_calls=boolean(body, "parallel_tool_calls", True),
         response_format=_text_format(body), thinking=_reasoning(body)[1],
         template_kwargs=dict(kwargs), model=model_name(body),
-        stream=boolean(body, "stream", False), use_kv_cache=boolean(body, "use_kv_cache", True))
+        stream=boolean(body, "stream", False), use_kv_cache=boolean(body, "use_kv_cache", True),
+        speculate=boolean(body, "speculate", True))
 
 
 # -- answers --------------------------------------------------------------------------------------

@@ -133,6 +133,19 @@ class Matcher:
         if not self._ll.consume_token(token):
             raise ValueError(f"token {token}: {_brief(self._ll.get_error())}")
 
+    def forced_tokens(self) -> list[int]:
+        """The tokens the grammar allows as the only continuation from here (none where more
+        than one could follow): a draft that cannot be refused."""
+        if self._ended or self._ll.is_error():
+            return []
+        return [int(t) for t in self._ll.compute_ff_tokens() if t not in self._eos]
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, from the first, the grammar would take from here."""
+        if self._ended or self._ll.is_error() or not tokens:
+            return 0
+        return int(self._ll.validate_tokens([int(t) for t in tokens]))
+
     @property
     def accepting(self) -> bool:
         """Whether the output so far is complete (the grammar may end here)."""

@@ -155,6 +155,8 @@ class Conversation:
     stream: bool = False
     use_kv_cache: bool = True
     echo: bool = False  # completions: the prompt's text comes back before the answer
+    speculate: bool = True  # drafts verified in the batch (never changes the answer)
+    prediction: str | None = None  # a client's guess of the answer (OpenAI's Predicted Outputs)
 
     @property
     def calls_tools(self) -> bool:

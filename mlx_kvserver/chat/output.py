@@ -130,6 +130,9 @@ class Usage:
     cached_tokens: int
     divergence: Divergence | None = None  # why prompt tokens were read again, when they were
     reasoning_tokens: int = 0  # of the completion tokens, those inside reasoning
+    draft_accepted: int = 0  # draft tokens (speculation, a prediction) the answer took
+    draft_rejected: int = 0  # draft tokens verified and not taken
+    decode_steps: int = 0  # forward passes that produced the completion after its first token
 
     @property
     def total_tokens(self) -> int:

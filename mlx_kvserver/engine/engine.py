@@ -68,7 +68,9 @@ class Engine:
             self.managers[lm.name] = manager
             self.schedulers[lm.name] = Scheduler(manager, Runner(lm.model, manager, lm.name),
                                                  max_batch=config.max_batch,
-                                                 prefill_chunk=config.prefill_chunk)
+                                                 prefill_chunk=config.prefill_chunk,
+                                                 speculate=config.speculate,
+                                                 num_draft_tokens=config.num_draft_tokens)
         self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=config.max_queue)
         self._thread: threading.Thread | None = None
 
@@ -183,7 +185,9 @@ class Engine:
 
     def cache_stats(self) -> dict:
         """Per model: memory and disk tiers, and the tokens prompts read again."""
-        return {name: {**manager.report(), "reread": dict(self.schedulers[name].reread)}
+        return {name: {**manager.report(), "reread": dict(self.schedulers[name].reread),
+                       "speculation": {"mode": self.schedulers[name].speculation.mode,
+                                       **self.schedulers[name].speculation.stats.as_dict()}}
                 for name, manager in self.managers.items()}
 
     def entry_info(self, key: str) -> dict | None:

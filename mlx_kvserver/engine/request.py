@@ -82,6 +82,10 @@ class Choice:
         self._pending_logprobs: list[TokenLogprob] = []
         self.resume: list[int] | None = None  # preempted: tokens to recompute before going on
         self.resume_done = 0
+        self.drafter = None  # engine/drafts.py Drafter, made at its first decode step
+        self.draft_source = ""  # where the last draft came from
+        self.steps = 0  # decode forward passes this choice took part in
+        self.drafted = self.accepted = 0  # draft tokens verified, and of them taken
 
     @property
     def done(self) -> bool:
@@ -200,6 +204,8 @@ class Request:
         # tool-call markers and think tags may be special tokens: the parser must see them
         self.keep_markers = self.parse_output and support.markers_special
         self.use_cache = conv.use_kv_cache
+        self.speculate = conv.speculate  # drafts verified in the batch (engine/speculate.py)
+        self.prediction: list[int] = tok.encode(conv.prediction) if conv.prediction else []
         msgs = conv.messages
         self.keys = [m.message_id for m in reversed(msgs) if m.message_id]
         self.prompt_key = msgs[-1].message_id if msgs and not conv.continue_final else None
@@ -228,7 +234,11 @@ class Request:
 
     def usage(self) -> Usage:
         cached = self.match.tokens if self.match is not None else 0
+        cs = self.choices
         return Usage(prompt_tokens=len(self.prompt),
-                     completion_tokens=sum(len(c.tokens) for c in self.choices),
+                     completion_tokens=sum(len(c.tokens) for c in cs),
                      cached_tokens=cached, divergence=self.divergence,
-                     reasoning_tokens=sum(c.reasoning_tokens for c in self.choices))
+                     reasoning_tokens=sum(c.reasoning_tokens for c in cs),
+                     draft_accepted=sum(c.accepted for c in cs),
+                     draft_rejected=sum(c.drafted - c.accepted for c in cs),
+                     decode_steps=sum(c.steps for c in cs))

@@ -87,6 +87,25 @@ class Runner:
             seq.append_tokens(p)
         return [rows[i] for i in range(len(seqs))]
 
+    def verify(self, seqs: Sequence[PagedSequence],
+               pieces: Sequence[Sequence[int]]) -> list[mx.array]:
+        """Each sequence's piece (its last token and a draft) in one forward pass (right-padded
+        to the longest); every position's logits, ``[len(piece), vocab]`` each (lazy). The
+        caller trims the positions of rejected draft tokens (``PagedSequence.trim``)."""
+        if len(seqs) == 1:
+            with forward():
+                out = self.model(mx.array(list(pieces[0]))[None], cache=seqs[0].prepare())[0]
+            seqs[0].append_tokens(pieces[0])
+            return [out]
+        T = max(len(p) for p in pieces)
+        padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
+        lengths = [len(p) for p in pieces]
+        with forward():
+            logits = self.model(padded, cache=batch_caches(seqs, lengths))
+        for seq, p in zip(seqs, pieces):
+            seq.append_tokens(p)
+        return [logits[i, : len(p)] for i, p in enumerate(pieces)]
+
     def decode(self, seqs: Sequence[PagedSequence], tokens: Sequence[int]) -> mx.array:
         """One new token per sequence; logits ``[len(seqs), vocab]`` (lazy)."""
         with forward():

@@ -58,13 +58,34 @@ class Sampler:
             logits = self.matcher.apply(logits)
         if self.temperature == 0:
             return mx.argmax(logits, axis=-1)
+        logprobs = self._logprobs(logits)
+        self.key, draw = mx.random.split(self.key)
+        return mx.random.categorical(logprobs * (1 / self.temperature), key=draw)
+
+    def verify(self, logits: mx.array, draft: int) -> int:
+        """The token at a draft position: ``draft`` kept with probability ``p(draft)``, else a
+        token drawn from ``p`` without it, renormalized (``p``: this sampler's distribution,
+        grammar mask included). For a draft that is one fixed token this leaves the answer's
+        distribution that of plain sampling (Leviathan et al., Chen et al. 2023)."""
+        if self.matcher is not None:
+            logits = self.matcher.apply(logits)
+        if self.temperature == 0:
+            return int(mx.argmax(logits, axis=-1).item())
+        logp = self._logprobs(logits) * (1 / self.temperature)
+        logp = logp - mx.logsumexp(logp, keepdims=True)
+        self.key, u_key, draw = mx.random.split(self.key, 3)
+        if mx.random.uniform(key=u_key).item() < mx.exp(logp[draft]).item():
+            return int(draft)
+        rest = mx.where(mx.arange(logp.shape[-1]) == draft, -mx.inf, logp)
+        return int(mx.random.categorical(rest, key=draw).item())
+
+    def _logprobs(self, logits: mx.array) -> mx.array:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)
         if 0 < self.top_k < logprobs.shape[-1]:  # top_k >= the vocabulary: all of it
             logprobs = apply_top_k(logprobs[None], self.top_k)[0]
         if 0 < self.top_p < 1:
             logprobs = apply_top_p(logprobs[None], self.top_p)[0]
-        self.key, draw = mx.random.split(self.key)
-        return mx.random.categorical(logprobs * (1 / self.temperature), key=draw)
+        return logprobs
 
     def advance(self, token: int) -> None:
         if self.matcher is not None:

@@ -46,6 +46,7 @@ from ..errors import RequestError
 from .prepare import NextTurns
 from .request import Choice, Job, Request
 from .runner import Runner
+from .speculate import Speculation
 
 log = logging.getLogger("mlx_kvserver.engine")
 
@@ -55,8 +56,12 @@ Events = list[tuple[Job, Event]]
 class Scheduler:
     def __init__(self, manager: CacheManager, runner: Runner, *,
                  prefill_chunk: int = ServerConfig.prefill_chunk,
-                 max_batch: int = ServerConfig.max_batch):
+                 max_batch: int = ServerConfig.max_batch,
+                 speculate: str = ServerConfig.speculate,
+                 num_draft_tokens: int = ServerConfig.num_draft_tokens):
         self.manager, self.runner = manager, runner
+        self.speculation = Speculation(runner, speculate, num_draft_tokens,
+                                       can_rewind=not manager.pool.spec.has_state)
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
         self.decoding: list[Choice] = []
@@ -244,17 +249,24 @@ class Scheduler:
             groups = [[c] for c in running]
         for group in groups:
             try:
-                logits = self.runner.decode([c.seq for c in group],
-                                            [c.next_token for c in group])
-                tokens = [c.sample(logits[i]) for i, c in enumerate(group)]
-                mx.eval(tokens)
+                drafts = self.speculation.drafts(group)
+                if any(drafts):  # one pass verifies every draft (engine/speculate.py)
+                    outs = self.speculation.verify(group, drafts)
+                else:
+                    logits = self.runner.decode([c.seq for c in group],
+                                                [c.next_token for c in group])
+                    tokens = [c.sample(logits[i]) for i, c in enumerate(group)]
+                    mx.eval(tokens)
+                    self.speculation.decoded(group)
+                    outs = [c.accept(int(t.item()), logits[i])
+                            for i, (c, t) in enumerate(zip(group, tokens))]
             except Exception as e:  # the engine never dies with a request
                 log.exception("decode step failed")
                 for r in {id(c.request): c.request for c in group}.values():
                     self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
                 continue
-            for i, (c, t) in enumerate(zip(group, tokens)):
-                self._send(c.request, *c.accept(int(t.item()), logits[i]))
+            for c, deltas in zip(group, outs):
+                self._send(c.request, *deltas)
                 if c.done:
                     self._finish(c)
 
@@ -264,6 +276,8 @@ class Scheduler:
             self.decoding.remove(c)
         self._send(r, c.finish_event())
         seq, c.seq = c.seq, None
+        if seq is not None:
+            self.speculation.saved(seq.tokens)  # its token ids: drafts for other answers
         if r.use_cache:
             self._save(c.message_id, seq)
         if c.index == 0:
@@ -292,7 +306,9 @@ class Scheduler:
                  d.message_index, d.prompt_excerpt, d.cached_excerpt)
 
     def _retire(self, r: Request) -> None:
-        if r.choices and all(c.done for c in r.choices) and r in self.requests:
+        # NOTE: choices done in the same step are each finished first (saved, kept)
+        if r.choices and all(c.done and c not in self.decoding for c in r.choices) \
+                and r in self.requests:
             self._send(r, r.usage())
             self._end(r, finished=True)
 

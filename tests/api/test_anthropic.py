@@ -275,7 +275,10 @@ def test_stream_event_sequence_closes_each_block_in_order():
     assert start["id"] == "msg_1" and start["model"] == "claude-x" and start["content"] == []
     assert start["usage"] == {"input_tokens": 6, "cache_creation_input_tokens": 0,
                               "cache_read_input_tokens": 4, "output_tokens": 0,
-                              "output_tokens_details": {"reasoning_tokens": 0}}
+                              "output_tokens_details": {"reasoning_tokens": 0,
+                                                        "accepted_prediction_tokens": 0,
+                                                        "rejected_prediction_tokens": 0},
+                              "decode_steps": 0}
     blocks = [p for k, p in out if k == "content_block_start"]
     assert [b["index"] for b in blocks] == [0, 1, 2]
     assert blocks[2]["content_block"] == {"type": "tool_use", "id": "call_1",

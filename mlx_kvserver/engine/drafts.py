@@ -1,0 +1,204 @@
+"""Drafts for speculative decoding, from token ids the server already has: :class:`Drafter`.
+
+An agent's answer is mostly text already in its conversation (an edit's ``old_string``, a file
+rewritten with one change, context lines of a patch), so the tokens that followed the latest
+earlier occurrence of the answer's last few tokens are a good guess of what comes next (prompt
+lookup). Sources, in order:
+
+1. a client's prediction (OpenAI's Predicted Outputs): followed from its start while the answer
+   matches it, found again by its n-grams where the answer left it;
+2. the sequence's own prompt and answer so far;
+3. the token ids of other entries the cache saved (:class:`SharedIndex`: a file another session
+   read, an answer being regenerated), matched on longer n-grams.
+
+Each source is an :class:`NgramIndex` (n-gram -> where its latest occurrence ended), kept up to
+date as tokens arrive, so a step costs a few dictionary lookups, never a scan of the history.
+The draft length adapts per sequence: it grows while drafts are taken whole, shrinks to what was
+taken, and after drafts that keep failing the sequence stops drafting for a while (longer each
+time), so free text pays nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Sequence
+
+import numpy as np
+
+_BITS = 20  # token ids below 2**20 pack three to an int64 key (the length above them)
+_MASK = (1 << _BITS) - 1
+
+
+def _keys(arr: np.ndarray, n: int, lo: int, hi: int) -> np.ndarray:
+    """Keys of the n-grams ending (exclusive) at positions ``lo..hi-1`` of ``arr`` (int64)."""
+    k = np.zeros(hi - lo, np.int64)
+    for j in range(n):
+        k = (k << _BITS) | (arr[lo - n + j: hi - n + j] & _MASK)
+    return k | (n << 3 * _BITS)
+
+
+class NgramIndex:
+    """n-grams (of each length in ``ns``) of one growing token list -> the position right after
+    their latest occurrence. ``extend(tokens, upto)`` indexes the n-grams that end at or before
+    ``upto``; ``lookup`` finds the latest earlier occurrence of a suffix."""
+
+    def __init__(self, ns: Sequence[int] = (3, 2)) -> None:
+        assert all(1 <= n <= 3 for n in ns), ns
+        self.ns = tuple(sorted(ns, reverse=True))
+        self.map: dict[int, int] = {}
+        self.upto = 0  # n-grams ending at positions <= upto are in the map
+
+    def extend(self, tokens: Sequence[int], upto: int) -> None:
+        if upto <= self.upto:
+            return
+        lo = self.upto + 1
+        if upto - lo < 8:  # a step's few tokens: no array
+            for e in range(lo, upto + 1):
+                for n in self.ns:
+                    if e >= n:
+                        self.map[_key(tokens[e - n:e])] = e
+        else:
+            arr = np.asarray(tokens[max(0, lo - max(self.ns)):upto], np.int64)
+            off = max(0, lo - max(self.ns))
+            for n in reversed(self.ns):  # NOTE: later positions overwrite earlier: the latest
+                start = max(lo, n)
+                if start <= upto:
+                    keys = _keys(arr, n, start - off, upto + 1 - off)
+                    self.map.update(zip(keys.tolist(), range(start, upto + 1)))
+        self.upto = upto
+
+    def lookup(self, tokens: Sequence[int], end: int,
+               own: bool = True) -> tuple[int, int] | None:
+        """(position after the latest occurrence of the n-gram of ``tokens`` that ends at
+        ``end``, n) for the longest n that occurs; None when none does. ``own``: the index is
+        over ``tokens`` itself, so only occurrences before ``end`` count."""
+        for n in self.ns:
+            if end >= n:
+                pos = self.map.get(_key(tokens[end - n:end]))
+                if pos is not None and (pos < end or not own):
+                    return pos, n
+        return None
+
+
+def _key(gram: Sequence[int]) -> int:
+    k = 0
+    for t in gram:
+        k = (k << _BITS) | (int(t) & _MASK)
+    return k | (len(gram) << 3 * _BITS)
+
+
+class SharedIndex:
+    """Token ids of entries the cache saved (other conversations, earlier answers), indexed by
+    their 3-grams; bounded to ``max_tokens`` (the oldest sources go first)."""
+
+    def __init__(self, max_tokens: int = 262_144) -> None:
+        self.max_tokens = max_tokens
+        self.sources: OrderedDict[int, list[int]] = OrderedDict()
+        self.map: dict[int, tuple[int, int]] = {}  # key -> (source id, position after)
+        self.tokens = 0
+        self._next = 0
+
+    def add(self, tokens: Sequence[int]) -> None:
+        """Index a saved sequence's token ids (a long one keeps its last ``max_tokens``)."""
+        toks = list(tokens[-self.max_tokens:])
+        if len(toks) < 8:
+            return
+        sid, self._next = self._next, self._next + 1
+        self.sources[sid] = toks
+        self.tokens += len(toks)
+        keys = _keys(np.asarray(toks, np.int64), 3, 3, len(toks) + 1)
+        self.map.update(zip(keys.tolist(), ((sid, e) for e in range(3, len(toks) + 1))))
+        while self.tokens > self.max_tokens and len(self.sources) > 1:
+            old, dropped = self.sources.popitem(last=False)
+            self.tokens -= len(dropped)
+            for k in _keys(np.asarray(dropped, np.int64), 3, 3, len(dropped) + 1).tolist():
+                if self.map.get(k, (None,))[0] == old:
+                    del self.map[k]
+
+    def draft(self, tokens: Sequence[int], end: int, k: int) -> list[int]:
+        if end < 4:
+            return []
+        hit = self.map.get(_key(tokens[end - 3:end]))
+        if hit is None:
+            return []
+        src = self.sources.get(hit[0])
+        if src is None or src[hit[1] - 4] != tokens[end - 4]:  # a fourth token must agree
+            return []
+        return src[hit[1]:hit[1] + k]
+
+
+class Drafter:
+    """The draft source and the adaptive draft length of one choice. ``context`` is the
+    choice's prompt and answer so far (the list the choice appends to)."""
+
+    def __init__(self, context: list[int], max_len: int, prediction: Sequence[int] = (),
+                 shared: SharedIndex | None = None, start: int | None = None) -> None:
+        self.context, self.max_len, self.shared = context, max_len, shared
+        self.start = len(context) if start is None else start  # where the answer begins
+        self.own = NgramIndex()
+        self.prediction = list(prediction)
+        self.pred_index: NgramIndex | None = None
+        if self.prediction:
+            self.pred_index = NgramIndex((3, 2, 1))
+            self.pred_index.extend(self.prediction, len(self.prediction))
+        self.length = min(4, max_len)
+        self.misses = 0  # drafts in a row of which nothing was taken
+        self.pause = 0  # steps left without drafting
+        self.backoff = 4
+        self.source = ""  # where the last draft came from
+
+    def propose(self, room: int) -> list[int]:
+        """A draft of at most ``room`` tokens to follow the context (may be empty)."""
+        k = min(self.length, room, self.max_len)
+        if k <= 0:
+            return []
+        if self.pause > 0:
+            self.pause -= 1
+            return []
+        ctx, end = self.context, len(self.context)
+        if self.prediction:
+            d = self._predicted(k)
+            if d:
+                self.source = "prediction"
+                return d
+        self.own.extend(ctx, end - 1)
+        hit = self.own.lookup(ctx, end)
+        if hit is not None:
+            d = ctx[hit[0]:min(hit[0] + k, end)]
+            if d:
+                self.source = "context"
+                return d
+        if self.shared is not None:
+            d = self.shared.draft(ctx, end, k)
+            if d:
+                self.source = "cache"
+                return d
+        return []
+
+    def _predicted(self, k: int) -> list[int]:
+        answer = self.context[self.start:]
+        p = self.prediction
+        if len(answer) < len(p) and p[:len(answer)] == answer:  # still on the prediction
+            return p[len(answer):len(answer) + k]
+        assert self.pred_index is not None
+        hit = self.pred_index.lookup(self.context, len(self.context), own=False) \
+            if answer else None
+        return p[hit[0]:hit[0] + k] if hit is not None else []
+
+    def taken(self, proposed: int, accepted: int) -> None:
+        """How the last draft went: its length and how many of its tokens were taken."""
+        if proposed == 0:
+            return
+        if accepted == proposed:
+            self.length = min(self.max_len, self.length * 2)
+        elif accepted:
+            self.length = max(2, accepted + 1)
+        else:
+            self.length = max(1, self.length // 2)
+        if accepted:
+            self.misses, self.backoff = 0, 4
+            return
+        self.misses += 1
+        if self.misses >= 3:  # drafts keep failing: free text; stop for a while
+            self.pause, self.misses = self.backoff, 0
+            self.backoff = min(self.backoff * 2, 256)

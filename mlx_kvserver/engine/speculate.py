@@ -1,0 +1,171 @@
+"""Speculative decoding inside the running batch: :class:`Speculation`.
+
+Each decode step, every running choice may bring a draft (``drafts.py``: prompt lookup over its
+own tokens, a client's prediction, other saved entries' tokens; a grammar's forced tokens). One
+forward pass then verifies them all (``Runner.verify``): each sequence feeds its last sampled
+token and its draft, drafts of different lengths side by side with choices that have none, and
+the logits of every position come back. Each choice takes its own:
+
+- greedy: the longest prefix of the draft where the model's argmax is the draft's token, then the
+  model's own token (a correction, or one more when the whole draft was taken);
+- sampling: draft token ``x`` is kept with probability ``p(x)`` (``p`` after the grammar mask,
+  temperature, top-k and top-p), else the token is drawn from ``p`` without ``x``, renormalized
+  (``Sampler.verify``), so the answer's distribution is that of plain decoding.
+
+Tokens go through ``Choice.accept`` one by one, so stop strings, ``max_tokens``, logprobs,
+grammars and streaming see them as if decoded singly. The positions of the rejected draft tokens
+are trimmed off the sequence before anything is committed to pages (they live only in its
+private working buffers, never in a page another sequence shares). A model with recurrent state
+(which cannot rewind) decodes without speculation, and the log says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+import mlx.core as mx
+
+from ..chat.output import Delta
+from .drafts import Drafter, SharedIndex
+from .request import Choice
+
+log = logging.getLogger("mlx_kvserver.engine")
+
+MODES = ("off", "ngram", "draft")
+
+
+@dataclass
+class SpeculationStats:
+    """Per model: ``steps`` forward passes that decoded answers, ``tokens`` they produced,
+    ``drafted`` / ``accepted`` draft tokens (by source in ``sources``)."""
+
+    steps: int = 0
+    tokens: int = 0
+    verify_steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    def as_dict(self) -> dict:
+        return {"decode_steps": self.steps, "tokens": self.tokens,
+                "verify_steps": self.verify_steps, "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
+                "tokens_per_step": round(self.tokens / self.steps, 4) if self.steps else 0.0}
+
+
+class Speculation:
+    """Drafts and their verification for one model's scheduler. ``mode``: ``off``, ``ngram``
+    (drafts from token ids the server holds) or ``draft`` (a draft model, where one is given);
+    ``max_draft``: the most draft tokens per step of one sequence."""
+
+    def __init__(self, runner, mode: str = "ngram", max_draft: int = 8,
+                 can_rewind: bool = True, name: str = "model") -> None:
+        if mode not in MODES:
+            raise ValueError(f"speculate must be one of {', '.join(MODES)}, not {mode!r}")
+        self.runner, self.max_draft = runner, max(0, int(max_draft))
+        self.mode = mode if self.max_draft else "off"
+        if self.mode != "off" and not can_rewind:
+            log.info("%s decodes without speculation: its recurrent state cannot go back to "
+                     "a rejected draft's position", name)
+            self.mode = "off"
+        self.shared = SharedIndex() if self.mode != "off" else None
+        self.stats = SpeculationStats()
+
+    @property
+    def on(self) -> bool:
+        return self.mode != "off"
+
+    def saved(self, tokens: Sequence[int]) -> None:
+        """An entry was saved: its token ids become a draft source for everyone."""
+        if self.shared is not None:
+            self.shared.add(tokens)
+
+    # -- drafts ---------------------------------------------------------------------------------
+
+    def drafts(self, group: Sequence[Choice]) -> list[list[int]]:
+        """Each choice's draft for this step (empty where it has none)."""
+        return [self._draft(c) for c in group] if self.on else [[] for _ in group]
+
+    def _draft(self, c: Choice) -> list[int]:
+        r = c.request
+        if not r.speculate or c.next_token is None:
+            return []
+        room = min(r.max_tokens - len(c.tokens), r.lm.context_length - len(c.seq.tokens)) - 1
+        if room <= 0:
+            return []
+        m = c.sampler.matcher
+        if m is not None:  # what the grammar forces is a draft that cannot fail
+            forced = m.forced_tokens()[:room]
+            if forced:
+                c.draft_source = "grammar"
+                return forced
+        d = self._drafter(c).propose(room)
+        if d and m is not None:
+            d = d[:m.valid_prefix(d)]  # never verify what the grammar would refuse
+        c.draft_source = c.drafter.source if d else ""
+        return d
+
+    def _drafter(self, c: Choice) -> Drafter:
+        r = c.request
+        if c.drafter is None:
+            c.drafter = Drafter(list(r.prompt), self.max_draft, r.prediction, self.shared)
+        ctx = c.drafter.context
+        missing = len(r.prompt) + len(c.tokens) - len(ctx)
+        if missing > 0:
+            ctx.extend(c.tokens[len(c.tokens) - missing:])
+        return c.drafter
+
+    # -- verification ---------------------------------------------------------------------------
+
+    def verify(self, group: Sequence[Choice],
+               drafts: Sequence[list[int]]) -> list[list[Delta]]:
+        """One forward pass over each choice's last token and draft; each takes what it may.
+        Returns each choice's deltas (a choice may be done after it)."""
+        pieces = [[c.next_token, *d] for c, d in zip(group, drafts)]
+        rows = self.runner.verify([c.seq for c in group], pieces)
+        plain = [c.sampler.temperature == 0 and c.sampler.matcher is None for c in group]
+        argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
+        mx.eval([a for a in argmax if a is not None])
+        out = []
+        self.stats.steps += 1
+        self.stats.verify_steps += 1
+        for c, d, lg, am in zip(group, drafts, rows, argmax):
+            greedy = am.tolist() if am is not None else None
+            deltas: list[Delta] = []
+            taken, j, before = 0, 0, len(c.tokens)
+            for j in range(len(d) + 1):
+                if greedy is not None:
+                    t = greedy[j]
+                elif j < len(d):
+                    t = c.sampler.verify(lg[j], d[j])
+                else:
+                    t = int(c.sample(lg[j]).item())
+                deltas += c.accept(t, lg[j])
+                if c.done or j == len(d) or t != d[j]:
+                    break
+                taken += 1
+            if len(d) > j:  # the rejected draft's positions, off the private tail
+                c.seq.trim(len(d) - j)
+            self._count(c, d, taken, len(c.tokens) - before)
+            out.append(deltas)
+        return out
+
+    def decoded(self, group: Sequence[Choice]) -> None:
+        """A plain decode step of ``group`` (one token each)."""
+        self.stats.steps += 1
+        self.stats.tokens += len(group)
+        for c in group:
+            c.steps += 1
+
+    def _count(self, c: Choice, draft: list[int], taken: int, produced: int) -> None:
+        s = self.stats
+        s.tokens += produced
+        s.drafted += len(draft)
+        s.accepted += taken
+        c.steps += 1
+        c.drafted += len(draft)
+        c.accepted += taken
+        if c.drafter is not None and c.draft_source not in ("", "grammar"):
+            c.drafter.taken(len(draft), taken)
