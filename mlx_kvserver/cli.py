@@ -160,7 +160,14 @@ def load_engine(config: ServerConfig):
         registry = ModelRegistry(models, config.model_aliases)
     except ValueError as e:
         raise SystemExit(str(e))
-    return registry, Engine(models, config)
+    draft = None
+    if config.draft_model and config.speculate == "draft":
+        log.info("loading draft model %s", config.draft_model)
+        draft = resolve_and_load(config.draft_model, dequantize=config.dequantize)
+    try:
+        return registry, Engine(models, config, draft=draft)
+    except ValueError as e:  # a draft model that fits no served model: its DraftModelError
+        raise SystemExit(f"--draft-model: {e}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -30,6 +30,7 @@ from ..config import GB, ServerConfig
 from ..errors import RequestError
 from ..models.loading import LoadedModel
 from .request import Job
+from .draft_model import DraftModel, DraftModelError, check_draft_model
 from .runner import Runner
 from .scheduler import Events, Scheduler
 
@@ -49,9 +50,17 @@ class Control:
 class Engine:
     """Owns the models' caches and schedulers and steps them on one thread."""
 
-    def __init__(self, models: list[LoadedModel], config: ServerConfig | None = None):
-        """One cache and scheduler per model, with ``config``'s cache and batching settings."""
+    def __init__(self, models: list[LoadedModel], config: ServerConfig | None = None,
+                 draft: LoadedModel | None = None):
+        """One cache and scheduler per model, with ``config``'s cache and batching settings;
+        ``draft``: a draft model (``config.speculate == "draft"``) for the served models whose
+        tokenizer it shares (``DraftModelError`` when it fits none of them)."""
         config = config or ServerConfig()
+        self.draft = DraftModel(draft, config) if draft is not None \
+            and config.speculate == "draft" else None
+        fits = {lm.name for lm in models if self.draft is not None and _fits(draft, lm)}
+        if self.draft is not None and not fits:
+            check_draft_model(draft, models[0])  # raises, saying why
         self.models = {lm.name: lm for lm in models}
         self.managers: dict[str, CacheManager] = {}
         self.schedulers: dict[str, Scheduler] = {}
@@ -70,7 +79,8 @@ class Engine:
                                                  max_batch=config.max_batch,
                                                  prefill_chunk=config.prefill_chunk,
                                                  speculate=config.speculate,
-                                                 num_draft_tokens=config.num_draft_tokens)
+                                                 num_draft_tokens=config.num_draft_tokens,
+                                                 draft=self.draft if lm.name in fits else None)
         self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=config.max_queue)
         self._thread: threading.Thread | None = None
 
@@ -88,6 +98,8 @@ class Engine:
             self._thread = None
         for manager in self.managers.values():
             manager.close()
+        if self.draft is not None:
+            self.draft.close()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread, between two steps, and return its result."""
@@ -213,3 +225,12 @@ class Engine:
         info = manager.describe(entry.key)
         return {"object": "kv_cache.entry", "message_id": entry.key, "model": model,
                 **{k: info[k] for k in ("tokens", "in_memory", "on_disk")}}
+
+
+def _fits(draft: LoadedModel, lm: LoadedModel) -> bool:
+    try:
+        check_draft_model(draft, lm)
+        return True
+    except DraftModelError as e:
+        log.warning("no draft model for %s: %s", lm.name, e)
+        return False

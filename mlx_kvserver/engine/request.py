@@ -83,6 +83,7 @@ class Choice:
         self.resume: list[int] | None = None  # preempted: tokens to recompute before going on
         self.resume_done = 0
         self.drafter = None  # engine/drafts.py Drafter, made at its first decode step
+        self.draft_seq = None  # its sequence in the draft model's cache (draft_model.py)
         self.draft_source = ""  # where the last draft came from
         self.steps = 0  # decode forward passes this choice took part in
         self.drafted = self.accepted = 0  # draft tokens verified, and of them taken

@@ -58,10 +58,10 @@ class Scheduler:
                  prefill_chunk: int = ServerConfig.prefill_chunk,
                  max_batch: int = ServerConfig.max_batch,
                  speculate: str = ServerConfig.speculate,
-                 num_draft_tokens: int = ServerConfig.num_draft_tokens):
+                 num_draft_tokens: int = ServerConfig.num_draft_tokens, draft=None):
         self.manager, self.runner = manager, runner
         self.speculation = Speculation(runner, speculate, num_draft_tokens,
-                                       can_rewind=not manager.pool.spec.has_state)
+                                       can_rewind=not manager.pool.spec.has_state, draft=draft)
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
         self.decoding: list[Choice] = []
@@ -276,6 +276,7 @@ class Scheduler:
             self.decoding.remove(c)
         self._send(r, c.finish_event())
         seq, c.seq = c.seq, None
+        self.speculation.release(c, c.message_id if r.use_cache else None)
         if seq is not None:
             self.speculation.saved(seq.tokens)  # its token ids: drafts for other answers
         if r.use_cache:
@@ -366,6 +367,7 @@ class Scheduler:
         log.info("%s: choice %d preempted (pages ran out); it will be recomputed",
                  c.request.id, c.index)
         self.decoding.remove(c)
+        self.speculation.release(c)
         c.resume, c.resume_done = list(c.seq.tokens), 0
         c.seq.close()
         c.seq = None
@@ -384,6 +386,7 @@ class Scheduler:
         for c in r.choices:
             if c in self.decoding:
                 self.decoding.remove(c)
+            self.speculation.release(c)
             if c.seq is not None:
                 c.seq.close()
                 c.seq = None

@@ -61,11 +61,15 @@ class Speculation:
     ``max_draft``: the most draft tokens per step of one sequence."""
 
     def __init__(self, runner, mode: str = "ngram", max_draft: int = 8,
-                 can_rewind: bool = True, name: str = "model") -> None:
+                 can_rewind: bool = True, name: str = "model", draft=None) -> None:
         if mode not in MODES:
             raise ValueError(f"speculate must be one of {', '.join(MODES)}, not {mode!r}")
         self.runner, self.max_draft = runner, max(0, int(max_draft))
         self.mode = mode if self.max_draft else "off"
+        self.draft = draft if self.mode == "draft" else None  # draft_model.DraftModel
+        if self.mode == "draft" and draft is None:
+            log.info("%s drafts from its token ids only: no draft model fits it", name)
+            self.mode = "ngram"
         if self.mode != "off" and not can_rewind:
             log.info("%s decodes without speculation: its recurrent state cannot go back to "
                      "a rejected draft's position", name)
@@ -85,27 +89,51 @@ class Speculation:
     # -- drafts ---------------------------------------------------------------------------------
 
     def drafts(self, group: Sequence[Choice]) -> list[list[int]]:
-        """Each choice's draft for this step (empty where it has none)."""
-        return [self._draft(c) for c in group] if self.on else [[] for _ in group]
+        """Each choice's draft for this step (empty where it has none): from the token ids the
+        server holds, else (``draft`` mode) from the draft model, all of them in one go."""
+        if not self.on:
+            return [[] for _ in group]
+        out, wants = [], []
+        for i, c in enumerate(group):
+            d, room = self._draft(c)
+            out.append(d)
+            if not d and room > 0 and self.draft is not None and not c.drafter.pause:
+                wants.append((i, c, min(room, c.drafter.length)))
+        if wants:
+            proposed = self.draft.propose([(c, c.drafter.context, k) for _, c, k in wants])
+            for (i, c, _), d in zip(wants, proposed):
+                m = c.sampler.matcher
+                out[i] = d[:m.valid_prefix(d)] if d and m is not None else d
+                c.draft_source = "model" if out[i] else ""
+        return out
 
-    def _draft(self, c: Choice) -> list[int]:
+    def _draft(self, c: Choice) -> tuple[list[int], int]:
+        """(a draft from what the server holds, the room for one)."""
         r = c.request
         if not r.speculate or c.next_token is None:
-            return []
+            return [], 0
         room = min(r.max_tokens - len(c.tokens), r.lm.context_length - len(c.seq.tokens)) - 1
         if room <= 0:
-            return []
+            return [], 0
+        c.draft_source = ""
         m = c.sampler.matcher
         if m is not None:  # what the grammar forces is a draft that cannot fail
             forced = m.forced_tokens()[:room]
             if forced:
                 c.draft_source = "grammar"
-                return forced
-        d = self._drafter(c).propose(room)
+                return forced, room
+        drafter = self._drafter(c)
+        paused = drafter.pause > 0
+        d = drafter.propose(room)
         if d and m is not None:
             d = d[:m.valid_prefix(d)]  # never verify what the grammar would refuse
-        c.draft_source = c.drafter.source if d else ""
-        return d
+        c.draft_source = drafter.source if d else ""
+        return d, (0 if paused else room)
+
+    def release(self, c: Choice, key: str | None = None) -> None:
+        """``c`` is done (``key``: its answer's id, where its cache is saved) or dropped."""
+        if self.draft is not None:
+            self.draft.finished(c, key)
 
     def _drafter(self, c: Choice) -> Drafter:
         r = c.request

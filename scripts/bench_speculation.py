@@ -1,0 +1,249 @@
+"""Speculative decoding, on and off in the same run: decode tokens/s per workload, 1 and 8
+clients, on the default model (greedy), against mlx-lm's server on the same model folder.
+
+Workloads (each answer's prompt is read before the clock starts; decode speed is the answer's
+tokens after its first over the time from its first to its last token):
+
+- ``rewrite``: a real source file (CPython's ``asyncio/queues.py``, 244 lines, and for 8
+  clients seven more files of the standard library of 150-300 lines) read into the conversation,
+  then written back with one change; the answer begins with the file's first lines (an assistant
+  prefill: the default model copies a file once its answer has begun with it);
+- ``edit``: a Claude-Code-shaped ``Edit`` call (``file_path``, ``old_string``, ``new_string``)
+  after a ``Read`` result that holds the file, through Anthropic's Messages API with the tool
+  forced (``tool_choice``), so its ``old_string`` is copied from the file;
+- ``free``: an answer that is not in the context (a story);
+- ``json``: an answer under a JSON schema (``response_format``).
+
+    python scripts/bench_speculation.py --json docs/bench_speculation.json [--peer-mlx-lm]
+
+Each server runs as its own process with the same BLAS; ours with ``--speculate off`` and
+``--speculate ngram`` taking turns, so the machine's load falls on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import sysconfig
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.bench_results import result_path, write_result  # noqa: E402
+from scripts.bench_ttft import Server, free_port  # noqa: E402
+
+LIB = Path(sysconfig.get_paths()["stdlib"])
+FILES = ["asyncio/queues.py", "asyncio/runners.py", "asyncio/taskgroups.py", "http/__init__.py",
+         "email/policy.py", "concurrent/futures/thread.py", "urllib/robotparser.py",
+         "asyncio/protocols.py"]
+EDIT = {"name": "Edit", "description": "Performs exact string replacements in files.",
+        "input_schema": {"type": "object", "properties": {
+            "file_path": {"type": "string", "description": "The absolute path to the file"},
+            "old_string": {"type": "string", "description": "The text to replace"},
+            "new_string": {"type": "string", "description": "The text to replace it with"}},
+            "required": ["file_path", "old_string", "new_string"]}}
+READ = {"name": "Read", "description": "Reads a file from the local filesystem.",
+        "input_schema": {"type": "object", "properties": {"file_path": {"type": "string"}},
+                         "required": ["file_path"]}}
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+    "languages": {"type": "array", "items": {"type": "string"}},
+    "employer": {"type": "object", "properties": {"name": {"type": "string"},
+                                                  "since": {"type": "integer"}},
+                 "required": ["name", "since"], "additionalProperties": False}},
+    "required": ["name", "age", "city", "languages", "employer"], "additionalProperties": False}
+
+
+def source(i: int) -> tuple[str, str]:
+    name = FILES[i % len(FILES)]
+    return name, (LIB / name).read_text()
+
+
+def numbered(text: str) -> str:
+    """A file as Claude Code's Read tool returns it (line numbers, a tab)."""
+    return "\n".join(f"{n:6d}\t{line}" for n, line in enumerate(text.splitlines(), 1))
+
+
+def rewrite_request(i: int, max_tokens: int) -> tuple[str, dict]:
+    name, text = source(i)
+    head = "\n".join(text.splitlines()[:3])
+    return "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": f"Here is {name}:\n```python\n{text}\n```\n"
+                      "Write the whole file again, with `_loop` renamed to `_event_loop`."},
+                     {"role": "assistant", "content": f"```python\n{head}\n"}],
+        "max_tokens": max_tokens, "temperature": 0}
+
+
+def edit_request(i: int, max_tokens: int) -> tuple[str, dict]:
+    name, text = source(i)
+    path = f"/work/project/{name}"
+    return "/v1/messages", {
+        "system": "You are a coding agent. Use the tools to change files.",
+        "tools": [READ, EDIT], "tool_choice": {"type": "tool", "name": "Edit"},
+        "max_tokens": max_tokens, "messages": [
+            {"role": "user", "content": f"In {path}, add a comment above the first class."},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{i}",
+                                               "name": "Read", "input": {"file_path": path}}]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{i}",
+                                          "content": numbered(text)}]}]}
+
+
+def free_request(i: int, max_tokens: int) -> tuple[str, dict]:
+    topics = ["a lighthouse keeper", "a clockmaker", "a desert caravan", "a winter garden",
+              "a lost violin", "a night train", "a mountain school", "a river ferry"]
+    return "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": f"Write a short story about {topics[i % 8]}."}],
+        "max_tokens": max_tokens, "temperature": 0}
+
+
+def json_request(i: int, max_tokens: int) -> tuple[str, dict]:
+    people = ["a retired sailor", "a young chemist", "a chef in Lyon", "a pilot",
+              "a carpenter", "a violinist", "a nurse in Oslo", "a farmer"]
+    return "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": f"Describe {people[i % 8]} as JSON."}],
+        "response_format": {"type": "json_schema", "json_schema": {
+            "name": "person", "schema": PERSON, "strict": True}},
+        "max_tokens": max_tokens, "temperature": 0}
+
+
+WORKLOADS = {"rewrite": rewrite_request, "edit": edit_request, "free": free_request,
+             "json": json_request}
+
+
+def stream(base: str, route: str, body: dict, model: str, extra: dict) -> dict:
+    """One streamed answer: its first and last token times and its usage."""
+    body = {**body, "model": model, "stream": True, **extra}
+    if route.endswith("completions"):
+        body["stream_options"] = {"include_usage": True}
+    t_first = t_last = None
+    usage: dict = {}
+    text = []
+    with httpx.stream("POST", base + route, json=body, timeout=1800,
+                      headers={"x-api-key": "x", "anthropic-version": "2023-06-01"}) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            piece = _piece(ev)
+            if piece:
+                now = time.perf_counter()
+                t_first = t_first or now
+                t_last = now
+                text.append(piece)
+            usage = ev.get("usage") or (ev.get("message") or {}).get("usage") or usage
+    return {"first": t_first, "last": t_last, "usage": usage, "text": "".join(text)}
+
+
+def _piece(ev: dict) -> str:
+    if "choices" in ev:
+        d = ev["choices"][0]["delta"] if ev["choices"] else {}
+        calls = d.get("tool_calls") or []
+        return (d.get("content") or "") + "".join(
+            (c.get("function") or {}).get("arguments") or "" for c in calls)
+    d = ev.get("delta") or {}
+    return d.get("text") or d.get("partial_json") or ""
+
+
+def run(base: str, model: str, workload: str, clients: int, max_tokens: int,
+        extra: dict) -> dict:
+    reqs = [WORKLOADS[workload](i, max_tokens) for i in range(clients)]
+    for route, body in reqs:  # read every prompt first: the clock measures decoding only
+        stream(base, route, {**body, "max_tokens": 1}, model, extra)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        outs = list(pool.map(lambda rb: stream(base, rb[0], rb[1], model, extra), reqs))
+    wall = time.perf_counter() - t0
+    toks = [_completion(o["usage"]) for o in outs]
+    rates = [(n - 1) / (o["last"] - o["first"]) for n, o in zip(toks, outs)
+             if n > 1 and o["last"] > o["first"]]
+    span = max(o["last"] for o in outs) - min(o["first"] for o in outs)
+    steps = [o["usage"].get("decode_steps") for o in outs]
+    acc = sum(_details(o["usage"]).get("accepted_prediction_tokens", 0) for o in outs)
+    rej = sum(_details(o["usage"]).get("rejected_prediction_tokens", 0) for o in outs)
+    return {"clients": clients, "tokens": toks, "texts": [o["text"] for o in outs],
+            "decode_tok_s_median": statistics.median(rates) if rates else None,
+            "aggregate_tok_s": (sum(toks) - len(toks)) / span if span > 0 else None,
+            "wall_s": wall, "decode_steps": steps,
+            "tokens_per_step": (sum(toks) - len(toks)) / sum(steps) if all(steps) else None,
+            "drafted": acc + rej, "accepted": acc}
+
+
+def _completion(u: dict) -> int:
+    return int(u.get("completion_tokens", u.get("output_tokens", 0)))
+
+
+def _details(u: dict) -> dict:
+    return u.get("completion_tokens_details") or u.get("output_tokens_details") or {}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", default="docs/bench_speculation.json")
+    ap.add_argument("--max-tokens", type=int, default=192)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
+    ap.add_argument("--rounds", type=int, default=2, help="on/off alternations")
+    ap.add_argument("--model", default="default")
+    args = ap.parse_args()
+    out = result_path(args.json)
+    results: dict = {"argv": sys.argv[1:], "runs": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rnd in range(args.rounds):
+            for mode in ("off", "ngram"):
+                cache = Path(tmp) / f"kv-{mode}-{rnd}"
+                srv = Server(cache, free_port(), ["--model", args.model, "--speculate", mode,
+                                                  "--no-disk-cache", "--max-batch", "16"])
+                base = srv.url.removesuffix("/v1")
+                name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
+                try:
+                    for w in args.workloads:
+                        for n in args.clients:
+                            r = run(base, name, w, n, args.max_tokens, {})
+                            r.update(mode=mode, round=rnd, workload=w)
+                            results["runs"].append(r)
+                            print(f"{mode:5s} {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s "
+                                  f"median, {r['aggregate_tok_s']:.2f} in all, "
+                                  f"{r['tokens_per_step']} tok/step, "
+                                  f"{r['accepted']}/{r['drafted']} drafts taken", flush=True)
+                            write_result(out, json.dumps(results, indent=1))
+                finally:
+                    srv.stop()
+    summary = summarize(results["runs"])
+    results["summary"] = summary
+    write_result(out, json.dumps(results, indent=1))
+    for row in summary:
+        print(row)
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    rows = []
+    for w in dict.fromkeys(r["workload"] for r in runs):
+        for n in dict.fromkeys(r["clients"] for r in runs):
+            pick = {m: [r for r in runs if r["workload"] == w and r["clients"] == n
+                        and r["mode"] == m] for m in ("off", "ngram")}
+            if not all(pick.values()):
+                continue
+            key = "decode_tok_s_median" if n == 1 else "aggregate_tok_s"
+            med = {m: statistics.median(r[key] for r in rs) for m, rs in pick.items()}
+            same = all(a["texts"] == b["texts"] for a, b in zip(pick["off"], pick["ngram"]))
+            on = pick["ngram"]
+            rows.append({"workload": w, "clients": n, "off": round(med["off"], 3),
+                         "on": round(med["ngram"], 3), "speedup": round(med["ngram"] / med["off"], 3),
+                         "same_text": same,
+                         "acceptance": round(sum(r["accepted"] for r in on)
+                                             / max(1, sum(r["drafted"] for r in on)), 3),
+                         "tokens_per_step": statistics.median(r["tokens_per_step"] for r in on)})
+    return rows
+
+
+if __name__ == "__main__":
+    main()
