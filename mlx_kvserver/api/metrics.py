@@ -10,7 +10,11 @@ counts. Three sources feed it:
   after the first over the time they took), prompt, cached and completion tokens;
 - a snapshot of the engine's cache stats taken at scrape time (:meth:`Metrics.scrape`): RAM
   pages held, cached and shared, bytes against the budget, disk bytes and entries against the
-  budget, hits, evictions; plus the queue depth and the batch size. The batch size is the
+  budget, hits, evictions; speculative decoding (``engine/speculate.py``): draft tokens verified
+  and accepted, decode forward passes and the tokens they produced, the mode as a label, so that
+  ``rate(speculation_accepted_tokens_total) / rate(speculation_draft_tokens_total)`` is the
+  acceptance rate and ``rate(decode_step_tokens_total) / rate(decode_steps_total)`` the tokens
+  per forward pass; plus the queue depth and the batch size. The batch size is the
   engine's ``batch_size`` attribute when it has one, else 1 while a job runs and 0 when idle.
 """
 
@@ -120,6 +124,14 @@ STORE_COUNTERS = (
     ("breaker_opens", "Times the store's breaker opened"),
     ("seconds", "Seconds spent in store commands"))
 
+SPECULATION_COUNTERS = (  # (metric, key of the snapshot's "speculation", help)
+    ("decode_steps", "decode_steps", "Forward passes that decoded answers (after each answer's "
+     "first token; one pass serves the whole batch)"),
+    ("decode_step_tokens", "tokens", "Tokens those forward passes produced"),
+    ("speculation_verify_steps", "verify_steps", "Of those passes, the ones that verified drafts"),
+    ("speculation_draft_tokens", "drafted", "Draft tokens verified"),
+    ("speculation_accepted_tokens", "accepted", "Draft tokens the answers took"))
+
 
 class ChatWatch:
     """Follows one chat completion's events (deltas, ``Usage``, ``Error``); ``close`` at the
@@ -221,6 +233,12 @@ class CacheCollector:
                 int(store is not None))
             for name, doc in STORE_COUNTERS:
                 add(counter, "kv_store_" + name, doc, model, (store or {}).get(name))
+            spec = s.get("speculation")
+            if spec is not None:
+                add(gauge, "speculation_mode", "1 for the model's speculative decoding mode "
+                    "(off, ngram, draft)", model, 1, mode=spec.get("mode", "off"))
+                for name, key, doc in SPECULATION_COUNTERS:
+                    add(counter, name, doc, model, spec.get(key))
             if store is not None:
                 add(gauge, "kv_store_breaker_open", "1 while the store is not asked (its "
                     "breaker open after repeated errors)", model, int(store["breaker"] != "closed"))

@@ -3,10 +3,11 @@
 With ``--url`` it talks to a running server; without, it loads the model(s) and serves them
 in-process on a loopback port (same model and cache flags as ``mlx-kvserver``). Every turn sends
 the whole conversation with the ``message_id`` of each message, so the server answers from its
-KV cache; a status line after each answer shows time to first token, tokens/s and how many prompt
-tokens came from the cache. A thinking model's reasoning folds to a one-line summary (``/reasoning``
-shows it in full) and tool calls print as ``[tool call] name({...})``; both go back to the server
-as it sent them. Type ``/help`` for the commands.
+KV cache; a status line after each answer shows time to first token, tokens/s, how many prompt
+tokens came from the cache, tokens per decode forward pass and the drafts taken (speculative
+decoding, where there were drafts). A thinking model's reasoning folds to a one-line summary
+(``/reasoning`` shows it in full) and tool calls print as ``[tool call] name({...})``; both go
+back to the server as it sent them. Type ``/help`` for the commands.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Callable
 import httpx
 
 from .client import ChatError, Client, Streamed, describe_error
-from .repl_render import TurnPrinter, dim, reasoning_summary
+from .repl_render import TurnPrinter, dim, draft_figures, reasoning_summary
 from .stats_table import stats_table
 
 HELP = """commands:
@@ -36,7 +37,8 @@ HELP = """commands:
   /reasoning     show a thinking model's reasoning in full (dimmed), or fold it to a one-line
                  summary (the default); showing it prints the last answer's reasoning too
   /stats         the server's KV cache (hits, tokens from cache, RAM and disk against their
-                 budgets, evictions) and this session's totals; /stats --json: the raw stats
+                 budgets, evictions), speculative decoding (mode, drafts taken, tokens per
+                 step) and this session's totals; /stats --json: the raw stats
   /help          this help
   /quit          leave (also Ctrl-D); Ctrl-C stops an answer"""
 
@@ -173,8 +175,9 @@ class Repl:
             self.ttfts.append(reply.ttft)
         ttft = f"{reply.ttft:.3f}s" if reply.ttft is not None else "-"
         rate = f"{reply.rate:.1f}" if reply.rate is not None else "-"
-        self.say(f"[ttft {ttft} | {rate} tok/s | {done} tokens | "
-                 f"cached {cached}/{prompt} prompt tokens]", dimmed=True)
+        parts = [f"ttft {ttft}", f"{rate} tok/s", f"{done} tokens",
+                 f"cached {cached}/{prompt} prompt tokens", *draft_figures(u)]
+        self.say(f"[{' | '.join(parts)}]", dimmed=True)
 
     def stats(self, raw: bool = False) -> None:
         try:

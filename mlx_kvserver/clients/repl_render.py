@@ -33,6 +33,19 @@ def tool_call_line(call: dict) -> str:
     return clean(f"[tool call] {fn.get('name') or '?'}({args})")
 
 
+def draft_figures(usage: dict) -> list[str]:
+    """An answer's speculative decoding from its usage: tokens per decode forward pass
+    (``completion_tokens / decode_steps``: the first token comes from the prompt's pass, and the
+    end token, not counted, from the last decode pass, so an answer that ends on its own reads
+    1.00 without drafts), and the drafts taken where there were drafts."""
+    steps, done = usage.get("decode_steps") or 0, usage.get("completion_tokens") or 0
+    details = usage.get("completion_tokens_details") or {}
+    taken = details.get("accepted_prediction_tokens") or 0
+    drafted = taken + (details.get("rejected_prediction_tokens") or 0)
+    out = [f"{done / steps:.2f} tok/pass"] if steps > 0 else []
+    return out + ([f"drafts: {taken} of {drafted} taken"] if drafted else [])
+
+
 def reasoning_summary(reasoning: str, seconds: float | None) -> str:
     took = f", {seconds:.1f}s" if seconds is not None else ""
     return f"[reasoning: {len(reasoning)} chars{took}]"

@@ -1,6 +1,7 @@
 """The server's KV-cache stats (``GET /v1/kv_cache/stats``) as a short table for a terminal: one
 column per model, a row each for hits, tokens from the cache, RAM and disk use against their
-budgets, entries and evictions."""
+budgets, entries and evictions, and speculative decoding (the mode, the draft tokens taken of
+those verified, the tokens each decode forward pass produced)."""
 
 from __future__ import annotations
 
@@ -37,11 +38,27 @@ def model_column(s: dict[str, Any]) -> list[str]:
         f"{disk.get('entries', 0)}" if disk else "-",
         f"{ram.get('evictions', 0)} pages / " + (f"{disk.get('evictions', 0)} entries"
                                                   if disk else "-"),
+        *speculation_cells(s.get("speculation")),
     ]
 
 
+def speculation_cells(spec: Any) -> list[str]:
+    """The mode; draft tokens taken of those verified (the acceptance rate); tokens per decode
+    step, one forward pass (the whole batch's tokens, after each answer's first). "-" from a
+    server that does not say."""
+    if not isinstance(spec, dict):
+        return ["-", "-", "-"]
+    drafted, accepted = spec.get("drafted", 0), spec.get("accepted", 0)
+    steps, tokens = spec.get("decode_steps", 0), spec.get("tokens", 0)
+    return [str(spec.get("mode", "-")),
+            f"{accepted:,} of {drafted:,} ({100 * accepted / drafted:.1f}%)" if drafted
+            else "none",
+            f"{tokens / steps:.2f} ({tokens:,} tokens in {steps:,} passes)" if steps else "-"]
+
+
 ROWS = ("cache hits", "tokens from cache", "RAM used", "RAM entries", "disk used",
-        "disk entries", "evictions RAM / disk")
+        "disk entries", "evictions RAM / disk", "speculation", "drafts taken",
+        "tokens per step")
 
 
 def stats_table(body: Any) -> str:

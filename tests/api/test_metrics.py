@@ -102,6 +102,69 @@ def test_metrics_need_the_key_parse_and_move_with_requests(tiny_lm, tmp_path):
         assert not any("not-there" in str(labels) for _, labels in after)  # ids never labels
 
 
+def test_speculation_counters_move_with_the_usage(tiny_lm):
+    """A plain answer (speculate: false), then the same question with the model's own greedy
+    answer as the prediction: the draft and decode-pass counters move by what each usage says,
+    and match the speculation figures of the cache stats."""
+    config = ServerConfig(api_key=KEY, max_tokens=24)
+    with running_server([tiny_lm], config) as url:
+        m = tiny_lm.name
+
+        def ask(**extra) -> dict:
+            body = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 24,
+                    **extra}
+            r = httpx.post(f"{url}/chat/completions", json=body, headers=AUTH, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        def figures(samples: dict) -> dict:
+            return {k: value(samples, k + "_total", model=m) for k in (
+                "decode_steps", "decode_step_tokens", "speculation_verify_steps",
+                "speculation_draft_tokens", "speculation_accepted_tokens")}
+
+        def moved(a: dict, b: dict) -> dict:
+            return {k: b[k] - a[k] for k in a}
+
+        start = scrape(url)
+        assert value(start, "speculation_mode", model=m, mode="ngram") == 1
+        plain = ask(speculate=False)
+        after_plain = scrape(url)
+        u = plain["usage"]
+        assert u["completion_tokens"] == 24 and u["decode_steps"] == 23  # one token a pass
+        assert moved(figures(start), figures(after_plain)) == {
+            "decode_steps": 23, "decode_step_tokens": 23, "speculation_verify_steps": 0,
+            "speculation_draft_tokens": 0, "speculation_accepted_tokens": 0}
+
+        text = plain["choices"][0]["message"]["content"]
+        predicted = ask(prediction={"type": "content", "content": text})
+        after = scrape(url)
+        u = predicted["usage"]
+        details = u["completion_tokens_details"]
+        taken = details["accepted_prediction_tokens"]
+        refused = details["rejected_prediction_tokens"]
+        assert predicted["choices"][0]["message"]["content"] == text  # greedy: the same answer
+        assert taken > 0 and 0 < u["decode_steps"] < u["completion_tokens"] - 1
+        d = moved(figures(after_plain), figures(after))
+        assert d["speculation_draft_tokens"] == taken + refused
+        assert d["speculation_accepted_tokens"] == taken
+        assert d["decode_steps"] == u["decode_steps"]
+        assert d["decode_step_tokens"] == u["completion_tokens"] - 1  # after the first token
+        assert 1 <= d["speculation_verify_steps"] <= d["decode_steps"]
+
+        spec = httpx.get(f"{url}/kv_cache/stats", headers=AUTH).json()["models"][m]["speculation"]
+        total = figures(after)
+        assert (total["decode_steps"], total["decode_step_tokens"],
+                total["speculation_verify_steps"], total["speculation_draft_tokens"],
+                total["speculation_accepted_tokens"]) == \
+            (spec["decode_steps"], spec["tokens"], spec["verify_steps"], spec["drafted"],
+             spec["accepted"])
+        # what Prometheus would derive, against the figures the stats route computes
+        assert round(total["speculation_accepted_tokens"] / total["speculation_draft_tokens"],
+                     4) == spec["acceptance_rate"]
+        assert round(total["decode_step_tokens"] / total["decode_steps"], 4) == \
+            spec["tokens_per_step"] > 1
+
+
 def test_each_app_counts_its_own_requests(tiny_lm):
     config = ServerConfig(api_key=KEY, max_tokens=2)
     with running_server([tiny_lm], config) as one, running_server([tiny_lm], config) as two:
@@ -127,7 +190,10 @@ STATS = {"m": {"hits": 4, "misses": 1, "tokens_served": 300, "disk_hits": 1,
                "ram": {"entries": 2, "pages": 10, "pages_held": 6, "pages_cached": 4,
                        "bytes": 10240, "bytes_shared": 3072, "budget_bytes": 1 << 20,
                        "evictions": 7},
-               "disk": None, "disk_enabled": False}}
+               "disk": None, "disk_enabled": False,
+               "speculation": {"mode": "ngram", "decode_steps": 10, "tokens": 25,
+                               "verify_steps": 6, "drafted": 20, "accepted": 15,
+                               "acceptance_rate": 0.75, "tokens_per_step": 2.5}}}
 
 
 def test_cache_snapshot_families_and_a_busy_worker(monkeypatch):
@@ -143,6 +209,10 @@ def test_cache_snapshot_families_and_a_busy_worker(monkeypatch):
     assert value(samples, "kv_ram_evictions_total", model="m") == 7
     assert value(samples, "kv_disk_enabled", model="m") == 0
     assert ("mlx_kvserver_kv_disk_bytes", frozenset({("model", "m")})) not in samples
+    assert value(samples, "speculation_mode", model="m", mode="ngram") == 1
+    assert [value(samples, n + "_total", model="m") for n in (
+        "decode_steps", "decode_step_tokens", "speculation_verify_steps",
+        "speculation_draft_tokens", "speculation_accepted_tokens")] == [10, 25, 6, 20, 15]
     assert value(samples, "queue_depth") == 3 and value(samples, "batch_size") == 1
     SlowEngine.batch_size = 5  # an engine that batches says how many sequences run
     try:

@@ -424,6 +424,98 @@ def test_reasoning_folds_and_tool_calls_show_across_a_reload(web):
         web.execute_script("localStorage.clear()")
 
 
+def spec_answer(mid: str, text: str, completion: int, steps: int, taken: int,
+                refused: int) -> list:
+    """A streamed answer whose usage says how it was decoded (speculative decoding)."""
+    chunks = thinking_answer(mid, [], [text])
+    chunks[-1] = {"choices": [], "usage": {
+        "prompt_tokens": 10, "completion_tokens": completion, "decode_steps": steps,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": taken,
+                                      "rejected_prediction_tokens": refused}}}
+    return chunks
+
+
+@needs_browser
+def test_answer_line_shows_tokens_per_pass_and_drafts_taken(web):
+    """Canned usages (a stub, for the exact figures): tokens per forward pass where the answer
+    had decode passes, the drafts taken only where there were drafts; both kept across a
+    reload."""
+    stub = CannedChat([spec_answer("msg-a", "Drafted.", 11, 4, 7, 2),
+                       spec_answer("msg-b", "Plain.", 6, 6, 0, 0),
+                       thinking_answer("msg-c", [], ["Older server."]),  # no decode_steps
+                       spec_answer("msg-d", "One token.", 1, 0, 0, 0)])
+    with serve_app(stub.app()) as root:
+        open_page(web, root)
+        css(web, "#new-chat")[0].click()
+        # 11 tokens in 4 decode passes, 7 of 9 drafted taken; then no drafts: the first token
+        # from the prompt's pass, 5 more and the end token in 6 passes
+        lines = [say(web, q)["text"] for q in ("one", "two", "three", "four")]
+        assert lines[0].endswith(" · 11 tokens · 2.75 tok/pass · drafts: 7 of 9 taken")
+        assert lines[1].endswith(" · 6 tokens · 1.00 tok/pass")
+        assert lines[2].endswith(" · 5 tokens") and lines[3].endswith(" · 1 tokens")
+        first = css(web, '#messages .msg[data-role="assistant"] .msg-stats')[0]
+        assert first.get_attribute("data-decode-steps") == "4"
+        assert first.get_attribute("data-drafts") == "7/9"
+        kept = [m["stats"] for m in active(web)["messages"] if m["role"] == "assistant"]
+        assert [(k["decode_steps"], k["accepted"], k["drafted"]) for k in kept] == \
+            [(4, 7, 9), (6, 0, 0), (None, 0, 0), (0, 0, 0)]
+        web.refresh()  # from localStorage: the same figures
+        until(web, lambda w: len(css(w, "#messages .msg")) == 8)
+        assert [e.text for e in css(web, "#messages .msg-stats")] == lines
+        web.execute_script("localStorage.clear()")
+
+
+@needs_browser
+def test_drafts_and_tokens_per_step_from_the_real_server(served, web, tiny_lm):
+    """The same question in two new conversations (greedy): the second answer drafts from the
+    first's saved tokens. The answer lines add up to what the server's speculation counters
+    moved by, and the cache panel shows those counters."""
+    from selenium.webdriver.support.ui import Select
+
+    def speculation() -> dict:
+        return httpx.get(f"{served.url}/kv_cache/stats").json()["models"][tiny_lm.name][
+            "speculation"]
+
+    open_page(web, served.root)
+    css(web, "#new-chat")[0].click()
+    Select(css(web, "#model")[0]).select_by_value(tiny_lm.name)
+    before = speculation()
+    first = say(web, "tell me a story")
+    css(web, "#new-chat")[0].click()
+    second = say(web, "tell me a story")
+    after = speculation()
+    figures = re.compile(r" · (\d+) tokens · (\d+\.\d\d) tok/pass(?: · drafts: (\d+) of "
+                         r"(\d+) taken)?")
+    turns = [figures.search(t["text"]).groups() for t in (first, second)]
+    assert all(done == "8" for done, *_ in turns), turns
+    taken, drafted = int(turns[1][2]), int(turns[1][3])
+    assert 0 < taken <= drafted and float(turns[1][1]) > 1  # drafts from the first answer
+    assert sum(int(t[2] or 0) for t in turns) == after["accepted"] - before["accepted"]
+    assert sum(int(t[3] or 0) for t in turns) == after["drafted"] - before["drafted"]
+    # 8 tokens an answer over its passes: the passes add up to the server's decode steps
+    assert sum(round(8 / float(t[1])) for t in turns) == \
+        after["decode_steps"] - before["decode_steps"]
+
+    css(web, "#toggle-cache")[0].click()
+    until(web, lambda w: css(w, f'.cache-model[data-model="{tiny_lm.name}"] '
+                                'tr[data-stat="speculation"]'), what="the cache panel")
+    section = css(web, f'.cache-model[data-model="{tiny_lm.name}"]')[0]
+    rows = {r.get_attribute("data-stat"): r.find_elements("css selector", "td")[0].text
+            for r in section.find_elements("css selector", "tr")}
+    assert rows["speculation"] == "ngram"
+    # (JavaScript's toFixed rounds a tie up, Python's format to even: the figures within half a
+    # unit of the last digit)
+    taken, drafted, rate = re.fullmatch(r"(\d+) of (\d+) \((\d+\.\d)%\)", rows["drafts"]).groups()
+    assert (int(taken), int(drafted)) == (after["accepted"], after["drafted"])
+    assert abs(float(rate) - 100 * after["accepted"] / after["drafted"]) <= 0.05 + 1e-9
+    per, tokens, steps = re.fullmatch(r"(\d+\.\d\d) \((\d+) tokens in (\d+) passes\)",
+                                      rows["per-step"]).groups()
+    assert (int(tokens), int(steps)) == (after["tokens"], after["decode_steps"])
+    assert abs(float(per) - after["tokens"] / after["decode_steps"]) <= 0.005 + 1e-9
+    css(web, "#toggle-cache")[0].click()
+
+
 # -- without a browser --------------------------------------------------------------------------
 
 STATIC = Path(__file__).resolve().parents[2] / "mlx_kvserver" / "clients" / "page"

@@ -20,14 +20,15 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.clients.client import ChatError, Streamed, parse_sse
+from mlx_kvserver.clients.client import ChatError, Client, Streamed, parse_sse
 from mlx_kvserver.clients.repl import Conversation, Repl
 from mlx_kvserver.clients.repl_render import _CONTROL
 from tests.server_utils import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 STATUS = re.compile(r"\[ttft (?:\d+\.\d+s|-) \| (?:[\d.]+|-) tok/s \| (\d+) tokens \| "
-                    r"cached (\d+)/(\d+) prompt tokens\]")
+                    r"cached (\d+)/(\d+) prompt tokens"
+                    r"(?: \| (\d+\.\d\d) tok/pass)?(?: \| drafts: (\d+) of (\d+) taken)?\]")
 
 # -- SSE parsing ------------------------------------------------------------------------------
 
@@ -94,12 +95,13 @@ class FakeClient:
         return self.gets[url]
 
 
-def answer(text, mid, prompt=10, cached=0):
+def answer(text, mid, prompt=10, cached=0, **usage):
     return [{"message_id": mid, "choices": [{"index": 0, "delta": {"role": "assistant",
                                                                      "content": ""}}]},
             {"message_id": mid, "choices": [{"index": 0, "delta": {"content": text}}]},
             {"choices": [], "usage": {"prompt_tokens": prompt, "completion_tokens": 3,
-                                      "prompt_tokens_details": {"cached_tokens": cached}}}]
+                                      "prompt_tokens_details": {"cached_tokens": cached},
+                                      **usage}}]
 
 
 def run_repl(client, lines, out=None):
@@ -133,6 +135,31 @@ def test_repl_regen_fork_back_send_the_right_history():
     assert len(STATUS.findall(out)) == 4 and "cached 9/10 prompt tokens" in out
     assert "forked after 2 messages" in out and "back at the fork point" in out
     assert repl.totals == {"turns": 4, "prompt": 40, "cached": 9, "completion": 12}
+
+
+def drafted(taken, refused):
+    return {"completion_tokens_details": {"reasoning_tokens": 0,
+                                          "accepted_prediction_tokens": taken,
+                                          "rejected_prediction_tokens": refused}}
+
+
+def test_status_line_shows_tokens_per_pass_and_drafts_taken_when_there_were_drafts():
+    client = FakeClient([
+        answer("A", "m1", completion_tokens=11, decode_steps=4, **drafted(7, 2)),
+        answer("B", "m2", completion_tokens=6, decode_steps=6, **drafted(0, 0)),
+        answer("C", "m3"),  # a server that says nothing of decode passes
+        answer("D", "m4", completion_tokens=1, decode_steps=0, **drafted(0, 0))])
+    _, out, _ = run_repl(client, ["a", "b", "c", "d"])
+    lines = [line for line in out.splitlines() if line.startswith("[ttft")]
+    # 11 tokens in 4 decode passes; 7 of the 9 drafted taken
+    assert lines[0].endswith("| 11 tokens | cached 0/10 prompt tokens | 2.75 tok/pass | "
+                             "drafts: 7 of 9 taken]")
+    # no drafts: the first token from the prompt's pass, 5 more and the end token in 6 passes
+    assert lines[1].endswith("| cached 0/10 prompt tokens | 1.00 tok/pass]")
+    assert lines[2].endswith("| cached 0/10 prompt tokens]")
+    assert lines[3].endswith("| 1 tokens | cached 0/10 prompt tokens]")  # no decode pass
+    assert [m.groups()[3:] for m in STATUS.finditer(out)] == [
+        ("2.75", "7", "9"), ("1.00", None, None), (None, None, None), (None, None, None)]
 
 
 def test_repl_errors_interrupts_and_unknown_commands():
@@ -254,7 +281,10 @@ STATS = {"object": "kv_cache.stats", "models": {
                "ram": {"entries": 5, "bytes": 12 << 20, "budget_bytes": 2 << 30,
                        "bytes_shared": 3 << 19, "evictions": 2},
                "disk": {"entries": 7, "bytes_on_disk": 40 << 20, "budget": 10 << 30,
-                        "evictions": 1}},
+                        "evictions": 1},
+               "speculation": {"mode": "ngram", "decode_steps": 1200, "tokens": 2950,
+                               "verify_steps": 800, "drafted": 2400, "accepted": 1750,
+                               "acceptance_rate": 0.7292, "tokens_per_step": 2.4583}},
     "a-much-longer-model-name": {"hits": 0, "misses": 0, "tokens_served": 0,
                                  "ram": {"entries": 0, "bytes": 0, "budget_bytes": 1 << 30,
                                          "bytes_shared": 0, "evictions": 0},
@@ -267,16 +297,21 @@ def test_stats_is_a_table_of_the_kv_cache_route_and_json_on_request():
     _, out, _ = run_repl(client, ["hi", "/stats"])
     lines = out.splitlines()
     head = lines.index("server KV cache (/v1/kv_cache/stats):")
-    table = lines[head + 1:head + 9]
+    table = lines[head + 1:head + 12]
     assert table == [
-        "                        tiny-a                        a-much-longer-model-name",
-        "  cache hits            3 of 4 lookups (1 from disk)  0 of 0 lookups",
-        "  tokens from cache     1,234                         0",
-        "  RAM used              12.0 MiB of 2.0 GiB (0.6%)    0 B of 1.0 GiB (0.0%)",
-        "  RAM entries           5, 1.5 MiB shared             0, 0 B shared",
-        "  disk used             40.0 MiB of 10.0 GiB (0.4%)   off",
-        "  disk entries          7                             -",
-        "  evictions RAM / disk  2 pages / 1 entries           0 pages / -"]
+        "                        tiny-a                               a-much-longer-model-name",
+        "  cache hits            3 of 4 lookups (1 from disk)         0 of 0 lookups",
+        "  tokens from cache     1,234                                0",
+        "  RAM used              12.0 MiB of 2.0 GiB (0.6%)           0 B of 1.0 GiB (0.0%)",
+        "  RAM entries           5, 1.5 MiB shared                    0, 0 B shared",
+        "  disk used             40.0 MiB of 10.0 GiB (0.4%)          off",
+        "  disk entries          7                                    -",
+        "  evictions RAM / disk  2 pages / 1 entries                  0 pages / -",
+        # speculation: the mode, draft tokens taken of those verified, tokens per decode step;
+        # dashes for a server that says nothing of it
+        "  speculation           ngram                                -",
+        "  drafts taken          1,750 of 2,400 (72.9%)               -",
+        "  tokens per step       2.46 (2,950 tokens in 1,200 passes)  -"]
     assert "{" not in out  # not a JSON dump
     assert "session: 1 turns, 10 prompt tokens, 4 from cache (40%), 3 completion tokens" in out
     _, out, _ = run_repl(client, ["/stats --json", "/stats --bogus"])
@@ -406,6 +441,42 @@ def test_repl_in_a_pty_streams_answers_reuses_cache_and_shows_stats(server, tiny
         pty.close()
     history = (tmp_path / ".cache" / "mlx-kvserver" / "chat_history").read_text()
     assert "+hello there" in history and "+/stats" in history
+
+
+def test_drafts_and_tokens_per_pass_from_a_real_server(server, tiny_lm):
+    """The same question twice in new conversations (greedy): the second answer's drafts come
+    from the first's saved tokens. Each status line's figures add up to what the server's
+    speculation counters moved by, and /stats shows those counters."""
+    def speculation() -> dict:
+        return httpx.get(f"{server}/kv_cache/stats").json()["models"][tiny_lm.name][
+            "speculation"]
+
+    before = speculation()
+    client = Client(server)
+    try:
+        _, out, _ = run_repl(client, ["tell me a story", "/new", "tell me a story", "/stats"])
+    finally:
+        client.close()
+    after = speculation()
+    turns = [(int(m.group(1)), m.group(4), int(m.group(5) or 0), int(m.group(6) or 0))
+             for m in STATUS.finditer(out)]
+    assert len(turns) == 2 and all(done == 8 and per_pass for done, per_pass, _, _ in turns)
+    (_, first, *_), (_, second, taken, tried) = turns
+    assert 0 < taken <= tried and float(second) > 1  # the first answer's tokens were drafts
+    assert sum(t[2] for t in turns) == after["accepted"] - before["accepted"]
+    assert sum(t[3] for t in turns) == after["drafted"] - before["drafted"]
+    # 8 tokens a turn over its passes: the passes add up to the server's decode steps (its
+    # tokens: those after each answer's first)
+    passes = [round(8 / float(t[1])) for t in turns]
+    assert sum(passes) == after["decode_steps"] - before["decode_steps"]
+    assert after["tokens"] - before["tokens"] == 14
+    rows = dict(re.findall(r"\n  (speculation|drafts taken|tokens per step) +(.+)", out))
+    assert rows["speculation"] == "ngram"
+    rate = 100 * after["accepted"] / after["drafted"]
+    assert rows["drafts taken"] == f"{after['accepted']:,} of {after['drafted']:,} ({rate:.1f}%)"
+    per_step = after["tokens"] / after["decode_steps"]
+    assert rows["tokens per step"] == \
+        f"{per_step:.2f} ({after['tokens']:,} tokens in {after['decode_steps']:,} passes)"
 
 
 def test_ctrl_c_in_a_pty_stops_the_answer_and_cancels_generation(tiny_lm, tmp_path, caplog):

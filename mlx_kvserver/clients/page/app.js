@@ -61,7 +61,21 @@ function statsText(s, model) {
   const reread = d ? ` · re-read ${d.reread_tokens} tokens from ` +
     (d.message_index == null ? `token ${d.position}` : `message ${d.message_index}`) : "";
   return `ttft ${ttft} · ${rate} tok/s · cached ${s.cached_tokens}/${s.prompt_tokens} prompt ` +
-    `tokens${reread} · ${s.completion_tokens} tokens${models.length > 1 && model ? ` · ${model}` : ""}`;
+    `tokens${reread} · ${s.completion_tokens} tokens${draftText(s)}` +
+    `${models.length > 1 && model ? ` · ${model}` : ""}`;
+}
+
+/** Speculative decoding: tokens per decode forward pass (completion_tokens / decode_steps: the
+ * first token comes from the prompt's pass, and the end token, not counted, from the last decode
+ * pass, so an answer that ends on its own reads 1.00 without drafts), and the draft tokens taken
+ * where there were drafts. Nothing for answers saved before the server said. */
+function draftText(s) {
+  const parts = [];
+  if (s.decode_steps > 0) {
+    parts.push(`${(s.completion_tokens / s.decode_steps).toFixed(2)} tok/pass`);
+  }
+  if (s.drafted > 0) parts.push(`drafts: ${s.accepted} of ${s.drafted} taken`);
+  return parts.map((p) => ` · ${p}`).join("");
 }
 
 function action(label, cls, handler) {
@@ -97,6 +111,8 @@ function messageView(conv, m, i) {
     const stats = node.appendChild(el("div", "msg-stats", statsText(m.stats, m.model)));
     stats.dataset.cached = String(m.stats.cached_tokens);
     stats.dataset.prompt = String(m.stats.prompt_tokens);
+    if (m.stats.decode_steps != null) stats.dataset.decodeSteps = String(m.stats.decode_steps);
+    if (m.stats.drafted) stats.dataset.drafts = `${m.stats.accepted}/${m.stats.drafted}`;
   }
   return node;
 }
@@ -237,12 +253,16 @@ async function generate(conv) {
   endReasoning(reply, tReasoning, tEnd);
   if (usage) {
     const n = usage.completion_tokens;
+    const details = usage.completion_tokens_details ?? {};
+    const accepted = details.accepted_prediction_tokens ?? 0;
     reply.stats = {
       ttft: tFirst == null ? null : (tFirst - t0) / 1000,
       rate: tFirst != null && n > 1 && tEnd > tFirst ? (n - 1) / ((tEnd - tFirst) / 1000) : null,
       prompt_tokens: usage.prompt_tokens, completion_tokens: n,
       cached_tokens: usage.prompt_tokens_details?.cached_tokens ?? 0,
       divergence: usage.kv_cache_divergence ?? null,
+      decode_steps: usage.decode_steps ?? null,
+      accepted, drafted: accepted + (details.rejected_prediction_tokens ?? 0),
     };
   }
   const kept = Boolean(reply.content || reply.tool_calls?.length || usage);

@@ -1,5 +1,6 @@
-// The cache panel: the server's KV cache per model (GET v1/kv_cache/stats) and the entries of the
-// open conversation's messages (GET v1/kv_cache/{id}), each with export and delete.
+// The cache panel: the server's KV cache per model (GET v1/kv_cache/stats, speculative decoding
+// included) and the entries of the open conversation's messages (GET v1/kv_cache/{id}), each
+// with export and delete.
 
 import { ApiError } from "./client.js";
 
@@ -67,6 +68,14 @@ function modelStats(name, s) {
       `${last.message_index == null ? "" : ` (message ${last.message_index})`}: ` +
       `"${last.prompt_excerpt}" was "${last.cached_excerpt}"` : "";
     row(t, "re-read", `${rr.tokens} tokens in ${rr.turns} turns${where}`).dataset.stat = "reread";
+  }
+  const sp = s.speculation;
+  if (sp) { // the mode, the acceptance rate, tokens per decode step (one pass, the whole batch)
+    row(t, "speculation", sp.mode).dataset.stat = "speculation";
+    row(t, "drafts taken", sp.drafted ? `${sp.accepted} of ${sp.drafted} ` +
+      `(${(100 * sp.accepted / sp.drafted).toFixed(1)}%)` : "none").dataset.stat = "drafts";
+    row(t, "tokens per step", sp.decode_steps ? `${(sp.tokens / sp.decode_steps).toFixed(2)} ` +
+      `(${sp.tokens} tokens in ${sp.decode_steps} passes)` : "-").dataset.stat = "per-step";
   }
   return box;
 }
