@@ -122,7 +122,7 @@ class SharedIndex:
         if hit is None:
             return []
         src = self.sources.get(hit[0])
-        if src is None or src[hit[1] - 4] != tokens[end - 4]:  # a fourth token must agree
+        if src is None or hit[1] < 4 or src[hit[1] - 4] != tokens[end - 4]:  # a 4th must agree
             return []
         return src[hit[1]:hit[1] + k]
 
