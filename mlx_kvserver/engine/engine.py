@@ -80,7 +80,8 @@ class Engine:
                                                  prefill_chunk=config.prefill_chunk,
                                                  speculate=config.speculate,
                                                  num_draft_tokens=config.num_draft_tokens,
-                                                 draft=self.draft if lm.name in fits else None)
+                                                 draft=self.draft if lm.name in fits else None,
+                                                 name=lm.name)
         self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=config.max_queue)
         self._thread: threading.Thread | None = None
 

@@ -63,21 +63,13 @@ class Sampler:
         return mx.random.categorical(logprobs * (1 / self.temperature), key=draw)
 
     def verify(self, logits: mx.array, draft: int) -> int:
-        """The token at a draft position: ``draft`` kept with probability ``p(draft)``, else a
-        token drawn from ``p`` without it, renormalized (``p``: this sampler's distribution,
-        grammar mask included). For a draft that is one fixed token this leaves the answer's
-        distribution that of plain sampling (Leviathan et al., Chen et al. 2023)."""
-        if self.matcher is not None:
-            logits = self.matcher.apply(logits)
-        if self.temperature == 0:
-            return int(mx.argmax(logits, axis=-1).item())
-        logp = self._logprobs(logits) * (1 / self.temperature)
-        logp = logp - mx.logsumexp(logp, keepdims=True)
-        self.key, u_key, draw = mx.random.split(self.key, 3)
-        if mx.random.uniform(key=u_key).item() < mx.exp(logp[draft]).item():
-            return int(draft)
-        rest = mx.where(mx.arange(logp.shape[-1]) == draft, -mx.inf, logp)
-        return int(mx.random.categorical(rest, key=draw).item())
+        """The token at a draft position: a token ``y`` drawn from ``p`` (this sampler's
+        distribution, grammar mask included) with the very key plain sampling would use; the
+        draft is kept when ``y`` is it. That keeps ``draft`` with probability ``p(draft)`` and
+        otherwise gives a token drawn from ``p`` without it, renormalized (the rule of Leviathan
+        et al. and Chen et al. 2023 for a draft that is one fixed token), and a seeded answer is
+        the one it is without drafts, whatever the drafts were."""
+        return int(self(logits).item())
 
     def _logprobs(self, logits: mx.array) -> mx.array:
         logprobs = logits - mx.logsumexp(logits, keepdims=True)

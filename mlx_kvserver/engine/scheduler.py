@@ -58,10 +58,12 @@ class Scheduler:
                  prefill_chunk: int = ServerConfig.prefill_chunk,
                  max_batch: int = ServerConfig.max_batch,
                  speculate: str = ServerConfig.speculate,
-                 num_draft_tokens: int = ServerConfig.num_draft_tokens, draft=None):
+                 num_draft_tokens: int = ServerConfig.num_draft_tokens, draft=None,
+                 name: str = "model"):
         self.manager, self.runner = manager, runner
         self.speculation = Speculation(runner, speculate, num_draft_tokens,
-                                       can_rewind=not manager.pool.spec.has_state, draft=draft)
+                                       can_rewind=not manager.pool.spec.has_state, draft=draft,
+                                       name=name)
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
         self.decoding: list[Choice] = []
@@ -277,8 +279,8 @@ class Scheduler:
         self._send(r, c.finish_event())
         seq, c.seq = c.seq, None
         self.speculation.release(c, c.message_id if r.use_cache else None)
-        if seq is not None:
-            self.speculation.saved(seq.tokens)  # its token ids: drafts for other answers
+        if seq is not None and r.use_cache:  # its token ids: drafts for other answers
+            self.speculation.saved(seq.tokens)
         if r.use_cache:
             self._save(c.message_id, seq)
         if c.index == 0:
