@@ -142,6 +142,7 @@ class Drafter:
             self.pred_index = NgramIndex((3, 2, 1))
             self.pred_index.extend(self.prediction, len(self.prediction))
         self.length = min(4, max_len)
+        self.hits, self.fails = 1.0, 1.0  # draft tokens taken / drafts cut short (decaying)
         self.misses = 0  # drafts in a row of which nothing was taken
         self.pause = 0  # steps left without drafting
         self.backoff = 4
@@ -185,10 +186,22 @@ class Drafter:
             if answer else None
         return p[hit[0]:hit[0] + k] if hit is not None else []
 
+    @property
+    def rate(self) -> float:
+        """The chance that one more draft token is taken (from the recent drafts)."""
+        return self.hits / (self.hits + self.fails)
+
+    def expected(self, n: int) -> float:
+        """Tokens a step that verifies ``n`` draft tokens is expected to give (1 without)."""
+        r = min(self.rate, 0.999)
+        return (1 - r ** (n + 1)) / (1 - r)
+
     def taken(self, proposed: int, accepted: int) -> None:
         """How the last draft went: its length and how many of its tokens were taken."""
         if proposed == 0:
             return
+        self.hits = self.hits * 0.8 + accepted
+        self.fails = self.fails * 0.8 + (accepted < proposed)
         if accepted == proposed:
             self.length = min(self.max_len, self.length * 2)
         elif accepted:

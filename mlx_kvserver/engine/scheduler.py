@@ -255,11 +255,12 @@ class Scheduler:
                 if any(drafts):  # one pass verifies every draft (engine/speculate.py)
                     outs = self.speculation.verify(group, drafts)
                 else:
+                    t0 = time.perf_counter()
                     logits = self.runner.decode([c.seq for c in group],
                                                 [c.next_token for c in group])
                     tokens = [c.sample(logits[i]) for i, c in enumerate(group)]
                     mx.eval(tokens)
-                    self.speculation.decoded(group)
+                    self.speculation.decoded(group, time.perf_counter() - t0)
                     outs = [c.accept(int(t.item()), logits[i])
                             for i, (c, t) in enumerate(zip(group, tokens))]
             except Exception as e:  # the engine never dies with a request

@@ -22,6 +22,7 @@ private working buffers, never in a page another sequence shares). A model with 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -55,6 +56,36 @@ class SpeculationStats:
                 "tokens_per_step": round(self.tokens / self.steps, 4) if self.steps else 0.0}
 
 
+class PassCost:
+    """What a forward pass over ``rows`` token rows (sequences x their width) costs, fitted as
+    ``a + b * rows`` to the recent passes of this model (least squares): on a CPU the rows of a
+    wide verify pass cost almost what a decode step does each; on a GPU little beyond the step.
+    Before the passes say anything, ``b / a`` is taken as ``PRIOR``."""
+
+    PRIOR, WINDOW = 0.05, 64
+
+    def __init__(self) -> None:
+        self.samples: list[tuple[int, float]] = []
+
+    def add(self, rows: int, seconds: float) -> None:
+        self.samples.append((rows, seconds))
+        del self.samples[:-self.WINDOW]
+
+    def ratio(self) -> float:
+        """``b / a``: what one more row costs against a pass's fixed part."""
+        xs = [r for r, _ in self.samples]
+        if len(set(xs)) < 2 or len(xs) < 8:
+            return self.PRIOR
+        n = len(xs)
+        mx_, my = sum(xs) / n, sum(t for _, t in self.samples) / n
+        sxx = sum((x - mx_) ** 2 for x in xs)
+        b = sum((x - mx_) * (t - my) for x, t in self.samples) / sxx
+        a = my - b * mx_
+        if a <= 0:  # rows are all there is (or noise): a small fixed part
+            a = max(my * 0.05, 1e-6)
+        return max(b, 0.0) / a
+
+
 class Speculation:
     """Drafts and their verification for one model's scheduler. ``mode``: ``off``, ``ngram``
     (drafts from token ids the server holds) or ``draft`` (a draft model, where one is given);
@@ -76,6 +107,7 @@ class Speculation:
             self.mode = "off"
         self.shared = SharedIndex() if self.mode != "off" else None
         self.stats = SpeculationStats()
+        self.cost = PassCost()
 
     @property
     def on(self) -> bool:
@@ -105,7 +137,26 @@ class Speculation:
                 m = c.sampler.matcher
                 out[i] = d[:m.valid_prefix(d)] if d and m is not None else d
                 c.draft_source = "model" if out[i] else ""
-        return out
+        width = self._width(group, out)
+        return [d[:width - 1] for d in out]
+
+    def _width(self, group: Sequence[Choice], drafts: list[list[int]]) -> int:
+        """The step's width (1: a plain decode step): the one that gives the most tokens per
+        second, by each choice's recent acceptance and the cost of wider passes (``PassCost``).
+        A choice whose draft is forced (a grammar) counts every token as taken."""
+        longest = max((len(d) for d in drafts), default=0)
+        if longest == 0:
+            return 1
+        ratio, B = self.cost.ratio(), len(group)
+        best, best_rate = 1, B / (1 + ratio * B)
+        for w in range(2, longest + 2):
+            gain = sum(min(len(d), w - 1) + 1 if c.draft_source == "grammar"
+                       else c.drafter.expected(min(len(d), w - 1)) if d else 1.0
+                       for c, d in zip(group, drafts))
+            rate = gain / (1 + ratio * B * w)
+            if rate > best_rate * 1.02:
+                best, best_rate = w, rate
+        return best
 
     def _draft(self, c: Choice) -> tuple[list[int], int]:
         """(a draft from what the server holds, the room for one)."""
@@ -152,10 +203,12 @@ class Speculation:
         """One forward pass over each choice's last token and draft; each takes what it may.
         Returns each choice's deltas (a choice may be done after it)."""
         pieces = [[c.next_token, *d] for c, d in zip(group, drafts)]
+        t0 = time.perf_counter()
         rows = self.runner.verify([c.seq for c in group], pieces)
         plain = [c.sampler.temperature == 0 and c.sampler.matcher is None for c in group]
         argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
-        mx.eval([a for a in argmax if a is not None])
+        mx.eval([a for a in argmax if a is not None] or rows)
+        self.cost.add(len(group) * max(len(p) for p in pieces), time.perf_counter() - t0)
         out = []
         self.stats.steps += 1
         self.stats.verify_steps += 1
@@ -180,8 +233,9 @@ class Speculation:
             out.append(deltas)
         return out
 
-    def decoded(self, group: Sequence[Choice]) -> None:
-        """A plain decode step of ``group`` (one token each)."""
+    def decoded(self, group: Sequence[Choice], seconds: float) -> None:
+        """A plain decode step of ``group`` (one token each) that took ``seconds``."""
+        self.cost.add(len(group), seconds)
         self.stats.steps += 1
         self.stats.tokens += len(group)
         for c in group:
