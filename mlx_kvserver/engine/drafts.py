@@ -116,15 +116,21 @@ class SharedIndex:
                     del self.map[k]
 
     def draft(self, tokens: Sequence[int], end: int, k: int) -> list[int]:
+        found = self.find(tokens, end)
+        return found[0][found[1]:found[1] + k] if found is not None else []
+
+    def find(self, tokens: Sequence[int], end: int) -> tuple[list[int], int] | None:
+        """(a saved source, the position after where ``tokens[:end]``'s last four tokens occur
+        in it), or None."""
         if end < 4:
-            return []
+            return None
         hit = self.map.get(_key(tokens[end - 3:end]))
         if hit is None:
-            return []
+            return None
         src = self.sources.get(hit[0])
         if src is None or hit[1] < 4 or src[hit[1] - 4] != tokens[end - 4]:  # a 4th must agree
-            return []
-        return src[hit[1]:hit[1] + k]
+            return None
+        return src, hit[1]
 
 
 class Drafter:
@@ -147,44 +153,64 @@ class Drafter:
         self.pause = 0  # steps left without drafting
         self.backoff = 4
         self.source = ""  # where the last draft came from
+        self.seen = self.start  # the context's tokens taken in by _follow
+        # the copy the answer follows: (source tokens, position, name); a prediction from its start
+        self.copy: tuple[list[int], int, str] | None = \
+            (self.prediction, 0, "prediction") if self.prediction else None
 
     def propose(self, room: int) -> list[int]:
         """A draft of at most ``room`` tokens to follow the context (may be empty)."""
         k = min(self.length, room, self.max_len)
+        self._follow()
         if k <= 0:
             return []
         if self.pause > 0:
             self.pause -= 1
             return []
-        ctx, end = self.context, len(self.context)
-        if self.prediction:
-            d = self._predicted(k)
+        if self.pred_index is not None and (self.copy is None or self.copy[2] != "prediction"):
+            hit = self.pred_index.lookup(self.context, len(self.context), own=False) \
+                if len(self.context) > self.start else None
+            if hit is not None:  # the client's guess comes first wherever it fits
+                self.copy = (self.prediction, hit[0], "prediction")
+        if self.copy is not None:  # the answer is copying a source: go on with it
+            src, pos, source = self.copy
+            d = src[pos:min(pos + k, len(self.context) if src is self.context else len(src))]
             if d:
-                self.source = "prediction"
+                self.source = source
                 return d
-        self.own.extend(ctx, end - 1)
-        hit = self.own.lookup(ctx, end)
-        if hit is not None:
-            d = ctx[hit[0]:min(hit[0] + k, end)]
+        for source, src, pos in self._found():
+            d = src[pos:min(pos + k, len(self.context) if src is self.context else len(src))]
             if d:
-                self.source = "context"
-                return d
-        if self.shared is not None:
-            d = self.shared.draft(ctx, end, k)
-            if d:
-                self.source = "cache"
+                self.copy, self.source = (src, pos, source), source
                 return d
         return []
 
-    def _predicted(self, k: int) -> list[int]:
-        answer = self.context[self.start:]
-        p = self.prediction
-        if len(answer) < len(p) and p[:len(answer)] == answer:  # still on the prediction
-            return p[len(answer):len(answer) + k]
-        assert self.pred_index is not None
-        hit = self.pred_index.lookup(self.context, len(self.context), own=False) \
-            if answer else None
-        return p[hit[0]:hit[0] + k] if hit is not None else []
+    def _follow(self) -> None:
+        """Take in the tokens the answer got since the last draft: a copy it was following
+        goes on where they match it (they are compared, never the whole answer)."""
+        ctx, end = self.context, len(self.context)
+        new = ctx[self.seen:end]
+        self.seen = end
+        if self.copy is not None and new:
+            src, pos, source = self.copy
+            if src[pos:pos + len(new)] == new:
+                self.copy = (src, pos + len(new), source)
+            else:
+                self.copy = None
+
+    def _found(self):
+        """Where the answer's last tokens occurred before: in its own context, in other saved
+        entries (each a (source name, token list, position after)); the prediction is looked at
+        first, in ``propose``."""
+        ctx, end = self.context, len(self.context)
+        self.own.extend(ctx, end - 1)
+        hit = self.own.lookup(ctx, end)
+        if hit is not None:
+            yield "context", ctx, hit[0]
+        if self.shared is not None:
+            found = self.shared.find(ctx, end)
+            if found is not None:
+                yield "cache", found[0], found[1]
 
     @property
     def rate(self) -> float:
