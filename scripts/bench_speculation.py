@@ -193,6 +193,9 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2, help="on/off alternations")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--peer-mlx-lm", action="store_true",
+                    help="also mlx-lm's server on the same model, converted to an MLX folder "
+                         "(chat workloads only: it has no Messages API and no grammars)")
     args = ap.parse_args()
     out = result_path(args.json)
     results: dict = {"argv": sys.argv[1:], "runs": []}
@@ -217,11 +220,67 @@ def main() -> None:
                             write_result(out, json.dumps(results, indent=1))
                 finally:
                     srv.stop()
+        if args.peer_mlx_lm:
+            results["runs"] += peer_runs(Path(tmp), args, out, results)
     summary = summarize(results["runs"])
     results["summary"] = summary
     write_result(out, json.dumps(results, indent=1))
+    plot(summary, Path(args.json).with_suffix(".png"))
     for row in summary:
         print(row)
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    """Decode tokens/s per workload and clients: speculation off, on, and mlx-lm's server."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, n in zip(axes, (1, 8)):
+        rows = [r for r in summary if r["clients"] == n]
+        xs = range(len(rows))
+        for k, (key, label) in enumerate((("off", "speculation off"), ("on", "speculation on"),
+                                          ("mlx_lm", "mlx-lm server"))):
+            vals = [r.get(key) or 0 for r in rows]
+            ax.bar([x + (k - 1) * 0.27 for x in xs], vals, 0.27, label=label)
+        for x, r in zip(xs, rows):
+            ax.text(x, max(r["on"], r["off"]) * 1.02, f"{r['speedup']:.2f}x", ha="center",
+                    fontsize=8)
+        ax.set_xticks(list(xs), [r["workload"] for r in rows])
+        ax.set_title(f"{n} client{'s' if n > 1 else ''}: decode tok/s"
+                     + (" (in all)" if n > 1 else " (median)"))
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    out = result_path(path)
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+def peer_runs(tmp: Path, args, out: Path, results: dict) -> list[dict]:
+    """mlx-lm's server (no prompt lookup; its draft models turn batching off) on the default
+    model's MLX folder, the chat workloads, plain decoding."""
+    from mlx_kvserver.models.convert import save_mlx_folder
+    from mlx_kvserver.models.loading import resolve_and_load
+    from scripts.bench_multiturn import MlxLmServer
+
+    folder = save_mlx_folder(resolve_and_load(args.model), tmp / "model-mlx")
+    runs = []
+    peer = MlxLmServer(folder, free_port(), tmp)
+    try:
+        for w in [w for w in args.workloads if w in ("rewrite", "free")]:
+            for n in args.clients:
+                r = run(peer.url.removesuffix("/v1"), str(folder), w, n, args.max_tokens, {})
+                r.update(mode="mlx-lm", round=0, workload=w)
+                runs.append(r)
+                print(f"mlx-lm {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s median, "
+                      f"{r['aggregate_tok_s']:.2f} in all", flush=True)
+                results["runs"].append(r)
+                write_result(out, json.dumps(results, indent=1))
+    finally:
+        peer.stop()
+    results["runs"] = results["runs"][:len(results["runs"]) - len(runs)]
+    return runs
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -236,12 +295,15 @@ def summarize(runs: list[dict]) -> list[dict]:
             med = {m: statistics.median(r[key] for r in rs) for m, rs in pick.items()}
             same = all(a["texts"] == b["texts"] for a, b in zip(pick["off"], pick["ngram"]))
             on = pick["ngram"]
+            peer = [r[key] for r in runs if r["workload"] == w and r["clients"] == n
+                    and r["mode"] == "mlx-lm"]
             rows.append({"workload": w, "clients": n, "off": round(med["off"], 3),
                          "on": round(med["ngram"], 3), "speedup": round(med["ngram"] / med["off"], 3),
                          "same_text": same,
                          "acceptance": round(sum(r["accepted"] for r in on)
                                              / max(1, sum(r["drafted"] for r in on)), 3),
-                         "tokens_per_step": statistics.median(r["tokens_per_step"] for r in on)})
+                         "tokens_per_step": statistics.median(r["tokens_per_step"] for r in on),
+                         "mlx_lm": round(statistics.median(peer), 3) if peer else None})
     return rows
 
 
