@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env_float("MAX_KV_RAM_GB", D.max_kv_ram_gb),
                    help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default "
                         f"{D.max_kv_ram_gb:g})")
+    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+                   dest="memory_limit_gb",
+                   help="all the memory the server may use: weights, KV pages, working buffers "
+                        "and passes (default: 75%% of the machine's, on a Mac of the Metal "
+                        "working set MLX recommends)")
     p.add_argument("--page-size", type=int, default=D.page_size, help="tokens per KV page")
     p.add_argument("--kv-bits", type=int, choices=[8, 4], default=D.kv_bits,
                    help="hold KV pages in 8 or 4 bits, in memory, on disk and in the store "
@@ -111,6 +116,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-resident-sequences must be 0 or more")
     if args.max_batch < 1 or args.prefill_chunk < 1:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
+    if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
+        raise SystemExit("--memory-limit must be a positive number of GB")
     if args.num_draft_tokens < 0:
         raise SystemExit("--num-draft-tokens must be 0 or more")
     speculate = args.speculate or ("draft" if args.draft_model else "ngram")
@@ -134,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
+        memory_limit_gb=args.memory_limit_gb,
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, speculate=speculate,

@@ -40,6 +40,8 @@ class ServerConfig:
     kv_cache_dir: Path | None = None
     max_kv_size_gb: float = 10.0
     max_kv_ram_gb: float = 2.0
+    memory_limit_gb: float | None = None  # all the server may use (engine/memory.py); None: a
+    # safe fraction of the machine (Metal: of MLX's recommended working set)
     page_size: int = 32
     kv_bits: int | None = None  # pages in 8 or 4 bits (kv_cache/pages/quant.py); None: model's
     kv_group_size: int = 64  # values sharing one scale and bias, with kv_bits

@@ -31,6 +31,7 @@ from ..errors import RequestError
 from ..models.loading import LoadedModel
 from .request import Job
 from .draft_model import DraftModel, DraftModelError, check_draft_model
+from .memory import MemoryBudget
 from .runner import Runner
 from .scheduler import Events, Scheduler
 
@@ -56,34 +57,68 @@ class Engine:
         ``draft``: a draft model (``config.speculate == "draft"``) for the served models whose
         tokenizer it shares (``DraftModelError`` when it fits none of them)."""
         config = config or ServerConfig()
+        self.config = config
+        self.memory = MemoryBudget(int(config.memory_limit_gb * GB)
+                                   if config.memory_limit_gb else None)
         self.draft = DraftModel(draft, config) if draft is not None \
             and config.speculate == "draft" else None
-        fits = {lm.name for lm in models if self.draft is not None and _fits(draft, lm)}
-        if self.draft is not None and not fits:
+        self._draft_lm = draft
+        if self.draft is not None and not any(_fits(draft, lm) for lm in models):
             check_draft_model(draft, models[0])  # raises, saying why
-        self.models = {lm.name: lm for lm in models}
+        if self.draft is not None:
+            self.memory.add_model(draft)
+        self.models: dict[str, LoadedModel] = {}
         self.managers: dict[str, CacheManager] = {}
         self.schedulers: dict[str, Scheduler] = {}
         for lm in models:
-            spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
-                                             config.kv_group_size)
-            manager = open_cache(
-                spec, fingerprint, page_size=config.page_size,
-                max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
-                disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
-                max_resident=config.max_resident_sequences,
-                about={"name": lm.name, "source": lm.source}, store_url=config.kv_store,
-                store_namespace=config.kv_store_namespace)
-            self.managers[lm.name] = manager
-            self.schedulers[lm.name] = Scheduler(manager, Runner(lm.model, manager, lm.name),
-                                                 max_batch=config.max_batch,
-                                                 prefill_chunk=config.prefill_chunk,
-                                                 speculate=config.speculate,
-                                                 num_draft_tokens=config.num_draft_tokens,
-                                                 draft=self.draft if lm.name in fits else None,
-                                                 name=lm.name)
+            self._open(lm)
+        self.memory.apply()
         self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=config.max_queue)
         self._thread: threading.Thread | None = None
+
+    def _open(self, lm: LoadedModel) -> None:
+        """A cache and a scheduler for ``lm`` (its weights counted in the budget)."""
+        config = self.config
+        spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
+                                         config.kv_group_size)
+        manager = open_cache(
+            spec, fingerprint, page_size=config.page_size,
+            max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
+            disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
+            max_resident=config.max_resident_sequences,
+            about={"name": lm.name, "source": lm.source}, store_url=config.kv_store,
+            store_namespace=config.kv_store_namespace)
+        draft = self.draft if self.draft is not None and _fits(self._draft_lm, lm) else None
+        self.models[lm.name] = lm
+        self.managers[lm.name] = manager
+        self.schedulers[lm.name] = Scheduler(
+            manager, Runner(lm.model, manager, lm.name), max_batch=config.max_batch,
+            prefill_chunk=config.prefill_chunk, speculate=config.speculate,
+            num_draft_tokens=config.num_draft_tokens, draft=draft, name=lm.name,
+            memory=self.memory)
+        self.memory.add_model(lm)
+
+    def add_model(self, lm: LoadedModel) -> None:
+        """Serve ``lm`` from the next step on (call on the engine thread: ``call``). A model of
+        that name already served is an error."""
+        if lm.name in self.models:
+            raise ValueError(f"model {lm.name!r} is served already")
+        self._open(lm)
+
+    def remove_model(self, name: str) -> bool:
+        """Stop serving ``name`` once it is idle (call on the engine thread): its cache is
+        flushed to disk and closed, its weights leave the budget. False while it has work or
+        when it is not served."""
+        s = self.schedulers.get(name)
+        if s is None or s.busy:
+            return False
+        s.close()
+        self.schedulers.pop(name)
+        self.managers.pop(name).close()
+        self.models.pop(name)
+        self.memory.remove_model(name)
+        mx.clear_cache()
+        return True
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -200,8 +235,17 @@ class Engine:
         """Per model: memory and disk tiers, and the tokens prompts read again."""
         return {name: {**manager.report(), "reread": dict(self.schedulers[name].reread),
                        "speculation": {"mode": self.schedulers[name].speculation.mode,
-                                       **self.schedulers[name].speculation.stats.as_dict()}}
+                                       **self.schedulers[name].speculation.stats.as_dict()},
+                       "memory": self.memory_report()}
                 for name, manager in self.managers.items()}
+
+    def memory_report(self) -> dict:
+        """The budget and what is spent of it: weights, pages, working buffers, MLX's cache."""
+        pages = sum(m.pool.stats().used_bytes for m in self.managers.values())
+        rep = self.memory.report()
+        rep["pages_bytes"] = pages
+        rep["working_bytes"] = max(0, rep["mlx_active_bytes"] - rep["weights_bytes"] - pages)
+        return rep
 
     def entry_info(self, key: str) -> dict | None:
         for name, manager in self.managers.items():

@@ -59,8 +59,9 @@ class Scheduler:
                  max_batch: int = ServerConfig.max_batch,
                  speculate: str = ServerConfig.speculate,
                  num_draft_tokens: int = ServerConfig.num_draft_tokens, draft=None,
-                 name: str = "model"):
+                 name: str = "model", memory=None):
         self.manager, self.runner = manager, runner
+        self.name, self.memory = name, memory  # engine/memory.py MemoryBudget (None: no budget)
         self.speculation = Speculation(runner, speculate, num_draft_tokens,
                                        can_rewind=not manager.pool.spec.has_state, draft=draft,
                                        name=name)

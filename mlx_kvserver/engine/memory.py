@@ -1,0 +1,173 @@
+"""One memory budget for the server: :class:`MemoryBudget`.
+
+What the server may use (``--memory-limit``, by default a safe fraction of the machine: on
+Metal, of what MLX recommends as its working set) is spent on the models' weights, the KV pages,
+the running sequences' working buffers, MLX's buffer cache and the next forward pass's peak. MLX
+counts everything it allocates (``mx.get_active_memory``); what the next pass will add on top is
+estimated from its shape before it runs (:meth:`MemoryBudget.pass_peak`: a chunk's activations
+and attention scores, growing with chunk x context, and the keys and values it writes). The
+scheduler asks before each pass whether it fits (``engine/pressure.py`` says what it does when
+not), and MLX's own limits are set from the budget (``mx.set_memory_limit``; the wired limit on
+Metal).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+
+log = logging.getLogger("mlx_kvserver.engine")
+
+GB = 1 << 30
+DEFAULT_FRACTION = 0.75  # of the machine's memory (Metal: of MLX's recommended working set)
+
+
+def machine_memory() -> int:
+    """The machine's physical memory in bytes (Linux, macOS: ``sysconf``; else /proc)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/meminfo") as f:
+            m = re.search(r"MemTotal:\s+(\d+) kB", f.read())
+        if m:
+            return int(m.group(1)) * 1024
+    except OSError:
+        pass
+    return 16 * GB  # unknown: a modest machine
+
+
+def device_memory() -> int | None:
+    """On Metal, MLX's recommended working set (what the GPU may keep wired); else None."""
+    try:
+        if mx.metal.is_available():
+            return int(mx.metal.device_info()["max_recommended_working_set_size"])
+    except (AttributeError, KeyError, RuntimeError):
+        pass
+    return None
+
+
+def default_limit() -> int:
+    device = device_memory()
+    base = device if device is not None else machine_memory()
+    return int(base * DEFAULT_FRACTION)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a model's pass costs per token: from its config (mlx-lm's ``args``)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    layers: int
+    vocab: int
+    kv_bytes: int  # keys and values of one position, all layers (working buffer precision)
+    dtype_bytes: int
+
+    @classmethod
+    def of(cls, lm: Any) -> "Shape":
+        args = getattr(lm.model, "args", None)
+        text = getattr(args, "text_config", None)
+        a = text if isinstance(text, dict) else vars(args) if args is not None else {}
+
+        def get(*names, default: int) -> int:
+            for n in names:
+                v = a.get(n) if isinstance(a, dict) else None
+                if isinstance(v, int) and v > 0:
+                    return v
+            return default
+        hidden = get("hidden_size", "d_model", default=2048)
+        dt = lm.dtype.size if hasattr(lm.dtype, "size") else 4
+        spec = lm.cache_spec
+        kv = sum(len(g.layers) * 2 * g.num_kv_heads * g.head_dim * dt for g in spec.groups) \
+            if spec is not None else lm.num_layers * 2 * lm.num_kv_heads * lm.head_dim * dt
+        return cls(hidden, get("intermediate_size", "ffn_dim", default=4 * hidden),
+                   get("num_attention_heads", "n_heads", default=max(1, hidden // 64)),
+                   get("num_hidden_layers", "n_layers", default=lm.num_layers),
+                   get("vocab_size", default=32000), kv, dt)
+
+
+def weights_bytes(model: Any) -> int:
+    """Bytes of a model's parameters (what loading it holds)."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
+class MemoryBudget:
+    """The server's limit and what is spent of it. ``limit``: bytes (None: ``default_limit``).
+    Models register their weights as they load and unload."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = int(limit) if limit else default_limit()
+        self.machine = machine_memory()
+        self.device = device_memory()
+        self.weights: dict[str, int] = {}
+        self.shapes: dict[str, Shape] = {}
+        self.refused = 0  # requests refused because they cannot fit even alone
+        self.pressure_events = 0
+
+    def apply(self) -> None:
+        """Set MLX's own limits from the budget (and the wired limit on Metal)."""
+        mx.set_memory_limit(self.limit)
+        if self.device is not None:
+            try:
+                mx.set_wired_limit(min(self.limit, self.device))
+            except (AttributeError, RuntimeError, ValueError) as e:
+                log.info("the wired limit was not set: %s", e)
+        log.info("memory limit %.2f GB (machine %.2f GB%s)", self.limit / GB,
+                 self.machine / GB, f", Metal working set {self.device / GB:.2f} GB"
+                 if self.device else "")
+
+    def add_model(self, lm: Any) -> None:
+        self.weights[lm.name] = weights_bytes(lm.model)
+        self.shapes[lm.name] = Shape.of(lm)
+
+    def remove_model(self, name: str) -> None:
+        self.weights.pop(name, None)
+        self.shapes.pop(name, None)
+
+    @property
+    def weights_total(self) -> int:
+        return sum(self.weights.values())
+
+    def in_use(self) -> int:
+        """What MLX holds now (weights, pages, buffers), its buffer cache apart."""
+        return int(mx.get_active_memory())
+
+    def pass_peak(self, model: str, tokens: int, context: int, rows: int = 1) -> int:
+        """What a pass of ``tokens`` new positions in each of ``rows`` sequences, after
+        ``context`` positions, adds at its peak: the residual stream and one layer's attention
+        scores and MLP activations (float32), the keys and values it writes, and the logits of
+        the last positions. An estimate from the shape, checked against ``mx.get_peak_memory``
+        in tests/engine/test_memory.py."""
+        s = self.shapes[model]
+        n = tokens * rows
+        f = 4  # activations and scores are computed in float32 on the CPU, often on GPUs too
+        acts = n * (6 * s.hidden + 3 * s.intermediate) * f
+        scores = 3 * rows * s.heads * tokens * (context + tokens) * f
+        kv = n * s.kv_bytes
+        logits = rows * min(tokens, 16) * s.vocab * f
+        return acts + scores + kv + logits
+
+    def request_floor(self, model: str, prompt: int, answer: int) -> int:
+        """The least a request needs alone beyond the weights: its working buffers at the end
+        (prompt and answer, every layer) and a pass of one small chunk at that context."""
+        s = self.shapes[model]
+        total = prompt + answer
+        return total * s.kv_bytes + self.pass_peak(model, min(prompt, 32), total)
+
+    def report(self) -> dict:
+        return {"limit_bytes": self.limit, "machine_bytes": self.machine,
+                "metal_working_set_bytes": self.device, "weights_bytes": self.weights_total,
+                "weights_by_model": dict(self.weights), "mlx_active_bytes": self.in_use(),
+                "mlx_cache_bytes": int(mx.get_cache_memory()),
+                "mlx_peak_bytes": int(mx.get_peak_memory()), "refused": self.refused,
+                "pressure_events": self.pressure_events}
