@@ -20,8 +20,8 @@ T = TypeVar("T")
 
 
 class Room:
-    """``self.pool``, ``self._resident``, ``self._entries``, ``self.drop`` and ``self.stats`` are
-    the manager's."""
+    """``self.pool``, ``self._resident``, ``self._entries``, ``self.drop``, ``self.store``,
+    ``self.sync`` and ``self.stats`` are the manager's."""
 
     def make_room(self, n_pages: int, group: int = 0) -> bool:
         """Drop holders, least recently used first, until the pool can allocate ``n_pages``
@@ -47,6 +47,19 @@ class Room:
             except OutOfBlocksError as e:
                 if e.pages is None or not self.make_room(e.pages, e.group):
                     raise
+
+    def shed(self) -> int:
+        """Give back the memory nothing running needs, for the caller's memory budget: resident
+        sequences' working buffers, then (with a disk tier) the entries the disk holds, whose
+        pages come back from it when asked, then every cached page that nothing holds. Entries
+        without a copy on disk stay. Returns the pages freed."""
+        while self._resident:
+            self._unreside(next(iter(self._resident))).close()
+        if self.store is not None:
+            self.sync()  # every entry's write done: the disk holds what it was given
+            for key in [k for k in self._entries if self.store.get(k) is not None]:
+                self.drop(key, from_disk=False)
+        return self.pool.evict_all_cached()
 
     def _unreside(self, key: int) -> PagedSequence:
         """Resident sequence ``key``, no longer resident: its holds are a sequence's again."""

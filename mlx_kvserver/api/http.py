@@ -40,7 +40,9 @@ def error_body(e: RequestError, path: str = "") -> dict:
 
 def error_responder(path: str) -> Callable[[RequestError], JSONResponse]:
     def respond(e: RequestError) -> JSONResponse:
-        return JSONResponse(error_body(e, path), status_code=e.status)
+        headers = {"Retry-After": str(int(max(1, e.retry_after)))} \
+            if e.retry_after is not None else None
+        return JSONResponse(error_body(e, path), status_code=e.status, headers=headers)
     return respond
 
 

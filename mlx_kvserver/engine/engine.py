@@ -97,6 +97,7 @@ class Engine:
             num_draft_tokens=config.num_draft_tokens, draft=draft, name=lm.name,
             memory=self.memory)
         self.memory.add_model(lm)
+        self.memory.shedders[lm.name] = manager.shed
 
     def add_model(self, lm: LoadedModel) -> None:
         """Serve ``lm`` from the next step on (call on the engine thread: ``call``). A model of
@@ -117,6 +118,7 @@ class Engine:
         self.managers.pop(name).close()
         self.models.pop(name)
         self.memory.remove_model(name)
+        self.memory.shedders.pop(name, None)
         mx.clear_cache()
         return True
 
@@ -148,7 +150,7 @@ class Engine:
             self._queue.put_nowait(job)
         except queue.Full:
             raise RequestError(429, "the server is busy; try again shortly",
-                           type="rate_limit_error", code="queue_full")
+                               type="rate_limit_error", code="queue_full", retry_after=1)
 
     @property
     def queued(self) -> int:

@@ -113,6 +113,7 @@ class MemoryBudget:
         self.shapes: dict[str, Shape] = {}
         self.refused = 0  # requests refused because they cannot fit even alone
         self.pressure_events = 0
+        self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
 
     def apply(self) -> None:
         """Set MLX's own limits from the budget (and the wired limit on Metal)."""
@@ -138,6 +139,10 @@ class MemoryBudget:
     def weights_total(self) -> int:
         return sum(self.weights.values())
 
+    def shed(self) -> int:
+        """Every model's cache gives back what nothing running needs; the pages freed."""
+        return sum(fn() for fn in self.shedders.values())
+
     def in_use(self) -> int:
         """What MLX holds now (weights, pages, buffers), its buffer cache apart."""
         return int(mx.get_active_memory())
@@ -155,7 +160,8 @@ class MemoryBudget:
         scores = 3 * rows * s.heads * tokens * (context + tokens) * f
         kv = n * s.kv_bytes
         logits = rows * min(tokens, 16) * s.vocab * f
-        return acts + scores + kv + logits
+        padded = rows * (context + tokens) * s.kv_bytes // max(1, s.layers) if rows > 1 else 0
+        return acts + scores + kv + logits + padded  # padded: a batch's own keys, one layer
 
     def request_floor(self, model: str, prompt: int, answer: int) -> int:
         """The least a request needs alone beyond the weights: its working buffers at the end

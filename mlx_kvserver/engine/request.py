@@ -82,6 +82,7 @@ class Choice:
         self._pending_logprobs: list[TokenLogprob] = []
         self.resume: list[int] | None = None  # preempted: tokens to recompute before going on
         self.resume_done = 0
+        self.resume_keys: list[str] = []  # where its pages were saved when it was preempted
         self.drafter = None  # engine/drafts.py Drafter, made at its first decode step
         self.draft_seq = None  # its sequence in the draft model's cache (draft_model.py)
         self.draft_source = ""  # where the last draft came from
@@ -217,6 +218,7 @@ class Request:
         self.divergence: Divergence | None = None  # why it re-read tokens, when it did
         self.choices: list[Choice] = []
         self.started = time.perf_counter()  # checked, rendered and tokenized
+        self.waiting_since: float | None = None  # waiting for memory to start (pressure.py)
         self.forward_s = 0.0  # wall time of the forward passes that ran its prompt
 
     @functools.cached_property

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable
+from typing import Callable
 
 import mlx.core as mx
 
@@ -44,6 +44,8 @@ from ..config import ServerConfig
 from .divergence import RecentTurns, explain
 from ..errors import RequestError
 from .prepare import NextTurns
+from .preemption import Preemption
+from .pressure import Pressure
 from .request import Choice, Job, Request
 from .runner import Runner
 from .speculate import Speculation
@@ -53,7 +55,7 @@ log = logging.getLogger("mlx_kvserver.engine")
 Events = list[tuple[Job, Event]]
 
 
-class Scheduler:
+class Scheduler(Preemption):
     def __init__(self, manager: CacheManager, runner: Runner, *,
                  prefill_chunk: int = ServerConfig.prefill_chunk,
                  max_batch: int = ServerConfig.max_batch,
@@ -62,6 +64,7 @@ class Scheduler:
                  name: str = "model", memory=None):
         self.manager, self.runner = manager, runner
         self.name, self.memory = name, memory  # engine/memory.py MemoryBudget (None: no budget)
+        self.pressure = Pressure(self, memory) if memory is not None else None
         self.speculation = Speculation(runner, speculate, num_draft_tokens,
                                        can_rewind=not manager.pool.spec.has_state, draft=draft,
                                        name=name)
@@ -79,7 +82,10 @@ class Scheduler:
     def add(self, job: Job) -> None:
         """Admit ``job`` (raises ``RequestError`` for a prompt that cannot run)."""
         self._arrivals += 1
-        self.requests.append(Request(job, self._arrivals))
+        r = Request(job, self._arrivals)
+        if self.pressure is not None:
+            self.pressure.admit(r)  # a 400 for what cannot fit even alone
+        self.requests.append(r)
 
     @property
     def busy(self) -> bool:
@@ -102,7 +108,7 @@ class Scheduler:
         step that computes the second."""
         for r in [r for r in self.requests if r.cancelled]:
             log.info("%s cancelled by the client", r.id)
-            self._end(r)
+            self._end(r, keep=True)  # what it computed is saved, as a finished answer's is
         if not self.requests and self.prepares:
             self.prepares.step()
         elif len(self.decoding) < self.max_batch:
@@ -145,6 +151,9 @@ class Scheduler:
         for r, choice in tasks:
             if len(batch) >= room:
                 break
+            if self.pressure is not None and choice is None and r.seq is None \
+                    and not r.choices and not self._may_start(r):
+                continue  # waits for memory (a 503 after a while)
             opened: list = []
             self._guard(r, lambda: opened.append(self._open(r, choice)))
             if not opened:
@@ -152,7 +161,12 @@ class Scheduler:
             seq, tokens, done = opened[0]
             if batch and len(tokens) - done > budget:
                 break  # started; its prompt runs first next step
-            piece = tokens[done : seq.points.stop(done, done + budget)]  # a state point ends one
+            want = min(budget, len(tokens) - done)
+            if self.pressure is not None:
+                want = self.pressure.chunk(r, done, want)
+                if want == 0:
+                    continue  # not even a small chunk fits now: its turn comes again
+            piece = tokens[done : seq.points.stop(done, done + want)]  # a state point ends one
             batch.append((r, choice, seq, tokens, done + len(piece), piece))
             budget -= len(piece)
             if budget <= 0 or not self.runner.batched_prompts:
@@ -187,7 +201,7 @@ class Scheduler:
                 self._send(r, Accepted(len(r.prompt), r.match.tokens, r.match.source))
             return r.seq, r.prompt, r.done_tokens
         if choice.seq is None:
-            choice.seq, m = self._start(r, choice.resume, [])
+            choice.seq, m = self._start(r, choice.resume, choice.resume_keys)
             choice.resume_done = m.tokens
         return choice.seq, choice.resume, choice.resume_done
 
@@ -245,6 +259,11 @@ class Scheduler:
     # -- decode ---------------------------------------------------------------------------------
 
     def _decode(self) -> None:
+        width = 1 + self.speculation.max_draft
+        if self.pressure is not None:  # the widest step that fits (answers preempted if not)
+            running = self.decoding[: self.max_batch]
+            width = self.pressure.step(len(running), width,
+                                       max(len(c.seq.tokens) for c in running))
         running = self.decoding[: self.max_batch]
         if self.runner.batched:
             groups = [running]
@@ -252,7 +271,7 @@ class Scheduler:
             groups = [[c] for c in running]
         for group in groups:
             try:
-                drafts = self.speculation.drafts(group)
+                drafts = [d[:width - 1] for d in self.speculation.drafts(group)]
                 if any(drafts):  # one pass verifies every draft (engine/speculate.py)
                     outs = self.speculation.verify(group, drafts)
                 else:
@@ -335,63 +354,28 @@ class Scheduler:
             log.exception("%s failed", r.id)
             self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
 
-    def _with_room(self, r: Request, fn: Callable[[], Any]) -> bool:
-        """Run ``fn``, which takes pages, with the room the manager can make; when that is not
-        enough, preempt the youngest other running choice and try again. False when nothing else runs and they still do not suffice (the
-        caller goes on without caching: running sequences keep their positions in their own
-        buffers, so a request never needs pages to be answered)."""
-        while True:
-            try:
-                self.manager.with_room(fn)
-                return True
-            except OutOfBlocksError:
-                if self.prepares:  # prepared next turns give way first
-                    self.prepares.clear()
-                    continue
-                victim = self._youngest(other_than=r)
-                if victim is None:
-                    return False
-                self._preempt(victim)
-
-    def _start(self, r: Request, tokens: list[int], keys: list[str], boundaries=()):
-        """``manager.start`` with room made for what it loads; uncached when there is none."""
-        out: list = []
-        if r.use_cache and self._with_room(r, lambda: out.append(
-                self.manager.start(tokens, keys, use_cache=True, boundaries=boundaries))):
-            return out[0]
-        r.use_cache = False
-        return self.manager.start(tokens, keys, use_cache=False)
-
-    def _youngest(self, other_than: Request) -> Choice | None:
-        running = [c for c in self.decoding if c.request is not other_than and c.seq is not None]
-        return max(running, key=lambda c: (c.request.arrival, c.index), default=None)
-
-    def _preempt(self, c: Choice) -> None:
-        """Close ``c``'s sequence; it recomputes its tokens when its turn comes again."""
-        log.info("%s: choice %d preempted (pages ran out); it will be recomputed",
-                 c.request.id, c.index)
-        self.decoding.remove(c)
-        self.speculation.release(c)
-        c.resume, c.resume_done = list(c.seq.tokens), 0
-        c.seq.close()
-        c.seq = None
-
     # -- ending ---------------------------------------------------------------------------------
 
     def _fail(self, r: Request, error: RequestError) -> None:
         self._send(r, Error(error))
         self._end(r)
 
-    def _end(self, r: Request, finished: bool = False) -> None:
-        """Free everything ``r`` holds and say it is ``Done``."""
+    def _end(self, r: Request, finished: bool = False, keep: bool = False) -> None:
+        """Free everything ``r`` holds and say it is ``Done``; ``keep``: save what its prompt
+        and answers computed first (a cancelled request: the client may send it back)."""
+        keep = keep and r.use_cache
         if r.seq is not None:
+            if keep and r.prompt_key and len(r.seq.tokens):
+                self._save(r.prompt_key, r.seq)
             r.seq.close()
             r.seq = None
         for c in r.choices:
             if c in self.decoding:
                 self.decoding.remove(c)
-            self.speculation.release(c)
+            self.speculation.release(c, c.message_id if keep else None)
             if c.seq is not None:
+                if keep and c.tokens:
+                    self._save(c.message_id, c.seq)
                 c.seq.close()
                 c.seq = None
         if r in self.requests:

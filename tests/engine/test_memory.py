@@ -1,0 +1,101 @@
+"""The memory budget (engine/memory.py): the machine's memory, the default limit, MLX's limit set
+from it, the weights counted per model, and a forward pass's peak estimated from its shape
+against what MLX measures (``mx.get_peak_memory``)."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from kv_cache import open_cache
+from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.engine.engine import Engine
+from mlx_kvserver.engine.memory import (DEFAULT_FRACTION, GB, MemoryBudget, default_limit,
+                                        machine_memory, weights_bytes)
+from mlx_kvserver.engine.runner import Runner
+
+
+def test_the_machine_and_the_default_limit():
+    with open("/proc/meminfo") as f:  # these machines are Linux; sysconf is the portable way
+        total = int(f.read().split("MemTotal:")[1].split()[0]) * 1024
+    assert abs(machine_memory() - total) < 0.02 * total
+    assert default_limit() == int(machine_memory() * DEFAULT_FRACTION)
+
+
+def test_mlx_limit_is_set_from_the_budget(tiny_lm):
+    before = mx.get_memory_limit()
+    try:
+        engine = Engine([tiny_lm], ServerConfig(memory_limit_gb=1.5, kv_cache_dir=None))
+        assert engine.memory.limit == int(1.5 * GB) == mx.get_memory_limit()
+        assert engine.memory.weights[tiny_lm.name] == weights_bytes(tiny_lm.model) > 0
+        rep = engine.memory_report()
+        assert rep["limit_bytes"] == int(1.5 * GB)
+        assert rep["weights_bytes"] == engine.memory.weights_total
+        stats = engine.cache_stats()[tiny_lm.name]["memory"]
+        assert stats["limit_bytes"] == rep["limit_bytes"]
+    finally:
+        mx.set_memory_limit(before)
+
+
+@pytest.mark.parametrize("context,chunk,rows", [(0, 256, 1), (512, 256, 1), (1024, 512, 1),
+                                                (0, 1024, 1), (600, 5, 8), (1500, 1, 8)])
+def test_a_pass_peak_estimate_bounds_what_mlx_measures(tiny_lm, context, chunk, rows):
+    """The estimate is at least the measured peak (the budget is never short by it) and at
+    most 3x it (it does not refuse what would fit)."""
+    m = MemoryBudget(2 * GB)
+    m.add_model(tiny_lm)
+    manager = open_cache(tiny_lm.cache_spec, tiny_lm.fingerprint, page_size=16,
+                         max_ram_bytes=256 << 20, policy="lru", disk_dir=None,
+                         max_disk_bytes=0, max_resident=0)
+    runner = Runner(tiny_lm.model, manager, tiny_lm.name)
+    seqs = []
+    for b in range(rows):
+        s = manager.new_sequence()
+        ids = [(i * 7 + b) % 200 + 3 for i in range(context)]
+        for i in range(0, context, 256):
+            runner.prefill(s, ids[i:i + 256], logits=False)
+        seqs.append(s)
+    mx.eval([a for s in seqs for c in s.prepare() for a in (c.state or [])])
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
+    if rows == 1:
+        runner.prefill(seqs[0], [5] * chunk)
+    else:
+        mx.eval(runner.verify(seqs, [[5] * chunk] * rows))
+    measured = mx.get_peak_memory() - base
+    estimate = m.pass_peak(tiny_lm.name, chunk, context, rows)
+    assert measured <= estimate <= 3 * measured, (measured, estimate)
+    for s in seqs:
+        s.close()
+
+
+def test_a_request_floor_grows_with_its_length(tiny_lm):
+    m = MemoryBudget(GB)
+    m.add_model(tiny_lm)
+    small, large = m.request_floor(tiny_lm.name, 10, 10), m.request_floor(tiny_lm.name, 1500, 500)
+    assert 0 < small < large
+    assert large >= 2000 * m.shapes[tiny_lm.name].kv_bytes
+
+
+def test_shed_gives_back_what_nothing_runs(tiny_lm, tmp_path):
+    """A cache sheds its resident sequences, the entries its disk holds and the cached pages
+    nothing holds; what has no copy on disk stays."""
+    for disk in (tmp_path / "kv", None):
+        manager = open_cache(tiny_lm.cache_spec, tiny_lm.fingerprint, page_size=8,
+                             max_ram_bytes=64 << 20, policy="lru", disk_dir=disk,
+                             max_disk_bytes=1 << 30, max_resident=4)
+        runner = Runner(tiny_lm.model, manager, tiny_lm.name)
+        seq = manager.new_sequence()
+        runner.prefill(seq, list(range(3, 83)))
+        manager.save("k", seq)
+        manager.keep(seq)
+        assert manager.resident_tokens() == 80
+        freed = manager.shed()
+        assert manager.resident_tokens() == 0
+        if disk is not None:
+            assert freed > 0 and "k" not in manager and manager.store.get("k") is not None
+            assert manager.pool.stats().used_pages == 0
+        else:
+            assert "k" in manager  # nowhere else to find it: kept
+        manager.close()

@@ -1,0 +1,139 @@
+"""The memory budget at work (engine/pressure.py, engine/preemption.py), on real server processes
+where it matters: a request that cannot fit even alone is refused with the figures and the next
+is answered; long prompts at once under a small limit all finish with the answers each gets
+alone; a preempted answer goes on from its saved pages with the same answer; a cancelled answer
+keeps what it computed."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from mlx_kvserver.engine.memory import MemoryBudget
+from tests.engine.test_scheduler import Collect, run, scheduler
+from tests.server_procs import HTTP, Server
+
+WORDS = "the river runs past old stone walls and quiet gardens under a grey sky".split()
+
+
+def long_text(n_words: int, seed: int) -> str:
+    return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n_words))
+
+
+def chat(url: str, content: str, max_tokens: int, **kw) -> httpx.Response:
+    return HTTP.post(f"{url}/v1/chat/completions", timeout=300, json={
+        "model": "default", "max_tokens": max_tokens, "temperature": 0,
+        "messages": [{"role": "user", "content": content}], **kw})
+
+
+def memory(url: str) -> dict:
+    stats = HTTP.get(f"{url}/v1/kv_cache/stats").json()["models"]
+    return next(iter(stats.values()))["memory"]
+
+
+@pytest.fixture
+def serve(tiny_model_dir, tmp_path):
+    servers = []
+
+    def start(*extra: str) -> Server:
+        s = Server(tiny_model_dir, tmp_path / f"kv{len(servers)}", tmp_path / f"s{len(servers)}.log",
+                   *extra, warm=True).start()
+        servers.append(s)
+        return s
+    yield start
+    for s in servers:
+        s.stop()
+
+
+def test_a_request_too_large_is_refused_with_the_figures_and_the_next_is_answered(serve):
+    s = serve("--memory-limit", "0.003")
+    big = chat(s.url, long_text(240, 1), 800)  # ~1,200 prompt tokens of the tiny tokenizer
+    assert big.status_code == 400, big.text
+    err = big.json()["error"]
+    assert err["code"] == "insufficient_memory" and "GB" in err["message"]
+    assert "--memory-limit" in err["message"]
+    anthropic = HTTP.post(f"{s.url}/v1/messages", timeout=60, json={
+        "model": "default", "max_tokens": 800,
+        "messages": [{"role": "user", "content": long_text(240, 1)}]})
+    assert anthropic.status_code == 400 and anthropic.json()["type"] == "error"
+    ok = chat(s.url, "hello there", 8)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 8
+    assert memory(s.url)["refused"] == 2
+
+
+def test_long_prompts_at_once_under_a_small_limit_all_finish_as_alone(serve):
+    prompts = [long_text(150, k) for k in range(4)]  # ~750 tokens each
+    roomy = serve()
+    alone = [chat(roomy.url, p, 24, use_kv_cache=False).json() for p in prompts]
+    rest = memory(roomy.url)["mlx_active_bytes"]
+    roomy.stop()
+    # room for about one of them at a time beyond what the server holds at rest
+    tight = serve("--memory-limit", f"{(rest + (3 << 20)) / (1 << 30):.6f}")
+    with ThreadPoolExecutor(4) as pool:
+        together = list(pool.map(lambda p: chat(tight.url, p, 24), prompts))
+    assert all(r.status_code == 200 for r in together), [r.text for r in together]
+    assert [r.json()["choices"][0]["message"]["content"] for r in together] == \
+        [a["choices"][0]["message"]["content"] for a in alone]
+    assert memory(tight.url)["pressure_events"] > 0  # the budget was what decided
+
+
+def test_a_preempted_answer_goes_on_from_its_saved_pages_with_the_same_answer(tiny_lm,
+                                                                           monkeypatch):
+    body = lambda k: {"model": tiny_lm.name, "max_tokens": 24, "temperature": 0,
+                      "messages": [{"role": "user", "content": long_text(60, k)}]}
+    free = scheduler(tiny_lm)
+    want = [Collect(body(k), tiny_lm) for k in range(3)]
+    run(free, {0: want})
+    budget = MemoryBudget(1 << 30)
+    budget.add_model(tiny_lm)
+    s = scheduler(tiny_lm, memory=budget, name=tiny_lm.name)
+    budget.shedders[tiny_lm.name] = s.manager.shed
+    short = {"on": False}
+    real = budget.in_use
+    monkeypatch.setattr(budget, "in_use", lambda: budget.limit + 1 if short["on"] else real())
+    saved: list = []
+    orig = s.preempt
+    monkeypatch.setattr(s, "preempt", lambda c, save=False: (saved.append((c, save)),
+                                                             orig(c, save)))
+    jobs = [Collect(body(k), tiny_lm) for k in range(3)]
+    for j in jobs:
+        s.add(j)
+    steps = 0
+    while s.busy:
+        short["on"] = 6 <= steps < 8  # memory runs short for two steps mid-answer
+        for job, ev in s.step():
+            job.send(ev)
+        steps += 1
+    assert [j.answers() for j in jobs] == [w.answers() for w in want]
+    assert len(saved) >= 2 and all(save for _, save in saved)  # the newest answers went
+    assert s.manager.report()["hits"] > 0
+
+
+def test_a_cancelled_answer_keeps_what_it_computed(serve):
+    s = serve()
+    question = long_text(200, 3)
+    got = []
+    with HTTP.stream("POST", f"{s.url}/v1/chat/completions", timeout=120, json={
+            "model": "default", "max_tokens": 200, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": question}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"]
+                if delta and delta[0]["delta"].get("content"):
+                    got.append(delta[0]["delta"]["content"])
+            if len(got) >= 40:
+                break  # the client goes away mid-answer (an agent interrupted)
+        mid = json.loads(line[6:])["message_id"]
+    HTTP.get(f"{s.url}/health")  # the server saw the client go and ended the answer
+    for _ in range(100):
+        entry = HTTP.get(f"{s.url}/v1/kv_cache/{mid}")
+        if entry.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert entry.status_code == 200, entry.text  # the partial answer, saved as a finished one
+    prompt = chat(s.url, question, 1).json()["usage"]["prompt_tokens"]
+    assert entry.json()["tokens"] >= prompt + 40  # its prompt and at least what was streamed
