@@ -245,9 +245,34 @@ class CacheCollector:
                 add(gauge, "kv_store_queued", "Entry writes not finished for the store (waiting or being written)", model,
                     store["queued"])
         yield from families.values()
+        yield from _memory(next(iter(self.stats.values()), {}).get("memory"))
         age = GaugeMetricFamily(P + "kv_stats_age_seconds", "Age of the cache snapshot above")
         age.add_metric([], time.monotonic() - self.taken)
         yield age
+
+
+MEMORY_GAUGES = (
+    ("limit_bytes", "The server's memory limit (--memory-limit)"),
+    ("weights_bytes", "Bytes of the loaded models' weights"),
+    ("pages_bytes", "Bytes of KV pages in RAM, all models"),
+    ("working_bytes", "Bytes MLX holds beyond weights and pages: working buffers, views"),
+    ("mlx_active_bytes", "Bytes MLX holds now"), ("mlx_cache_bytes", "MLX's buffer cache"),
+    ("mlx_peak_bytes", "The most MLX has held since it started"))
+
+
+def _memory(m: dict | None):
+    """The server's memory budget and what is spent of it (no model label: one budget)."""
+    if not m:
+        return
+    for key, doc in MEMORY_GAUGES:
+        g = GaugeMetricFamily(P + "memory_" + key, doc)
+        g.add_metric([], float(m.get(key) or 0))
+        yield g
+    for key, doc in (("refused", "Requests refused: they could not fit even alone"),
+                     ("pressure_events", "Times memory ran short before a pass")):
+        c = CounterMetricFamily(P + "memory_" + key, doc)
+        c.add_metric([], float(m.get(key) or 0))
+        yield c
 
 
 class RequestCounter:

@@ -100,6 +100,12 @@ def test_metrics_need_the_key_parse_and_move_with_requests(tiny_lm, tmp_path):
         assert value(after, "kv_disk_enabled", model=m) == 1
         assert 0 <= value(after, "kv_stats_age_seconds") < 5
         assert not any("not-there" in str(labels) for _, labels in after)  # ids never labels
+        mem = stats["memory"]  # the budget, one for the server (no model label)
+        assert value(after, "memory_limit_bytes") == mem["limit_bytes"] > 0
+        assert value(after, "memory_weights_bytes") == mem["weights_bytes"] > 0
+        assert value(after, "memory_pages_bytes") == stats["ram"]["bytes"]
+        assert value(after, "memory_refused_total") == 0
+        assert value(after, "memory_mlx_active_bytes") > mem["weights_bytes"]
 
 
 def test_speculation_counters_move_with_the_usage(tiny_lm):

@@ -225,6 +225,13 @@ def test_cache_panel_shows_stats_exports_and_deletes(served, web, downloads, tin
     assert " of " in rows["ram"] and "GiB" in rows["ram"] and " of " in rows["disk"]
     assert len(section.find_elements("css selector", "meter")) == 2
     assert len(css(web, ".cache-entry")) == 4  # both questions and both answers
+    mem = {r.get_attribute("data-stat"): r.text for r in  # the server's one memory budget
+           css(web, ".cache-memory tr")}
+    assert set(mem) == {"memory", "weights", "pages", "working", "pressure"}
+    limit = httpx.get(f"{served.url}/kv_cache/stats").json()["models"][tiny_lm.name][
+        "memory"]["limit_bytes"]
+    assert f"of {limit / (1 << 30):.1f} GiB" in mem["memory"], mem
+    assert "0 refused" in mem["pressure"]
 
     entry = css(web, f'.cache-entry[data-message-id="{reply_id}"]')[0]
     entry.find_elements("css selector", ".entry-export")[0].click()

@@ -1,4 +1,4 @@
-// The cache panel: the server's KV cache per model (GET v1/kv_cache/stats, speculative decoding
+// The cache panel: the server's memory budget, its KV cache per model (GET v1/kv_cache/stats, speculative decoding
 // included) and the entries of the open conversation's messages (GET v1/kv_cache/{id}), each
 // with export and delete.
 
@@ -80,6 +80,19 @@ function modelStats(name, s) {
   return box;
 }
 
+function memoryStats(m) { // the server's one budget: what is spent of it, and on what
+  const box = el("section", "cache-model cache-memory");
+  box.append(el("h4", null, "memory"));
+  const t = box.appendChild(el("table"));
+  const used = m.mlx_active_bytes;
+  row(t, "in use", `${bytes(used)} of ${bytes(m.limit_bytes)}`, used, m.limit_bytes).dataset.stat = "memory";
+  row(t, "weights", bytes(m.weights_bytes)).dataset.stat = "weights";
+  row(t, "pages", bytes(m.pages_bytes)).dataset.stat = "pages";
+  row(t, "working", bytes(m.working_bytes)).dataset.stat = "working";
+  row(t, "pressure", `${m.pressure_events} times short, ${m.refused} refused`).dataset.stat = "pressure";
+  return box;
+}
+
 export class CachePanel {
   /** `conversation()` gives the open conversation (or null); `notify(text)` reports errors. */
   constructor(root, client, conversation, notify) {
@@ -101,6 +114,8 @@ export class CachePanel {
       const stats = await this.client.json("v1/kv_cache/stats");
       const entries = await this.entries();
       this.body.replaceChildren();
+      const first = Object.values(stats.models ?? {})[0];
+      if (first?.memory) this.body.append(memoryStats(first.memory));
       for (const [name, s] of Object.entries(stats.models ?? {})) this.body.append(modelStats(name, s));
       this.body.append(this.entryList(entries, Object.keys(stats.models ?? {}).length > 1));
     } catch (e) {
