@@ -57,29 +57,35 @@ class SpeculationStats:
 
 
 class PassCost:
-    """What a forward pass over ``rows`` token rows (sequences x their width) costs, fitted as
-    ``a + b * rows`` to the recent passes of this model (least squares): on a CPU the rows of a
-    wide verify pass cost almost what a decode step does each; on a GPU little beyond the step.
-    Before the passes say anything, ``b / a`` is taken as ``PRIOR``."""
+    """What a forward pass of ``seqs`` sequences over ``rows`` token rows (sequences x the step's
+    width) costs, fitted per batch size as ``fixed + b * rows`` to that size's recent passes
+    (least squares): each sequence in a pass costs its keys' reads and its own attention, each
+    row its activations and its queries' scores, so a pass's fixed part grows with the batch and
+    only passes of the same batch size say what one more row costs. On a CPU a wide verify pass
+    costs almost what its rows would as decode steps; on a GPU little beyond the step. Before a
+    batch size's passes say anything, ``b / fixed`` is taken as ``PRIOR``."""
 
-    PRIOR, WINDOW = 0.05, 64
+    PRIOR, WINDOW = 0.05, 32
 
     def __init__(self) -> None:
-        self.samples: list[tuple[int, float]] = []
+        self.samples: dict[int, list[tuple[int, float]]] = {}
 
-    def add(self, rows: int, seconds: float) -> None:
-        self.samples.append((rows, seconds))
-        del self.samples[:-self.WINDOW]
+    def add(self, seqs: int, rows: int, seconds: float) -> None:
+        got = self.samples.setdefault(seqs, [])
+        got.append((rows, seconds))
+        del got[:-self.WINDOW]
 
-    def ratio(self) -> float:
-        """``b / a``: what one more row costs against a pass's fixed part."""
-        xs = [r for r, _ in self.samples]
-        if len(set(xs)) < 2 or len(xs) < 8:
+    def ratio(self, seqs: int) -> float:
+        """``b / fixed`` for a pass of ``seqs`` sequences: one more row against a pass's fixed
+        part."""
+        got = self.samples.get(seqs, [])
+        xs = [r for r, _ in got]
+        if len(set(xs)) < 2 or len(xs) < 4:
             return self.PRIOR
         n = len(xs)
-        mx_, my = sum(xs) / n, sum(t for _, t in self.samples) / n
+        mx_, my = sum(xs) / n, sum(t for _, t in got) / n
         sxx = sum((x - mx_) ** 2 for x in xs)
-        b = sum((x - mx_) * (t - my) for x, t in self.samples) / sxx
+        b = sum((x - mx_) * (t - my) for x, t in got) / sxx
         a = my - b * mx_
         if a <= 0:  # rows are all there is (or noise): a small fixed part
             a = max(my * 0.05, 1e-6)
@@ -147,7 +153,8 @@ class Speculation:
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 1
-        ratio, B = self.cost.ratio(), len(group)
+        B = len(group)
+        ratio = self.cost.ratio(B)
         best, best_rate = 1, B / (1 + ratio * B)
         for w in range(2, longest + 2):
             gain = sum(min(len(d), w - 1) + 1 if c.draft_source == "grammar"
@@ -208,7 +215,8 @@ class Speculation:
         plain = [c.sampler.temperature == 0 and c.sampler.matcher is None for c in group]
         argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
         mx.eval([a for a in argmax if a is not None] or rows)
-        self.cost.add(len(group) * max(len(p) for p in pieces), time.perf_counter() - t0)
+        self.cost.add(len(group), len(group) * max(len(p) for p in pieces),
+                      time.perf_counter() - t0)
         out = []
         self.stats.steps += 1
         self.stats.verify_steps += 1
@@ -235,7 +243,7 @@ class Speculation:
 
     def decoded(self, group: Sequence[Choice], seconds: float) -> None:
         """A plain decode step of ``group`` (one token each) that took ``seconds``."""
-        self.cost.add(len(group), seconds)
+        self.cost.add(len(group), len(group), seconds)
         self.stats.steps += 1
         self.stats.tokens += len(group)
         for c in group:

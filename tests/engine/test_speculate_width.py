@@ -20,24 +20,27 @@ def choice(rate: float, source: str = "context"):
 
 def spec(ratio: float) -> Speculation:
     s = Speculation(runner=None, mode="ngram", max_draft=8)
-    s.cost.ratio = lambda: ratio
+    s.cost.ratio = lambda seqs: ratio
     return s
 
 
 def test_the_fit_of_what_rows_cost():
     c = PassCost()
-    assert c.ratio() == PassCost.PRIOR  # nothing measured yet
-    for rows in (8, 16, 24, 40, 72) * 2:
-        c.add(rows, 0.150 + 0.004 * rows)  # the default model's figures on this CPU, N=64
-    assert c.ratio() == pytest.approx(0.004 / 0.150)
+    assert c.ratio(8) == PassCost.PRIOR  # nothing measured yet
+    for w in (1, 2, 3, 5, 9) * 2:  # the default model on this CPU, 8 x 2,500 tokens of context
+        c.add(8, 8 * w, 0.510 + 0.021 * 8 * w)
+        c.add(1, w, 0.115 + 0.021 * w)
+    assert c.ratio(8) == pytest.approx(0.021 / 0.510)
+    assert c.ratio(1) == pytest.approx(0.021 / 0.115)  # a batch's fixed part is its own
+    assert c.ratio(4) == PassCost.PRIOR  # no passes of 4 yet
     c = PassCost()
     for _ in range(10):
-        c.add(8, 0.1)
-    assert c.ratio() == PassCost.PRIOR  # one width only: nothing to fit
+        c.add(8, 8, 0.1)
+    assert c.ratio(8) == PassCost.PRIOR  # one width only: nothing to fit
     c = PassCost()
     for rows in (1, 2, 3, 4) * 3:
-        c.add(rows, 0.01 * rows)  # no fixed part at all
-    assert c.ratio() > 5  # rows are nearly all a pass costs
+        c.add(1, rows, 0.01 * rows)  # no fixed part at all
+    assert c.ratio(1) > 5  # rows are nearly all a pass costs
 
 
 def test_free_passes_verify_the_whole_draft():
