@@ -26,6 +26,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="answer requests for model NAME (a glob such as 'claude-*' is allowed) "
                         "with the served model SERVED ('default': the first); repeatable. "
                         "Agents ask for their own model names: e.g. --model-alias '*=default'")
+    p.add_argument("--allow-models", action="append", default=[], dest="allow_models",
+                   metavar="PATTERN",
+                   help="let a request's model name (or X-Model-Id) that matches PATTERN, a "
+                        "glob over folder and .gguf paths and Hugging Face ids (e.g. "
+                        "'/models/*', 'mlx-community/*'), be loaded on first use; repeatable "
+                        "(default: none, only the --model models are served)")
+    p.add_argument("--allow-download", action="store_true",
+                   help="models allowed on demand may be downloaded from the Hugging Face hub "
+                        "(without it, only those already in the local HF cache load)")
+    p.add_argument("--pin", action="append", default=[], dest="pin_models", metavar="MODEL",
+                   help="a model loaded on demand that is never unloaded (allowed as if it "
+                        "matched --allow-models); repeatable")
+    p.add_argument("--model-ttl", type=float, default=D.model_ttl_s, dest="model_ttl_s",
+                   metavar="SECONDS",
+                   help="unload a model loaded on demand once it has been idle this long "
+                        "(default: never; it goes only to make room)")
+    p.add_argument("--model-load-wait", type=float, default=D.model_load_wait_s,
+                   dest="model_load_wait_s", metavar="SECONDS",
+                   help="how long a request waits for its model to load before a 503 with "
+                        f"Retry-After (the load goes on; default {D.model_load_wait_s:g})")
     p.add_argument("--host", default=D.host, help=f"address to bind (default {D.host})")
     p.add_argument("--port", type=int, default=D.port)
     p.add_argument("--max-tokens", type=int, default=D.max_tokens,
@@ -130,6 +150,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             check_store_url(args.kv_store)
         except ValueError as e:
             raise SystemExit(f"--kv-store: {e}")
+    if args.model_ttl_s is not None and args.model_ttl_s <= 0 or args.model_load_wait_s <= 0:
+        raise SystemExit("--model-ttl and --model-load-wait must be positive numbers of seconds")
+    for pin in args.pin_models:
+        from .models.on_demand import source_of
+
+        if source_of(pin) is None:
+            raise SystemExit(f"--pin {pin!r}: want a model folder, a .gguf file or a Hugging "
+                             "Face id 'org/name'")
     aliases = []
     for a in args.model_aliases:
         name, sep, served = a.partition("=")
@@ -138,6 +166,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         aliases.append((name.strip(), served.strip()))
     return ServerConfig(
         models=args.models or ["default"], model_aliases=aliases, host=args.host, port=args.port,
+        allow_models=args.allow_models, allow_download=args.allow_download,
+        pin_models=args.pin_models, model_ttl_s=args.model_ttl_s,
+        model_load_wait_s=args.model_load_wait_s,
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,

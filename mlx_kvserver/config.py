@@ -33,6 +33,13 @@ def default_cache_dir() -> Path:
 class ServerConfig:
     models: list[str] = field(default_factory=lambda: ["default"])
     model_aliases: list[tuple[str, str]] = field(default_factory=list)  # (name or glob, served)
+    # Models on demand (models/on_demand.py, api/on_demand.py): globs over a request's model name
+    # (folder or .gguf paths, Hugging Face ids) that load on first use; none: only ``models``
+    allow_models: list[str] = field(default_factory=list)
+    allow_download: bool = False  # Hugging Face ids may be fetched (else: only the local cache)
+    pin_models: list[str] = field(default_factory=list)  # allowed, and never unloaded
+    model_ttl_s: float | None = None  # an idle model loaded on demand is unloaded after it
+    model_load_wait_s: float = 300.0  # how long a request waits for its model to load (503)
     host: str = "127.0.0.1"
     port: int = 8080
     max_tokens: int | None = 512

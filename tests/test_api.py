@@ -103,7 +103,8 @@ def test_model_default_or_omitted_is_the_first_served_model(server, client, tiny
     assert err["code"] == "model_not_found" and err["param"] == "model"
     assert err["message"] == (f"model 'gpt-4o' not found; served: {tiny_lm.name}, "
                               f"{tiny_lm_b.name} (serve it under another name with "
-                              "--model-alias NAME=SERVED)")
+                              "--model-alias NAME=SERVED, or let requests load it with "
+                              "--allow-models PATTERN)")
 
 
 def test_api_key_required_except_health(tiny_lm):

@@ -300,6 +300,6 @@ async def count_tokens(served, request: Request) -> Response:
     the same body (no job is submitted)."""
     body = await read_object(request, served.config.max_body_bytes)
     conv = parse(body, served.config, count_only=True)
-    lm = served.model_for(request, conv.model)
+    lm = await served.resolve_model(request, conv.model)
     conv, _ = served.normalizer.apply(conv)  # as /v1/messages renders it
     return JSONResponse({"input_tokens": await run_in_threadpool(prompt_tokens, lm, conv)})

@@ -22,7 +22,7 @@ from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import RequestError
 from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
-from ..models.registry import ModelRegistry, UnknownModelError
+from ..models.registry import ModelRegistry
 from .openapi import openapi_spec
 from ..engine.request import Job
 from .response_store import ResponseStore
@@ -31,7 +31,7 @@ from . import anthropic, completions, openai_chat, responses
 from .guard import RequestGuard, allowed_hosts, check_api_key
 from .http import error_responder
 from .kv_routes import KVRoutes
-from .validate import unknown_model
+from .on_demand import OnDemand
 
 log = logging.getLogger("mlx_kvserver.api")
 
@@ -58,15 +58,21 @@ class App:
         self.responses = open_response_store(config)
         self.normalizer = Normalizer.from_config(config.volatile_rules, config.volatile_rule,
                                                  config.volatile_rule_files)
+        self.on_demand = OnDemand(config, registry, engine)
+
+    @staticmethod
+    def model_name(request: Request, name: str | None) -> str | None:
+        """The model a request asks for: its ``X-Model-Id`` header when set (it wins: agents
+        put their own model name in the body), else the body's (or query's) ``model``."""
+        return request.headers.get("x-model-id") or name
 
     def model_for(self, request: Request, name: str | None):
-        header = request.headers.get("x-model-id")
-        key = name if name is not None else header
-        try:
-            return self.registry.get(key)
-        except (UnknownModelError, ValueError):  # ValueError: an index of thousands of digits
-            shown = str(key) if len(str(key)) <= 200 else str(key)[:200] + "..."
-            raise unknown_model(shown, self.registry.names())
+        """A served model, loaded now (no loading on demand); 404 listing the served."""
+        return self.on_demand.served(self.model_name(request, name))
+
+    async def resolve_model(self, request: Request, name: str | None):
+        """The model, loaded first when ``--allow-models`` lets its name load on demand."""
+        return await self.on_demand.resolve(self.model_name(request, name))
 
     async def start(self, request: Request, conv: Conversation, job_id: str | None = None,
                     answer_ids: list[str] | None = None):
@@ -74,7 +80,7 @@ class App:
         and its cache looked up (a ``RequestError`` before any byte is sent otherwise).
         ``job_id`` names the job (the API's response id); ``answer_ids`` are the message ids
         the answers are cached under (by choice; new ones otherwise)."""
-        lm = self.model_for(request, conv.model)
+        lm = await self.resolve_model(request, conv.model)  # NOTE: no await until submit
         conv, applied = self.normalizer.apply(conv)
         if applied:
             log.info("volatile-line rules applied: %s", ", ".join(applied))
@@ -100,9 +106,7 @@ class App:
                              "queued": self.engine.queued, "busy": self.engine.busy})
 
     async def models(self, request: Request) -> Response:
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "mlx-kvserver"}
-                for n in self.registry.names()]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse({"object": "list", "data": self.on_demand.listing()})
 
     async def openapi(self, request: Request) -> Response:
         return JSONResponse(openapi_spec(self.registry.names(), bool(self.config.api_key)))
@@ -136,9 +140,11 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
     @asynccontextmanager
     async def lifespan(app):
         engine.start()
+        app_state.on_demand.start()
         try:
             yield
         finally:
+            await app_state.on_demand.close()
             engine.stop()
 
     routes = [

@@ -35,7 +35,9 @@ def _text(kind: str, description: str) -> dict:
 
 BAD_ID = "a message_id that is empty, too long or has control characters"
 NO_ENTRY = "no KV cache entry under this message_id"
-NO_MODEL = "no served model of this name or index"
+NO_MODEL = "no served model of this name or index (nor one --allow-models lets load)"
+BUSY = ("the model is still loading, or memory for it is not free yet: try again after "
+        "Retry-After")
 
 
 def _op(summary: str, ok: dict, errors: dict[int, str], auth: bool, public: bool = False,
@@ -69,7 +71,7 @@ def _generate(summary: str, kind: str, auth: bool, body: str, extra_params: list
     errors = {400: "a body that is not JSON or not a valid request, a bad field, or a prompt "
                    "longer than the model's context", 404: NO_MODEL if missing is None
               else f"{NO_MODEL}, or {missing}", 413: "a body larger than the server's limit",
-              429: "the queue is full; try again shortly"}
+              429: "the queue is full; try again shortly", 503: BUSY}
     ok = {"description": f"a {kind}, or its stream of server-sent events",
           "content": {"application/json": {"schema": {"type": "object"}},
                       "text/event-stream": {"description": "the API's stream events"}}}
@@ -108,8 +110,9 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                 {404: "no such file"}, api_key, public=True,
                 parameters=[{"name": "path", "in": "path", "required": True,
                              "schema": {"type": "string"}}])},
-            "/v1/models": {"get": _op("the served models", _json(anything, "a model list"), {},
-                                      api_key)},
+            "/v1/models": {"get": _op(
+                "the served models and those loaded on demand, with a status each (loaded, "
+                "loading, unloaded)", _json(anything, "a model list"), {}, api_key)},
             "/v1/chat/completions": {"post": _op(
                 "a chat completion (streamed as server-sent events with stream=true)",
                 {"description": "a chat.completion, or an SSE stream of chat.completion.chunk",
@@ -119,8 +122,9 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                 {400: "a body that is not JSON or not a valid request, a bad field or "
                       "message, or a prompt longer than the model's context",
                  404: NO_MODEL, 413: "a body larger than the server's limit",
-                 429: "the queue is full; try again shortly"}, api_key,
+                 429: "the queue is full; try again shortly", 503: BUSY}, api_key,
                 parameters=[{"name": "X-Model-Id", "in": "header", "required": False,
+                             "description": "the model, over the body's model",
                              "schema": {"type": "string"}}],
                 requestBody=_body("ChatCompletionRequest"))},
             "/v1/completions": _generate(

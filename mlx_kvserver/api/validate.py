@@ -130,10 +130,11 @@ def string(value: Any, what: str, param: str | None = None, empty: bool = False)
     return text_value(value, what, param or what)
 
 
-def unknown_model(name: str, available: list[str]) -> RequestError:
-    return RequestError(404, f"model {name!r} not found; served: {', '.join(available)} (serve "
-                        "it under another name with --model-alias NAME=SERVED)",
-                        type="not_found_error", param="model", code="model_not_found")
+def unknown_model(name: str, available: list[str], hint: str = "serve it under another name "
+                  "with --model-alias NAME=SERVED") -> RequestError:
+    return RequestError(404, f"model {name!r} not found; served: {', '.join(available)} "
+                        f"({hint})", type="not_found_error", param="model",
+                        code="model_not_found")
 
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")

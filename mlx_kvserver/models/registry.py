@@ -41,6 +41,13 @@ class ModelRegistry:
             raise ValueError(f"duplicate model name {model.name!r}")
         self._models.append(model)
 
+    def remove(self, name: str) -> LoadedModel | None:
+        """Stop serving ``name`` (a model loaded on demand, unloaded); None if not served."""
+        for i, m in enumerate(self._models):
+            if m.name == name:
+                return self._models.pop(i)
+        return None
+
     def get(self, name_or_index: str | int | None = None) -> LoadedModel:
         """None or ``"default"`` -> the first model; an int or digit string -> by position; else
         by name (a model actually named ``"default"`` wins over the first one)."""
