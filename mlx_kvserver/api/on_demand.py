@@ -17,7 +17,6 @@ first use when ``--allow-models`` (or ``--pin``) lets it (``models/on_demand.py`
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import time
 from typing import Any
@@ -279,18 +278,9 @@ class OnDemand:
 
     def _remove(self, name: str) -> bool:
         """On the engine thread: remove ``name`` from the engine and free its weights."""
-        lm = self.engine.models.get(name)
-        if lm is None or not self.engine.remove_model(name):
-            return False
-        # NOTE: the model's objects outlive the removal in reference cycles (Job <-> Request <->
-        # Choice of finished requests, Scheduler <-> Pressure) and in the engine loop's last
-        # ``scheduler`` variable until its next step, so the weights stayed in memory (measured:
-        # 75 of 77 MB after an unload). The module is emptied (nothing runs it any more: it
-        # was loaded on demand and is served no longer), and a collection frees the rest.
-        lm.model.clear()
-        gc.collect()
-        mx.clear_cache()
-        return True
+        # Engine.remove_model collects the cycles that held the model's objects (finished
+        # requests' Job <-> Request <-> Choice) before it clears MLX's buffer cache.
+        return self.engine.remove_model(name)
 
     async def _expire(self) -> None:
         """Unload the models idle for ``--model-ttl``: idle counts from the last request's start

@@ -14,6 +14,7 @@ and import.
 from __future__ import annotations
 
 import asyncio
+import gc
 import concurrent.futures
 import logging
 import queue
@@ -119,7 +120,9 @@ class Engine:
         self.models.pop(name)
         self.memory.remove_model(name)
         self.memory.shedders.pop(name, None)
-        mx.clear_cache()
+        del s
+        gc.collect()  # finished requests and their choices hold the model in cycles
+        mx.clear_cache()  # after the arrays are freed, or their buffers stay cached
         return True
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -191,17 +194,22 @@ class Engine:
                     self._control(item)
                 else:
                     self._admit(item)
-            for scheduler in self.schedulers.values():
-                if scheduler.busy:
-                    try:  # a prompt's first token goes out before the next decode step
-                        self._deliver(scheduler.step_prompts())
-                        self._deliver(scheduler.step_answers())
-                    except Exception as e:  # the engine never dies with a request
-                        log.exception("step failed")
-                        self._deliver(scheduler.fail_all(RequestError(
-                            500, f"generation failed: {e}", type="server_error")))
-            for manager in self.managers.values():
-                manager.flush()  # disk writes, after the step's answers are out
+            self._step()
+
+    def _step(self) -> None:
+        """One step of every busy model (a method of its own: its locals, the last scheduler
+        among them, go when it returns, so nothing in the loop keeps a removed model alive)."""
+        for scheduler in self.schedulers.values():
+            if scheduler.busy:
+                try:  # a prompt's first token goes out before the next decode step
+                    self._deliver(scheduler.step_prompts())
+                    self._deliver(scheduler.step_answers())
+                except Exception as e:  # the engine never dies with a request
+                    log.exception("step failed")
+                    self._deliver(scheduler.fail_all(RequestError(
+                        500, f"generation failed: {e}", type="server_error")))
+        for manager in self.managers.values():
+            manager.flush()  # disk writes, after the step's answers are out
 
     @staticmethod
     def _deliver(events: Events) -> None:

@@ -121,7 +121,7 @@ def test_ttl_counts_idle_time_from_the_last_look_that_found_the_model_busy(tiny_
 
     class Engine:  # what OnDemand asks of the engine
         memory, busy = MemoryBudget(1 << 30), {"o/x": True}
-        models = {"o/x": type("LM", (), {"model": {"weights": 1}})()}  # emptied when removed
+        models, removed = {"o/x": object()}, []
 
         @property
         def schedulers(self):
@@ -131,7 +131,10 @@ def test_ttl_counts_idle_time_from_the_last_look_that_found_the_model_busy(tiny_
             return fn()
 
         def remove_model(self, name):
-            return not self.busy[name]
+            if self.busy[name]:
+                return False
+            self.removed.append(name)
+            return True
 
     async def scenario():
         engine, lm = Engine(), dataclasses.replace(tiny_lm, name="o/x")
@@ -149,9 +152,9 @@ def test_ttl_counts_idle_time_from_the_last_look_that_found_the_model_busy(tiny_
         await asyncio.sleep(0.4)
         await od.close()
         return busy_status, soon_after, r.status, r.unloaded_why, "o/x" in od.registry, \
-            engine.models["o/x"].model
+            engine.removed
     assert asyncio.run(scenario()) == ("loaded", "loaded", "unloaded",
-                                       "idle for 0.2 s, --model-ttl", False, {})
+                                       "idle for 0.2 s, --model-ttl", False, ["o/x"])
 
 
 # -- through the server --------------------------------------------------------------------------
