@@ -16,8 +16,10 @@ tokens after its first over the time from its first to its last token):
 
     python scripts/bench_speculation.py --json docs/bench_speculation.json [--peer-mlx-lm]
 
-Each server runs as its own process with the same BLAS; ours with ``--speculate off`` and
-``--speculate ngram`` taking turns, so the machine's load falls on both.
+Each server runs as its own process with the same BLAS. Every row (a workload at 1 or 8
+clients) runs on fresh servers, so no answer of an earlier row is there to draft from; ours with
+``--speculate off`` and ``--speculate ngram`` taking turns row by row (off first in even rounds,
+on first in odd ones), so a drift in the machine's speed falls on both.
 """
 
 from __future__ import annotations
@@ -201,25 +203,14 @@ def main() -> None:
     results: dict = {"argv": sys.argv[1:], "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
         for rnd in range(args.rounds):
-            for mode in ("off", "ngram"):
-                cache = Path(tmp) / f"kv-{mode}-{rnd}"
-                srv = Server(cache, free_port(), ["--model", args.model, "--speculate", mode,
-                                                  "--no-disk-cache", "--max-batch", "16"])
-                base = srv.url.removesuffix("/v1")
-                name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
-                try:
-                    for w in args.workloads:
-                        for n in args.clients:
-                            r = run(base, name, w, n, args.max_tokens, {})
-                            r.update(mode=mode, round=rnd, workload=w)
-                            results["runs"].append(r)
-                            print(f"{mode:5s} {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s "
-                                  f"median, {r['aggregate_tok_s']:.2f} in all, "
-                                  f"{r['tokens_per_step']} tok/step, "
-                                  f"{r['accepted']}/{r['drafted']} drafts taken", flush=True)
-                            write_result(out, json.dumps(results, indent=1))
-                finally:
-                    srv.stop()
+            for w in args.workloads:
+                for n in args.clients:
+                    # fresh servers for each row (no answer of an earlier row to draft from),
+                    # both up at once and taking turns (off first in even rounds, on first in
+                    # odd ones), so a drift in the machine's speed falls on both
+                    for mode in (("off", "ngram") if rnd % 2 == 0 else ("ngram", "off")):
+                        results["runs"].append(_row(Path(tmp), args, rnd, w, n, mode))
+                        write_result(out, json.dumps(results, indent=1))
         if args.peer_mlx_lm:
             results["runs"] += peer_runs(Path(tmp), args, out, results)
     summary = summarize(results["runs"])
@@ -228,6 +219,23 @@ def main() -> None:
     plot(summary, Path(args.json).with_suffix(".png"))
     for row in summary:
         print(row)
+
+
+def _row(tmp: Path, args, rnd: int, w: str, n: int, mode: str) -> dict:
+    """One workload at ``n`` clients on a fresh server with ``--speculate mode``."""
+    srv = Server(tmp / f"kv-{mode}-{rnd}-{w}-{n}", free_port(),
+                 ["--model", args.model, "--speculate", mode, "--no-disk-cache",
+                  "--max-batch", "16"])
+    try:
+        name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
+        r = run(srv.url.removesuffix("/v1"), name, w, n, args.max_tokens, {})
+    finally:
+        srv.stop()
+    r.update(mode=mode, round=rnd, workload=w)
+    print(f"{mode:5s} {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s median, "
+          f"{r['aggregate_tok_s']:.2f} in all, {r['tokens_per_step']} tok/step, "
+          f"{r['accepted']}/{r['drafted']} drafts taken", flush=True)
+    return r
 
 
 def plot(summary: list[dict], path: Path) -> None:

@@ -137,3 +137,35 @@ def test_a_cancelled_answer_keeps_what_it_computed(serve):
     assert entry.status_code == 200, entry.text  # the partial answer, saved as a finished one
     prompt = chat(s.url, question, 1).json()["usage"]["prompt_tokens"]
     assert entry.json()["tokens"] >= prompt + 40  # its prompt and at least what was streamed
+
+
+def test_an_interrupted_answer_sent_back_is_read_from_the_cache(tmp_path):
+    """What an agent does when its user presses Escape mid-answer (Claude Code, tried): the
+    partial answer comes back as the assistant's turn of the next prompt. Its tokens are read
+    from the cache, not computed again (the default model: its text round-trips to its tokens)."""
+    s = Server("default", tmp_path / "kv", tmp_path / "s.log", warm=True).start()
+    try:
+        question = "Write a short story about a lighthouse keeper."
+        got = []
+        with HTTP.stream("POST", f"{s.url}/v1/chat/completions", timeout=300, json={
+                "model": "default", "max_tokens": 300, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": question}]}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    delta = json.loads(line[6:])["choices"]
+                    if delta and delta[0]["delta"].get("content"):
+                        got.append(delta[0]["delta"]["content"])
+                if len(got) >= 60:
+                    break  # interrupted
+        HTTP.get(f"{s.url}/health")
+        time.sleep(1.0)  # the server sees the client gone at its next step and saves
+        first = chat(s.url, question, 1).json()["usage"]["prompt_tokens"]
+        usage = HTTP.post(f"{s.url}/v1/chat/completions", timeout=300, json={
+            "model": "default", "max_tokens": 1, "temperature": 0,
+            "messages": [{"role": "user", "content": question},
+                         {"role": "assistant", "content": "".join(got)},
+                         {"role": "user", "content": "Go on."}]}).json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= first + 40, (cached, first, usage)  # the partial answer's tokens
+    finally:
+        s.stop()
