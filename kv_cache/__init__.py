@@ -12,6 +12,7 @@ from kv_cache.manager import CacheManager, Match
 from kv_cache.model.attention import forward, install
 from kv_cache.model.batch import batch_caches, finish_batch
 from kv_cache.model.sequence import PagedSequence
+from kv_cache.layout.quant import parse_bits as parse_kv_bits
 from kv_cache.layout.spec import CacheSpec, with_kv_bits
 from kv_cache.model.spec_reader import spec_of_model
 from kv_cache.model.state_points import boundaries
@@ -23,4 +24,5 @@ from kv_cache.transfer import TransferError, export_entry, export_key, import_en
 __all__ = ["CacheManager", "CacheSpec", "FormatError", "Match", "OutOfBlocksError",
            "PagedSequence", "TransferError", "atomic_fs", "batch_caches", "boundaries",
            "check_store_url", "common_prefix", "export_entry", "export_key", "finish_batch",
-           "forward", "import_entry", "install", "open_cache", "spec_of_model", "with_kv_bits"]
+           "forward", "import_entry", "install", "open_cache", "parse_kv_bits", "spec_of_model",
+           "with_kv_bits"]

@@ -8,10 +8,21 @@ import logging
 import os
 from pathlib import Path
 
+from kv_cache import parse_kv_bits
+
 from .config import ServerConfig, default_cache_dir, env_float
 
 log = logging.getLogger("mlx_kvserver")
 D = ServerConfig  # the defaults
+
+
+def _kv_bits(text: str) -> tuple[int, int] | int | None:
+    """``--kv-bits``: ``8``, ``4`` or ``K,V``; one number stays one number."""
+    try:
+        kv = parse_kv_bits(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return None if kv is None else kv[0] if kv[0] == kv[1] else kv
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,13 +87,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "and passes (default: 75%% of the machine's, on a Mac of the Metal "
                         "working set MLX recommends)")
     p.add_argument("--page-size", type=int, default=D.page_size, help="tokens per KV page")
-    p.add_argument("--kv-bits", type=int, choices=[8, 4], default=D.kv_bits,
-                   help="hold KV pages in 8 or 4 bits, in memory, on disk and in the store "
-                        "(default: the model's precision; a model's own quantized caches are "
-                        "still refused)")
+    p.add_argument("--kv-bits", type=_kv_bits, default=D.kv_bits, metavar="K[,V]",
+                   help="hold KV pages in 8 or 4 bits, in memory, on disk and in the store: one "
+                        "number for keys and values, or K,V such as 8,4 (keys suffer most from "
+                        "rounding); default: the model's precision (a model's own quantized "
+                        "caches are still refused)")
     p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=D.kv_group_size,
                    help=f"values along head_dim sharing one scale, with --kv-bits (default "
                         f"{D.kv_group_size})")
+    p.add_argument("--kv-rotation", choices=["hadamard", "none"],
+                   default="hadamard" if D.kv_rotate else "none",
+                   help="with --kv-bits: rotate each group of keys and values by a fixed "
+                        "Hadamard matrix before quantizing, which spreads outlier channels "
+                        "(default hadamard)")
+    p.add_argument("--kv-attention", choices=["auto", "packed", "decoded"],
+                   default=D.kv_attention,
+                   help="with --kv-bits: read shared prefixes as their pages store them "
+                        "(quantized products) or decoded to float buffers; auto: packed on a "
+                        "GPU, decoded on the CPU, where that is faster (default auto)")
     p.add_argument("--max-resident-sequences", type=int, default=D.max_resident_sequences,
                    help="finished conversations kept with their working buffers, so that their "
                         "next turn skips gathering pages (0: none)")
@@ -175,6 +197,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         memory_limit_gb=args.memory_limit_gb,
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
+        kv_rotate=args.kv_rotation == "hadamard", kv_attention=args.kv_attention,
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, speculate=speculate,
         num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
         eviction_policy=args.eviction_policy, api_key=args.api_key, kv_store=args.kv_store,

@@ -50,8 +50,13 @@ class ServerConfig:
     memory_limit_gb: float | None = None  # all the server may use (engine/memory.py); None: a
     # safe fraction of the machine (Metal: of MLX's recommended working set)
     page_size: int = 32
-    kv_bits: int | None = None  # pages in 8 or 4 bits (kv_cache/pages/quant.py); None: model's
+    # pages in 8 or 4 bits, or (key bits, value bits) (kv_cache/layout/quant.py); None: model's
+    kv_bits: int | tuple[int, int] | None = None
     kv_group_size: int = 64  # values sharing one scale and bias, with kv_bits
+    kv_rotate: bool = True  # with kv_bits: each group rotated (Hadamard) before quantizing
+    # with kv_bits: shared prefixes read packed (quantized products) or decoded; auto: packed on
+    # a GPU (kv_cache/model/packed_attention.py)
+    kv_attention: str = "auto"
     max_resident_sequences: int = 4
     max_batch: int = 32  # answers decoded together
     # NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take

@@ -34,9 +34,14 @@ def test_flags():
     assert default.kv_bits is None and default.kv_group_size == 64
     c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "4",
                                                             "--kv-group-size", "32"]))
-    assert (c.kv_bits, c.kv_group_size) == (4, 32)
-    with pytest.raises(SystemExit):
-        cli.build_parser().parse_args(["--kv-bits", "3"])
+    assert (c.kv_bits, c.kv_group_size, c.kv_rotate) == (4, 32, True)
+    c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "8,4",
+                                                            "--kv-rotation", "none"]))
+    assert (c.kv_bits, c.kv_rotate) == ((8, 4), False)
+    assert cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "8,8"])).kv_bits == 8
+    for bad in ("3", "8,3", "8,4,4", "eight"):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["--kv-bits", bad])
 
 
 @pytest.mark.parametrize("bits", [8, 4])

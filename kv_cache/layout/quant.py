@@ -1,30 +1,45 @@
-"""KV pages in 8 or 4 bits: the page codec (``--kv-bits``, ``--kv-group-size``).
+"""KV pages in 8 or 4 bits: the page codec (``--kv-bits K[,V]``, ``--kv-group-size``).
 
-A page's keys and values are quantized along ``head_dim`` in groups of ``group_size`` into
-MLX's affine layout (packed ``uint32`` codes, one scale and one bias per group, in the page's
-dtype), so ``mx.dequantize`` and ``mx.quantized_matmul`` read them as they are.
+Keys and values are quantized along ``head_dim`` in groups of ``group_size`` into MLX's affine
+layout (packed ``uint32`` codes, one scale and one bias a group), so ``mx.dequantize`` and
+``mx.quantized_matmul`` read them as they are. Keys and values may have their own bits
+(``8,4``: keys suffer most from rounding, values least).
+
+Rotation (on by default): each group of a key or value is rotated before it is quantized,
+``y = H (s * x) / g`` with ``H`` the ``g x g`` Sylvester Hadamard matrix (entries +-1) and ``s``
+fixed signs, an orthogonal map up to the factor ``g``. It spreads an outlier channel over the
+whole group, so the group's range, and with it the rounding step, shrinks. What a page gives
+back is ``x = s * (H y)``: the model reads keys and values in their own basis, so its attention
+is unchanged (the float path, any model, routed or not); attention that reads the packed codes
+itself (``mx.quantized_matmul``) rotates the queries by ``H s`` and its output back instead
+(``rotate_queries`` / ``unrotate``).
 
 The one rule that makes a quantized cache exact (greedy output with the cache equals output
-without it, a restored turn equals the warm one): what the model reads is exactly the
-dequantized value of what is stored, for fresh keys and values too. A layer cache therefore
-passes every new key and value through ``round_trip`` before attention reads it, and the pool
-later quantizes those very values for its page. That only reproduces them if the round trip is
-a projection: ``round_trip(round_trip(x)) == round_trip(x)`` bit for bit. ``mx.quantize`` is
-not one (its scale is ``(max - min) / levels``, recomputed from rounded values it comes out a
-few ulps off: measured on MLX 0.32's CPU backend, 8 and 4 bits, float32/16 and bfloat16).
+without it, a restored turn equals the warm one bit for bit): the page holds the integers and
+scales as the truth, what the model reads of a fresh key is the decoded value of exactly those
+integers and scales (``fresh``), and nothing decoded is quantized again (a commit writes the
+codes ``fresh`` made, ``kv_cache.model.layer_cache``). So the scales need not be powers of two:
+they are MLX's own affine scales, ``(max - bias) / levels``, rounded up to a float16 (bfloat16
+for bfloat16 pages) with few enough significant bits that every product in the decode is exact:
 
-So the codec picks its own scales: powers of two, ``s = 2**e`` with the smallest ``e`` such
-that the group's integers ``round(x / s)`` span at most ``2**bits - 1`` levels and stay within
-the dtype's exact integer range; the bias is ``round(min / s) * s``. Every dequantized value is
-then ``integer * 2**e``, computed exactly in any precision; re-quantizing it finds the same or a
-smaller power of two (which divides the old one), hence the same values. The price is up to one
-bit of range in the worst group (about 1.4x the error of ``mx.quantize`` on average), the gain
-is exactness on every backend, since nothing depends on how a kernel rounds.
+- without rotation ``x = code * scale + bias``: the product is exact (code <= 8 bits, scale <=
+  11), so the only rounding is the one addition, correctly rounded on every backend, fused or
+  not;
+- with rotation ``x = s * (H (code * scale + bias))`` is computed as ``s * (scale * (codes @ H) +
+  bias * g * e0)``: ``codes @ H`` sums integers below ``2**24`` (exact in float32 in any order,
+  so any BLAS, GEMV or GPU kernel gives the same), ``scale`` keeps at most ``24 - log2(g *
+  levels)`` significant bits so ``scale * I`` is exact, ``H``'s first column is all ones and the
+  others sum to zero, so only channel 0 of a group adds the bias (one rounding) and the others
+  are exact products.
+
+Hence the decoded floats depend only on the stored bits, never on the shape, batch or kernel
+that decodes them: a fresh key, a gathered page, a prefix view and a restored page agree bit for
+bit.
 """
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +49,34 @@ QuantizedKV = tuple[mx.array, mx.array, mx.array]  # packed codes, scales, biase
 
 BITS = (4, 8)
 GROUP_SIZES = (32, 64, 128)
-_SIGNIFICAND = {mx.float32: 24, mx.float16: 11, mx.bfloat16: 8}  # exact integers: 2**p
-_MIN_EXP = {mx.float32: -126, mx.float16: -14, mx.bfloat16: -126}  # smallest normal power
+ROTATION = "hadamard-signs-v1"  # the rotation's name in the description (change it with H or s)
+SCALES = "affine-exact-v2"  # scales stored as the truth, rounded so that the decode is exact
+
+
+def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
+    """The dtype of scales and biases for pages of values in ``dtype``: float16, or bfloat16
+    for bfloat16 values (whose range float16 does not cover)."""
+    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
+
+
+_MANTISSA = {mx.float16: 11, mx.bfloat16: 8}
+_LIMIT = {mx.float16: 65504.0, mx.bfloat16: 3.0e38}
+
+
+def _signs(n: int) -> list[float]:
+    """Fixed +-1 signs, from a fixed 64-bit LCG (stable across Python, NumPy and MLX versions)."""
+    out, state = [], 0x9E3779B97F4A7C15
+    for _ in range(n):
+        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+        out.append(1.0 if state >> 63 else -1.0)
+    return out
+
+
+def _hadamard(n: int) -> list[list[float]]:
+    h = [[1.0]]
+    while len(h) < n:
+        h = [r + r for r in h] + [r + [-x for x in r] for r in h]
+    return h
 
 
 def _pow2(e: mx.array) -> mx.array:
@@ -44,97 +85,61 @@ def _pow2(e: mx.array) -> mx.array:
 
 
 def _floor_log2(r: mx.array) -> mx.array:
-    """``floor(log2 r)`` of float32 ``r >= 0``, exactly, from its exponent bits (-127 for 0)."""
+    """``floor(log2 r)`` of float32 ``r > 0`` from its exponent bits (-127 for 0/subnormals)."""
     return ((r.view(mx.int32) >> 23) - 127).astype(mx.float32)
 
 
-def _grouped(x: mx.array, levels: int, top: float, min_exp: int) -> tuple[mx.array, mx.array]:
-    """Per group of float32 ``x`` ``[..., groups, group_size]``: the integers ``round(x / s)``
-    and ``s = 2**e`` for the smallest feasible ``e >= min_exp``.
+def _round_up(v: mx.array, bits: int, sdt: mx.Dtype) -> mx.array:
+    """``v >= 0`` rounded up to ``bits`` significant bits, then to ``sdt`` (float32 result)."""
+    e = mx.clip(_floor_log2(v) - (bits - 1), -126, 127)
+    q = _pow2(e)
+    s = mx.ceil(v / q) * q
+    s = mx.minimum(mx.maximum(s, 2.0 ** -24 if sdt == mx.float16 else 1e-38), _LIMIT[sdt])
+    return s.astype(sdt).astype(mx.float32)
 
-    Feasible: ``round(hi/s) - round(lo/s) <= levels`` and ``|round(lo|hi / s)| <= top``.
-    Any feasible ``s`` is at least ``r = max(range / (levels + 1), |x| / (top + 1))``, so
-    ``floor(log2 r)`` bounds ``e`` from below; feasibility is monotone in ``e`` and holds from
-    ``s >= 2r`` on, so ``e`` is that bound plus the number of infeasible ones of the next two.
-    NOTE: the smallest feasible exponent of ``round_trip(x)`` is never above that of ``x``
-    (``x``'s own one is feasible for it), which is what makes the round trip a projection.
-    """
-    lo, hi = x.min(axis=-1, keepdims=True), x.max(axis=-1, keepdims=True)
-    r = mx.maximum((hi - lo) * (1 / (levels + 1)), mx.maximum(-lo, hi) * (1 / (top + 1)))
-    e = mx.maximum(_floor_log2(r), min_exp)
-    e0 = e
-    for j in range(2):
-        inv = _pow2(-(e0 + j))
-        a, b = mx.round(lo * inv), mx.round(hi * inv)
-        e = e + ((b - a > levels) | (mx.maximum(-a, b) > top))
-    return mx.round(x * _pow2(-e)), _pow2(e)
+
+def _round_down(v: mx.array, sdt: mx.Dtype) -> mx.array:
+    """The largest ``sdt`` value ``<= v`` (float32 result)."""
+    v = mx.clip(v, -_LIMIT[sdt], _LIMIT[sdt])
+    c = v.astype(sdt)
+    bits = c.view(mx.uint16)
+    neg = (bits >> 15) == 1
+    down = mx.where(bits == 0, mx.array(0x8001, mx.uint16),
+                    mx.where(neg, bits + 1, bits - 1)).view(sdt)
+    return mx.where(c.astype(mx.float32) > v, down, c).astype(mx.float32)
 
 
 _COMPILED: dict = {}
 
 
-def _round_trip_fn(bits: int, group_size: int, dtype: mx.Dtype):
-    """The round trip of a layer's new keys and values for one setting, compiled: it runs for
-    every layer of every decode step, and fused its dozens of small operations cost about one
-    pass (measured on the CPU backend: ~60 us a layer for keys and values together, ~130 us
-    for them apart, several times that as separate operations)."""
-    key = (bits, group_size, dtype)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        levels, top, low = (1 << bits) - 1, float(1 << _SIGNIFICAND[dtype]), _MIN_EXP[dtype]
-
-        def one(kv: mx.array) -> mx.array:
-            x = kv.astype(mx.float32).reshape(*kv.shape[:-1], -1, group_size)
-            n, s = _grouped(x, levels, top, low)
-            # NOTE: + 0.0 turns -0 into +0, as dequantize's ``code * scale + bias`` gives it.
-            return (n * s + 0.0).reshape(kv.shape).astype(kv.dtype)
-
-        def pair(keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-            both = one(mx.stack([keys, values]))  # one graph: half the cost of two
-            return both[0], both[1]
-
-        fn = _COMPILED[key] = (mx.compile(one), mx.compile(pair))
-    return fn
-
-
-def _decode_fn(bits: int, group_size: int, dtype: mx.Dtype):
-    key = ("decode", bits, group_size, dtype)
-    fn = _COMPILED.get(key)
-    if fn is None:
-        per, mask = 32 // bits, (1 << bits) - 1
-
-        def decode(page: mx.array) -> mx.array:
-            words = page.shape[-1]
-            groups = words * 32 // (group_size * bits + 16 * dtype.size)
-            n_codes = groups * group_size * bits // 32
-            sb = page[..., n_codes:].view(dtype).astype(mx.float32)
-            codes = (page[..., :n_codes, None] >> (mx.arange(per, dtype=mx.uint32) * bits)) & mask
-            codes = codes.reshape(*page.shape[:-1], groups, group_size).astype(mx.float32)
-            # NOTE: code * 2**e + bias is exact in float32 (see the module's note): the same
-            # values as mx.dequantize, in any order of operations.
-            x = codes * sb[..., :groups, None] + sb[..., groups:, None]
-            return x.reshape(*page.shape[:-1], groups * group_size).astype(dtype)
-
-        fn = _COMPILED[key] = mx.compile(decode)
-    return fn
-
-
 @dataclass(frozen=True, slots=True)
 class KVQuant:
-    """How pages are quantized: ``bits`` per value, one scale and bias per ``group_size``."""
+    """How pages are quantized: ``bits`` per key, ``value_bits`` per value (0: as keys), one
+    scale and bias per ``group_size`` values, each group rotated first unless ``rotate`` is
+    off."""
 
     bits: int
     group_size: int = 64
+    value_bits: int = 0
+    rotate: bool = True
 
     def __post_init__(self):
-        if self.bits not in BITS:
-            raise ValueError(f"--kv-bits must be one of {BITS}, not {self.bits}")
+        if not self.value_bits:
+            object.__setattr__(self, "value_bits", self.bits)
+        for b in (self.bits, self.value_bits):
+            if b not in BITS:
+                raise ValueError(f"--kv-bits must be one of {BITS}, not {b}")
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--kv-group-size must be one of {GROUP_SIZES}, not "
                              f"{self.group_size}")
 
     @property
+    def key_bits(self) -> int:
+        return self.bits
+
+    @property
     def levels(self) -> int:
+        """Levels of the keys' codes."""
         return (1 << self.bits) - 1
 
     def check(self, head_dim: int) -> None:
@@ -145,87 +150,246 @@ class KVQuant:
 
     def describe(self) -> dict[str, Any]:
         """What enters the model's fingerprint (pages of different settings never mix)."""
-        return {"kv_bits": self.bits, "kv_group_size": self.group_size,
-                "kv_scales": "pow2-affine-v1"}
+        return {"kv_bits": self.bits, "kv_value_bits": self.value_bits,
+                "kv_group_size": self.group_size, "kv_scales": SCALES,
+                "kv_rotation": ROTATION if self.rotate else "none"}
+
+    @classmethod
+    def from_description(cls, d: dict[str, Any]) -> "KVQuant":
+        return cls(int(d["kv_bits"]), int(d["kv_group_size"]), int(d["kv_value_bits"]),
+                   d["kv_rotation"] != "none")
+
+    def label(self) -> str:
+        """``8``, ``8,4``, with ``/g32`` and ``/plain`` where not the defaults."""
+        s = str(self.bits) if self.bits == self.value_bits else f"{self.bits},{self.value_bits}"
+        return s + ("" if self.group_size == 64 else f"/g{self.group_size}") \
+            + ("" if self.rotate else "/plain")
 
     # -- sizes ------------------------------------------------------------------------------------
 
-    def row_bytes(self, head_dim: int, dtype: mx.Dtype) -> int:
-        """Bytes of one position of one head (codes, scales, biases)."""
-        return head_dim * self.bits // 8 + 2 * (head_dim // self.group_size) * dtype.size
+    def side_words(self, bits: int, head_dim: int, dtype: mx.Dtype) -> int:
+        """``uint32`` words of one position of one head, keys or values: codes, then scales and
+        biases (their bits)."""
+        groups = head_dim // self.group_size
+        return head_dim * bits // 32 + groups * 2 * scale_dtype(dtype).size // 4
+
+    def kv_bytes(self, head_dim: int, dtype: mx.Dtype) -> int:
+        """Bytes of one position of one head, its key and its value."""
+        return 4 * (self.side_words(self.bits, head_dim, dtype)
+                    + self.side_words(self.value_bits, head_dim, dtype))
 
     def page_bytes(self, layers: int, kv_heads: int, head_dim: int, n: int,
                    dtype: mx.Dtype) -> int:
-        """Bytes of a page ``[layers, 2, kv_heads, n, head_dim]`` held quantized."""
-        return layers * 2 * kv_heads * n * self.row_bytes(head_dim, dtype)
-
-    # -- codec ------------------------------------------------------------------------------------
-
-    def _grouped(self, kv: mx.array) -> tuple[mx.array, mx.array]:
-        x = kv.astype(mx.float32).reshape(*kv.shape[:-1], -1, self.group_size)
-        return _grouped(x, self.levels, float(1 << _SIGNIFICAND[kv.dtype]), _MIN_EXP[kv.dtype])
-
-    def quantize(self, kv: mx.array) -> QuantizedKV:
-        """``kv`` (any shape, last axis ``head_dim``, float16/bfloat16/float32) in MLX's affine
-        layout: ``uint32`` codes ``[..., head_dim * bits / 32]``, scales and biases
-        ``[..., head_dim / group_size]`` in ``kv``'s dtype."""
-        self.check(kv.shape[-1])
-        n, s = self._grouped(kv)
-        low = n.min(axis=-1, keepdims=True)
-        per = 32 // self.bits
-        codes = (n - low).astype(mx.uint32).reshape(*kv.shape[:-1], -1, per)
-        shifts = mx.arange(per, dtype=mx.uint32) * self.bits
-        packed = (codes << shifts).sum(axis=-1).astype(mx.uint32)  # disjoint bits: sum is OR
-        return packed, s[..., 0].astype(kv.dtype), (low * s)[..., 0].astype(kv.dtype)
-
-    def dequantize(self, q: QuantizedKV) -> mx.array:
-        """The values ``q`` holds, in its scales' dtype (exact: every value is ``k * 2**e``)."""
-        w, scales, biases = q
-        return mx.dequantize(w, scales, biases, group_size=self.group_size, bits=self.bits)
-
-    # -- a page as one array ------------------------------------------------------------------
+        """Bytes of a page of ``n`` positions held quantized."""
+        return layers * kv_heads * n * self.kv_bytes(head_dim, dtype)
 
     def words(self, head_dim: int, dtype: mx.Dtype) -> int:
-        """``uint32`` words of one stored position of one head: codes, then scales and biases
-        (their bits, in ``dtype``)."""
-        return self.row_bytes(head_dim, dtype) // 4
+        """The last axis of a stored page ``[layers, 2, kv_heads, n, words]``: a position's key
+        words then its value words, cut in two halves (one per index of axis 1; with equal bits
+        the halves are the key's and the value's own)."""
+        return self.kv_bytes(head_dim, dtype) // 8
 
-    def encode(self, kv: mx.array) -> mx.array:
-        """``kv`` ``[..., head_dim]`` as one ``uint32`` array ``[..., words]``: a stored page
-        stays one array cut and joined along positions, read and written as it is by every tier
-        (memory runs, disk files, the shared store, exports). Compiled: every commit runs it."""
-        key = ("encode", self.bits, self.group_size, kv.dtype)
-        fn = _COMPILED.get(key)
-        if fn is None:
-            def encode(kv: mx.array) -> mx.array:
-                w, scales, biases = self.quantize(kv)
-                sb = mx.concatenate([scales, biases], axis=-1).view(mx.uint32)
-                return mx.concatenate([w, sb], axis=-1)
+    # -- the codec, compiled per setting and dtype ------------------------------------------------
 
-            fn = _COMPILED[key] = mx.compile(encode)
-        return fn(kv)
+    def _fns(self, dtype: mx.Dtype, head_dim: int):
+        key = (self, dtype, head_dim)
+        fns = _COMPILED.get(key)
+        if fns is None:
+            fns = _COMPILED[key] = _Codec(self, dtype, head_dim)
+        return fns
 
-    def decode(self, page: mx.array, dtype: mx.Dtype) -> mx.array:
-        """The values an ``encode``d ``page`` holds, in ``dtype`` (the model's): exactly
-        ``dequantize``'s, unpacked with shifts in one compiled pass (half the time of
-        ``mx.dequantize`` on the CPU backend: ~90 against ~175 ms for 2,266 tokens of the
-        default model, the bulk of a restore's cache step)."""
-        return _decode_fn(self.bits, self.group_size, dtype)(page)
-
-    def round_trip(self, kv: mx.array) -> mx.array:
-        """Exactly ``dequantize(quantize(kv))``, without packing: what the model reads of a
-        fresh key or value, and what the page will give back."""
-        self.check(kv.shape[-1])
-        return _round_trip_fn(self.bits, self.group_size, kv.dtype)[0](kv)
+    def fresh(self, keys: mx.array, values: mx.array
+              ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+        """New keys and values ``[..., head_dim]``: what the model reads of them (the decoded
+        values of their codes, in their dtype) and their stored words (key words, value words),
+        in one compiled call."""
+        self.check(keys.shape[-1])
+        return self._fns(keys.dtype, keys.shape[-1]).fresh(keys, values)
 
     def round_trip_pair(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        """``round_trip`` of a layer's new keys and values, in one compiled call."""
-        self.check(keys.shape[-1])
-        if keys.shape != values.shape or keys.dtype != values.dtype:
-            return self.round_trip(keys), self.round_trip(values)
-        return _round_trip_fn(self.bits, self.group_size, keys.dtype)[1](keys, values)
+        """What the model reads of new keys and values (``fresh`` without the words)."""
+        k, v, _, _ = self.fresh(keys, values)
+        return k, v
+
+    def round_trip(self, x: mx.array) -> mx.array:
+        """What the model reads of new keys ``x`` (key bits)."""
+        return self.round_trip_pair(x, x)[0]
+
+    def join(self, key_words: mx.array, value_words: mx.array) -> mx.array:
+        """Key words ``[..., n, wk]`` and value words ``[..., n, wv]`` (leading axes: kv heads)
+        as stored rows ``[..., 2, heads, n, words]``."""
+        if key_words.shape[-1] == value_words.shape[-1]:
+            return mx.stack([key_words, value_words], axis=-4)
+        both = mx.concatenate([key_words, value_words], axis=-1)
+        half = both.shape[-1] // 2
+        return mx.stack([both[..., :half], both[..., half:]], axis=-4)
+
+    def split(self, page: mx.array, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+        """Stored rows ``[..., 2, heads, n, words]`` as (key words, value words)."""
+        k, v = page[..., 0, :, :, :], page[..., 1, :, :, :]
+        wk = self.side_words(self.bits, head_dim, dtype)
+        if wk == k.shape[-1]:
+            return k, v
+        both = mx.concatenate([k, v], axis=-1)
+        return both[..., :wk], both[..., wk:]
+
+    def encode(self, kv: mx.array) -> mx.array:
+        """Values ``[..., 2, heads, n, head_dim]`` quantized as a page stores them (the words
+        ``fresh`` gives)."""
+        _, _, kw, vw = self.fresh(kv[..., 0, :, :, :], kv[..., 1, :, :, :])
+        return self.join(kw, vw)
+
+    def decode(self, page: mx.array, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:
+        """The values a stored ``page`` holds ``[..., 2, heads, n, head_dim]``, in ``dtype``
+        (the model's): bit for bit what ``fresh`` gave the model."""
+        if head_dim is None:
+            head_dim = self._head_dim(page.shape[-1], dtype)
+        return self._fns(dtype, head_dim).decode(page)
+
+    def _head_dim(self, words: int, dtype: mx.Dtype) -> int:
+        for d in range(self.group_size, 4097, self.group_size):
+            if self.words(d, dtype) == words:
+                return d
+        raise ValueError(f"no head_dim gives {words} words a stored position")
+
+    # -- packed attention (mx.quantized_matmul) ----------------------------------------------------
+
+    def packed(self, words: mx.array, bits: int, dtype: mx.Dtype) -> QuantizedKV:
+        """One side's words ``[..., w]`` as MLX's ``(codes, scales, biases)`` of the rotated
+        values (what ``mx.quantized_matmul`` reads; scales and biases in ``dtype``)."""
+        head_dim = self._packed_dim(words.shape[-1], bits, dtype)
+        n = head_dim * bits // 32
+        sb = words[..., n:].view(scale_dtype(dtype)).astype(dtype)
+        g = head_dim // self.group_size
+        return words[..., :n], sb[..., :g], sb[..., g:]
+
+    def _packed_dim(self, w: int, bits: int, dtype: mx.Dtype) -> int:
+        for d in range(self.group_size, 4097, self.group_size):
+            if self.side_words(bits, d, dtype) == w:
+                return d
+        raise ValueError(f"no head_dim gives {w} words")
+
+    def rotate_queries(self, q: mx.array) -> mx.array:
+        """Queries ``[..., head_dim]`` in the basis the codes hold (``q . x == rotated(q) . y``);
+        unchanged without rotation."""
+        return self._fns(q.dtype, q.shape[-1]).rotate_queries(q) if self.rotate else q
+
+    def unrotate(self, out: mx.array) -> mx.array:
+        """A weighted sum of rotated values ``[..., head_dim]`` back in the model's basis."""
+        return self._fns(out.dtype, out.shape[-1]).unrotate(out) if self.rotate else out
 
 
-def make_quant(bits: int | None, group_size: int = 64) -> KVQuant | None:
+class _Codec:
+    """The compiled functions of one setting, dtype and head_dim."""
+
+    def __init__(self, q: KVQuant, dtype: mx.Dtype, head_dim: int):
+        self.q, self.dtype, self.d = q, dtype, head_dim
+        g = q.group_size
+        self.sdt = scale_dtype(dtype)
+        self.signs = mx.array(_signs(head_dim), mx.float32)
+        self.h = mx.array(_hadamard(g), mx.float32)
+        self.e0 = (mx.arange(g) == 0).astype(mx.float32) * g  # sum of each column of H
+        # NOTE: evaluated now: the codec is shared by threads, and an unevaluated array belongs
+        # to the stream of the thread that made it (MLX 0.32: "no Stream(cpu, 0) in current thread").
+        mx.eval(self.signs, self.h, self.e0)
+
+        def fresh(keys, values):
+            k, kw = self._side(keys, q.bits)
+            v, vw = self._side(values, q.value_bits)
+            return k, v, kw, vw
+
+        def decode(page):
+            if q.bits == q.value_bits:  # the halves are the keys' and the values' own words
+                return self._decode_words(page, q.bits)
+            kw, vw = q.split(page, head_dim, dtype)
+            return mx.stack([self._decode_words(kw, q.bits),
+                             self._decode_words(vw, q.value_bits)], axis=-4)
+
+        def rotate_queries(x):
+            y = (x.astype(mx.float32) * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h
+            return y.reshape(x.shape).astype(x.dtype)
+
+        def unrotate(y):
+            x = (y.astype(mx.float32).reshape(*y.shape[:-1], -1, g) @ self.h)
+            return (x.reshape(y.shape) * self.signs).astype(y.dtype)
+
+        self.fresh = mx.compile(fresh)
+        self.decode = mx.compile(decode)
+        self.rotate_queries = mx.compile(rotate_queries)
+        self.unrotate = mx.compile(unrotate)
+
+    def _mantissa(self, bits: int) -> int:
+        """Significant bits a scale keeps so that ``scale * (codes @ H)`` is exact in float32."""
+        top = self.q.group_size * ((1 << bits) - 1) if self.q.rotate else (1 << bits) - 1
+        return min(_MANTISSA[self.sdt], 24 - math.ceil(math.log2(top + 1)))
+
+    def _side(self, x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+        """Keys or values ``[..., head_dim]``: what the model reads, and their words."""
+        g, levels = self.q.group_size, (1 << bits) - 1
+        y = x.astype(mx.float32)
+        if self.q.rotate:
+            y = ((y * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h) * (1.0 / g)
+        else:
+            y = y.reshape(*x.shape[:-1], -1, g)
+        lo, hi = y.min(axis=-1, keepdims=True), y.max(axis=-1, keepdims=True)
+        bias = _round_down(lo, self.sdt)
+        scale = _round_up((hi - bias) * (1.0 / levels), self._mantissa(bits), self.sdt)
+        codes = mx.clip(mx.round((y - bias) / scale), 0, levels)
+        read = self._values(codes, scale, bias, x.shape)
+        per = 32 // bits
+        c = codes.astype(mx.uint32).reshape(*x.shape[:-1], -1, per)
+        packed = (c << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
+        sb = mx.concatenate([scale[..., 0], bias[..., 0]], axis=-1).astype(self.sdt)
+        return read, mx.concatenate([packed, sb.view(mx.uint32)], axis=-1)
+
+    def _values(self, codes: mx.array, scale: mx.array, bias: mx.array,
+                shape: tuple[int, ...]) -> mx.array:
+        """Codes ``[..., groups, g]`` (float32 integers), scales and biases ``[..., groups, 1]``
+        as the model reads them: exact products, one rounding (see the module's note)."""
+        if self.q.rotate:
+            # NOTE: codes @ H sums integers < 2**24: exact, whatever the kernel's order.
+            x = scale * (codes @ self.h) + bias * self.e0
+            x = x.reshape(shape) * self.signs
+        else:
+            x = (codes * scale + bias).reshape(shape)
+        return x.astype(self.dtype)
+
+    def _decode_words(self, words: mx.array, bits: int) -> mx.array:
+        g, per, mask = self.q.group_size, 32 // bits, (1 << bits) - 1
+        lead, n = words.shape[:-1], self.d * bits // 32
+        groups = self.d // g
+        sb = words[..., n:].view(self.sdt).astype(mx.float32)
+        codes = (words[..., :n, None] >> (mx.arange(per, dtype=mx.uint32) * bits)) & mask
+        codes = codes.reshape(*lead, groups, g).astype(mx.float32)
+        return self._values(codes, sb[..., :groups, None], sb[..., groups:, None],
+                            (*lead, self.d))
+
+
+def parse_bits(text: str | int | tuple | None) -> tuple[int, int] | None:
+    """``--kv-bits``: ``8``, ``4`` or ``K,V`` (``8,4``); None, 0 or ``off``: full precision.
+    ``ValueError`` for anything else."""
+    if text is None or text == 0 or (isinstance(text, str) and text.strip().lower() in
+                                     ("", "0", "off", "none")):
+        return None
+    if isinstance(text, int):
+        parts = [text]
+    elif isinstance(text, (tuple, list)):
+        parts = list(text)
+    else:
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError:
+            raise ValueError(f"--kv-bits wants 8, 4 or K,V such as 8,4, not {text!r}")
+    if len(parts) == 1:
+        parts = parts * 2
+    if len(parts) != 2 or any(int(p) not in BITS for p in parts):
+        raise ValueError(f"--kv-bits wants bits in {BITS} for keys and values (8, 4 or K,V "
+                         f"such as 8,4), not {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
+def make_quant(bits: int | str | tuple | None, group_size: int = 64,
+               rotate: bool = True) -> KVQuant | None:
     """The codec for ``--kv-bits`` (None or 0: pages at the model's precision)."""
-    return KVQuant(bits, group_size) if bits else None
+    kv = parse_bits(bits)
+    return KVQuant(kv[0], group_size, kv[1], rotate) if kv else None

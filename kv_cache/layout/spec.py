@@ -97,7 +97,8 @@ class GroupSpec:
 
     def decode(self, page: mx.array) -> mx.array:
         """A stored page's values (exact: see ``kv_cache.layout.quant``)."""
-        return page if self.quant is None else self.quant.decode(page, self.mx_dtype)
+        return page if self.quant is None else self.quant.decode(page, self.mx_dtype,
+                                                                 self.head_dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,22 +174,23 @@ class CacheSpec:
         d = json.loads(text)
         groups = tuple(GroupSpec(paged_kind(g["kind"], int(g["window"])), tuple(g["layers"]),
                                  int(g["num_kv_heads"]), int(g["head_dim"]), g["dtype"],
-                                 KVQuant(int(g["kv_bits"]), int(g["kv_group_size"]))
-                                 if "kv_bits" in g else None)
+                                 KVQuant.from_description(g) if "kv_bits" in g else None)
                        for g in d["groups"])
         states = tuple(StateSpec(int(s["layer"]), tuple(tuple(x) for x in s["shapes"]),
                                  tuple(s["dtypes"])) for s in d["states"])
         return cls(int(d["num_slots"]), groups, states)
 
 
-def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | None,
-                 group_size: int = 64) -> tuple[CacheSpec, str]:
-    """A model's cache spec and fingerprint with its pages in ``bits`` (unchanged without).
+def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | str | tuple | None,
+                 group_size: int = 64, rotate: bool = True) -> tuple[CacheSpec, str]:
+    """A model's cache spec and fingerprint with its pages in ``bits`` (unchanged without):
+    ``8``, ``4``, or keys' and values' own as ``(8, 4)`` or ``"8,4"``; each group rotated first
+    unless ``rotate`` is off (``kv_cache.layout.quant``).
 
     NOTE: the setting enters the fingerprint, so pages of two settings never mix: their chain
     hashes, disk directory, store keys and exports all differ, and each is a clean miss (not a
     foreign file, removed) for the other."""
-    quant = make_quant(bits, group_size)
+    quant = make_quant(bits, group_size, rotate)
     if quant is None:
         return spec, fingerprint
     blob = json.dumps([fingerprint, quant.describe()], sort_keys=True).encode()

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from kv_cache.model.packed_attention import PackedKV, packed_layers, packed_pays, prefix_length
 from kv_cache.pages.holders import VIEW
 
 if TYPE_CHECKING:
@@ -51,29 +52,36 @@ _ORIGINAL = mlx_base.scaled_dot_product_attention
 
 class PrefixView:
     """The keys and values of ``length`` positions held by sealed pages (one table per
-    full-attention group), contiguous per layer: ``[kv_heads, length, head_dim]``."""
+    full-attention group), contiguous per layer: ``[kv_heads, length, head_dim]``, or with
+    ``packed`` (pages in bits) as the pages store them (``kv_cache.model.packed_attention``)."""
 
     def __init__(self, pool: "PagePool", tables: list[tuple[int, ...]], length: int,
-                 groups: list[int]):
+                 groups: list[int], packed: bool = False):
         self.pool, self.tables, self.length, self.groups = pool, tables, length, groups
         self.users = 0
         self.serial = 0  # its place among the views made (PrefixViews.since)
-        self.kv: dict[int, tuple[mx.array, mx.array]] = {}  # model layer slot -> (K, V)
+        self.kv: dict[int, Any] = {}  # model layer slot -> (K, V) or PackedKV
         self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
         for g, blocks in zip(groups, tables):
             pool.hold_all(blocks, VIEW)
             layers = pool.groups[g].layers
-            run = pool.run_array(list(blocks), length)
-            if run is not None:  # pages restored together: their array is already contiguous
+            run = None if packed else pool.run_array(list(blocks), length)
+            if packed:
+                kv = packed_layers(pool.groups[g], pool.gather(list(blocks), length))
+                self.copied += sum(p.nbytes for p in kv)
+            elif run is not None:  # pages restored together: their array is already contiguous
                 kv = [(run[i, 0], run[i, 1]) for i in range(len(layers))]
             else:
                 kv = [(k[0], v[0]) for k, v in pool.gather_layers(list(blocks), length)]
                 self.copied += sum(k.nbytes + v.nbytes for k, v in kv)
             self.kv.update(zip(layers, kv))
-        mx.eval([a for kv in self.kv.values() for a in kv])
+        mx.eval([a for kv in self.kv.values()
+                 for a in ((*kv.keys, *kv.values) if packed else kv)])
 
-    def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array]:
-        k, v = self.kv[slot]
+    def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array] | PackedKV:
+        if isinstance(kv := self.kv[slot], PackedKV):
+            return kv.head(n)
+        k, v = kv
         if n == self.length:
             return k, v
         return k[:, :n, :], v[:, :n, :]
@@ -101,10 +109,12 @@ class PrefixViews:
     rewrites another's buffers. A view goes when its last user closes.
     """
 
-    def __init__(self, pool: "PagePool", min_pages: int = 2):
+    def __init__(self, pool: "PagePool", min_pages: int = 2, mode: str = "auto"):
         self.pool = pool
         self.min_pages = min_pages
         self.groups = [i for i, g in enumerate(pool.groups) if g.kind.reads_all]
+        # pages in bits: views held packed and read by quantized products (packed_attention)
+        self.packed = any(packed_pays(mode, pool.groups[g].quant) for g in self.groups)
         self.views: list[PrefixView] = []
         self.made = 0  # views made so far: the newest one's serial
 
@@ -142,7 +152,8 @@ class PrefixViews:
             full_pages = self._full_pages(tables, n)
             if not all(self.pool.all_sealed(t) for t in full_pages):
                 return None, 0
-            view, c = PrefixView(self.pool, full_pages, n // P * P, self.groups), n // P * P
+            view = PrefixView(self.pool, full_pages, n // P * P, self.groups, self.packed)
+            c = n // P * P
             self.made += 1
             view.serial = self.made
             self.views.append(view)
@@ -233,7 +244,7 @@ def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
     measured there."""
     _, Hq, T, D = queries.shape
     rep = Hq // r.keys.shape[1]
-    return (T > 1 and r.prefix is not None and r.own_start == r.prefix[0].shape[1]
+    return (T > 1 and isinstance(r.prefix, tuple) and r.own_start == r.prefix[0].shape[1]
             and r.q_start + T == r.own_start + r.keys.shape[2]
             and r.keys.dtype == mx.float32 and rep * T >= 3 * D
             and (mask is None or isinstance(mask, str)
@@ -286,7 +297,7 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
     B, Hq, T, D = queries.shape
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(reads):
-        key = (id(r.view), r.prefix[0].shape[1]) if r.prefix is not None else (None, 0)
+        key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
         groups.setdefault(key, []).append(i)
     if len(groups) == 1:
         return _group(queries, reads, scale, sinks)
@@ -344,11 +355,13 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     if mask is not None:
         s_own = (s_own.reshape(B, Hkv, rep, T, N) + mask).reshape(B, Hkv, rep * T, N)
     m = s_own.max(axis=-1, keepdims=True)
-    prefix = reads[0].prefix
+    prefix = reads[0].prefix  # [Hkv, c, D] (or packed), the same for every row of the group
     if prefix is not None:
-        kp, vp = prefix  # [Hkv, c, D], the same for every row of the group
         qp = q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D)
-        s_pre = (qp @ kp.swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, B*rep*T, c]
+        if isinstance(prefix, PackedKV):
+            s_pre = prefix.scores(qp).astype(mx.float32)
+        else:
+            s_pre = (qp @ prefix[0].swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, B*rep*T, c]
         m_pre = s_pre.max(axis=-1, keepdims=True).reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
         m = mx.maximum(m, m_pre)
     if sinks is not None:
@@ -362,7 +375,10 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         m_p = m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1)
         e_pre = mx.exp(s_pre - m_p)
         denom_p = e_pre.sum(axis=-1, keepdims=True)
-        out_p = e_pre.astype(vp.dtype) @ vp  # [Hkv, B*rep*T, D]
+        if isinstance(prefix, PackedKV):
+            out_p = prefix.weighted_values(e_pre.astype(queries.dtype))
+        else:
+            out_p = e_pre.astype(prefix[1].dtype) @ prefix[1]  # [Hkv, B*rep*T, D]
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
     if sinks is not None:

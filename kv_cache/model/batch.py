@@ -35,16 +35,17 @@ class BatchLayer:
         return mx.array([m.offset for m in self.members])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        quant = self.members[0].quant  # pages in bits: round the whole batch in one call
+        quant = self.members[0].quant  # pages in bits: code the whole batch in one call
+        words = None
         if quant is not None:
-            keys, values = quant.round_trip_pair(keys, values)
+            keys, values, *words = quant.fresh(keys, values)
         for i, m in enumerate(self.members):
-            if self.lengths is None or self.lengths[i] == keys.shape[2]:
-                m.update_and_fetch(keys[i : i + 1], values[i : i + 1], rounded=True)
+            n = keys.shape[2] if self.lengths is None else self.lengths[i]
+            stored = None if words is None else tuple(w[i : i + 1, :, :n] for w in words)
+            if n == keys.shape[2]:
+                m.update_and_fetch(keys[i : i + 1], values[i : i + 1], stored)
             else:
-                n = self.lengths[i]
-                m.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n],
-                                   rounded=True)
+                m.update_and_fetch(keys[i : i + 1, :, :n], values[i : i + 1, :, :n], stored)
         fetched(keys, self)
         return keys, values
 

@@ -18,7 +18,7 @@ its own next step.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
@@ -26,6 +26,7 @@ from mlx_lm.models.base import create_causal_mask
 from kv_cache.model.attention import Reads, fetched
 from kv_cache.layout.kinds import FullAttention, PagedKind, SlidingWindow
 from kv_cache.layout.quant import KVQuant
+from kv_cache.layout.spec import GroupSpec
 
 
 class PagedLayerCache:
@@ -38,6 +39,10 @@ class PagedLayerCache:
                  quant: KVQuant | None = None):
         self.kind, self.window, self.page_size = kind, kind.window, page_size
         self.quant = quant  # pages in bits: new keys and values are read as pages hold them
+        # With ``quant``: the stored words of the positions appended since the buffer was made
+        # (chunks ``(first position, key words, value words)``, ``[1, heads, n, words]``), what
+        # a commit writes to pages: the codes are the truth, never re-quantized from values.
+        self.words: list[tuple[int, mx.array, mx.array]] = []
         self.layer = layer  # the model's cache slot
         self.keys: mx.array | None = None
         self.values: mx.array | None = None
@@ -47,11 +52,15 @@ class PagedLayerCache:
         self.view_len = 0  # how many positions of it
 
     def update_and_fetch(self, keys: mx.array, values: mx.array,
-                         rounded: bool = False) -> tuple[mx.array, mx.array]:
+                         stored: tuple[mx.array, mx.array] | None = None
+                         ) -> tuple[mx.array, mx.array]:
+        """``stored``: with pages in bits, the words of ``keys`` and ``values``, which are then
+        already what the model reads of them (``KVQuant.fresh``: a batch codes all its members
+        in one call)."""
         if self.keys is None:
             self._start_buffer()
         q_start = self.offset
-        self._append(keys, values, rounded)
+        self._append(keys, values, stored)
         n = self.offset - self.base
         return self._fetched(self.keys[..., :n, :], self.values[..., :n, :], self.base, q_start)
 
@@ -89,15 +98,19 @@ class PagedLayerCache:
             self.keys = mx.contiguous(self.keys[..., cut:, :])
             self.values = mx.contiguous(self.values[..., cut:, :])
             self.base = length
+            self._drop_words(length)
         self.view, self.view_len = view, length
 
-    def _append(self, keys: mx.array, values: mx.array, rounded: bool = False) -> None:
-        """``rounded``: the caller rounded them already (a batch does it once for all)."""
-        if self.quant is not None and not rounded:
-            # NOTE: the model reads exactly what the page will hold (a projection: storing
-            # these values gives them back bit for bit), so a turn restored from pages computes
-            # what the warm one did, and cache on equals cache off under the same setting.
-            keys, values = self.quant.round_trip_pair(keys, values)
+    def _append(self, keys: mx.array, values: mx.array,
+                stored: tuple[mx.array, mx.array] | None = None) -> None:
+        if self.quant is not None:
+            # NOTE: the model reads the decoded values of exactly the words the page will hold
+            # (the commit writes these words, it never quantizes values again), so a turn
+            # restored from pages computes what the warm one did, and cache on equals cache off
+            # under the same setting.
+            if stored is None:
+                keys, values, *stored = self.quant.fresh(keys, values)
+            self._keep_words(*stored)
         prev = self.offset - self.base
         if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:
             B, n_kv_heads, _, k_dim = keys.shape
@@ -114,10 +127,56 @@ class PagedLayerCache:
         self.keys[..., prev:end, :] = keys
         self.values[..., prev:end, :] = values
 
-    def load(self, keys: mx.array, values: mx.array, base: int = 0) -> None:
+    def load(self, keys: mx.array, values: mx.array, base: int = 0,
+             stored: mx.array | None = None) -> None:
         """Start from gathered pages: ``[1, kv_heads, >= offset - base, head_dim]`` each holding
-        positions ``base..offset-1`` (positions past ``offset`` are room to write into)."""
+        positions ``base..offset-1`` (positions past ``offset`` are room to write into).
+        ``stored``: with pages in bits, the pages' own rows of those positions ``[2, kv_heads,
+        offset - base, words]``, for a layer that may have to write them again (a sliding
+        window whose released page a trim brings back)."""
         self.keys, self.values, self.base = keys, values, base
+        self.words = []
+        if stored is not None:
+            kw, vw = self.quant.split(stored, keys.shape[-1], keys.dtype)
+            self.words = [(base, kw[None], vw[None])]
+
+    # -- stored words (pages in bits) ----------------------------------------------------------
+
+    def _keep_words(self, kw: mx.array, vw: mx.array) -> None:
+        at, words = self.offset, self.words
+        while words and words[-1][0] >= at:  # positions a trim dropped
+            words.pop()
+        if words and words[-1][0] + words[-1][1].shape[2] > at:
+            a, k, v = words[-1]
+            words[-1] = (a, k[:, :, : at - a], v[:, :, : at - a])
+        words.append((at, kw, vw))
+        if len(words) > 64:  # one chunk a decode step: keep the list short
+            words[:-1] = [(words[0][0], mx.concatenate([w[1] for w in words[:-1]], axis=2),
+                           mx.concatenate([w[2] for w in words[:-1]], axis=2))]
+
+    def _drop_words(self, before: int) -> None:
+        """Forget the words of chunks that end at or before position ``before``."""
+        self.words = [w for w in self.words if w[0] + w[1].shape[2] > before]
+
+    def stored(self, start: int, end: int) -> mx.array:
+        """Positions ``start..end-1`` as their pages store them, ``[2, kv_heads, n, words]``
+        (pages in bits: the words ``fresh`` made for them)."""
+        parts, at = [], start
+        for a, k, v in self.words:
+            b = a + k.shape[2]
+            if b <= at or a >= end:
+                continue
+            assert a <= at, f"positions {at}..{a} have no stored words (layer {self.layer})"
+            parts.append((k[0, :, at - a : min(b, end) - a], v[0, :, at - a : min(b, end) - a]))
+            at = min(b, end)
+        assert at == end, f"positions {at}..{end} have no stored words (layer {self.layer})"
+        if self.kind.reads_all:
+            # NOTE: a full-attention layer's commits only go forward (a trim re-appends), so
+            # what is before ``start`` is never written again.
+            self._drop_words(start)
+        k = parts[0][0] if len(parts) == 1 else mx.concatenate([p[0] for p in parts], axis=1)
+        v = parts[0][1] if len(parts) == 1 else mx.concatenate([p[1] for p in parts], axis=1)
+        return self.quant.join(k, v)
 
     def positions(self, start: int, end: int) -> tuple[mx.array, mx.array]:
         """Keys and values ``[kv_heads, end - start, head_dim]`` of positions ``start..end-1``."""
@@ -129,6 +188,7 @@ class PagedLayerCache:
     def drop_buffer(self) -> None:
         self.keys = self.values = None
         self.base = 0
+        self.words = []
 
     def keep_from(self, length: int) -> int:
         """The first position a buffer of ``length`` positions must keep: all after the shared
@@ -187,7 +247,8 @@ class PagedLayerCache:
         """Bytes of the working buffer (the pages are counted by the pool)."""
         if self.keys is None:
             return 0
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes \
+            + sum(k.nbytes + v.nbytes for _, k, v in self.words)
 
 
 class PagedWindowCache(PagedLayerCache):
@@ -201,12 +262,13 @@ class PagedWindowCache(PagedLayerCache):
         return self.kind.keep_from(length, self.page_size)
 
     def update_and_fetch(self, keys: mx.array, values: mx.array,
-                         rounded: bool = False) -> tuple[mx.array, mx.array]:
+                         stored: tuple[mx.array, mx.array] | None = None
+                         ) -> tuple[mx.array, mx.array]:
         if self.keys is None:
             self._start_buffer()
         prev = self.offset
         self._slide(prev)
-        self._append(keys, values, rounded)
+        self._append(keys, values, stored)
         first = self.kind.first_needed(prev)
         start, end = first - self.base, self.offset - self.base
         return self._fetched(self.keys[..., start:end, :], self.values[..., start:end, :],
@@ -219,6 +281,7 @@ class PagedWindowCache(PagedLayerCache):
             self.keys = mx.contiguous(self.keys[..., drop:, :])
             self.values = mx.contiguous(self.values[..., drop:, :])
             self.base += drop
+            self._drop_words(self.base)
 
     def can_trim_to(self, length: int) -> bool:
         return self.keys is None or self.kind.first_needed(length) >= self.base
@@ -237,6 +300,17 @@ class PagedWindowCache(PagedLayerCache):
 
 _CACHES: dict[type, type[PagedLayerCache]] = {FullAttention: PagedLayerCache,
                                              SlidingWindow: PagedWindowCache}
+
+
+def stored_rows(group: GroupSpec, layers: Sequence[PagedLayerCache], start: int,
+                end: int) -> mx.array:
+    """Positions ``start..end-1`` of a group's ``layers`` as its pages store them, ``[layers,
+    2, kv_heads, n, ...]``: the values, or with pages in bits the words made when the positions
+    were appended (never the values quantized again)."""
+    if group.quant is not None:
+        return mx.stack([layer.stored(start, end) for layer in layers])
+    return group.encode(mx.stack([mx.stack(parts) for parts in zip(
+        *(layer.positions(start, end) for layer in layers))], axis=1))
 
 
 def layer_cache(kind: PagedKind, layer: int, page_size: int, offset: int = 0,

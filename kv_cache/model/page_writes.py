@@ -12,7 +12,7 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from kv_cache.model.layer_cache import PagedLayerCache
+from kv_cache.model.layer_cache import PagedLayerCache, stored_rows
 from kv_cache.pages.block_table import PageTable
 from kv_cache.pages.pool import PagePool
 
@@ -37,8 +37,7 @@ def write_group(pool: PagePool, g: int, table: PageTable, layers: Sequence[Paged
         for b in table.truncate(start):
             if b is not None:
                 pool.release(b)
-    kv = pool.groups[g].encode(mx.stack([mx.stack(parts) for parts in zip(
-        *(layer.positions(start, end) for layer in layers))], axis=1))  # as the pages hold it
+    kv = stored_rows(pool.groups[g], layers, start, end)  # as the pages hold it
     if start % P and not pool.is_writable(table.blocks[-1], start % P):
         # NOTE: copy-on-write: the tail page is shared, sealed or longer than our view.
         copy = pool.copy(table.blocks[-1], start % P)

@@ -185,7 +185,7 @@ class PagedSequence:
         if self.committed == 0:
             return
         P, step, end = self.pool.page_size, PagedLayerCache.step, self.committed
-        for table, layers in zip(self.tables, self.group_layers):
+        for table, layers, spec in zip(self.tables, self.group_layers, self.pool.groups):
             base = layers[0].keep_from(end)
             n = end - base
             if n == 0:  # all in the shared prefix view: the buffers start empty
@@ -196,8 +196,11 @@ class PagedSequence:
             blocks = table.blocks[base // P : -(-end // P)]
             assert None not in blocks, "a page the window reads was released"
             gathered = self.pool.gather_layers(blocks, n, room)
-            for layer, (keys, values) in zip(layers, gathered):
-                layer.load(keys, values, base)
+            # pages in bits: a window that may write a page again after a trim keeps its words
+            rows = self.pool.gather(blocks, n) if spec.quant is not None \
+                and not spec.kind.reads_all else None
+            for i, (layer, (keys, values)) in enumerate(zip(layers, gathered)):
+                layer.load(keys, values, base, None if rows is None else rows[i])
 
     def drop_buffers(self) -> None:
         """Free the working buffers (after a commit); the next forward pass gathers again."""

@@ -81,7 +81,7 @@ class Engine:
         """A cache and a scheduler for ``lm`` (its weights counted in the budget)."""
         config = self.config
         spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
-                                         config.kv_group_size)
+                                         config.kv_group_size, config.kv_rotate)
         manager = open_cache(
             spec, fingerprint, page_size=config.page_size,
             max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
@@ -93,7 +93,7 @@ class Engine:
         self.models[lm.name] = lm
         self.managers[lm.name] = manager
         self.schedulers[lm.name] = Scheduler(
-            manager, Runner(lm.model, manager, lm.name), max_batch=config.max_batch,
+            manager, Runner(lm.model, manager, lm.name, config.kv_attention), max_batch=config.max_batch,
             prefill_chunk=config.prefill_chunk, speculate=config.speculate,
             num_draft_tokens=config.num_draft_tokens, draft=draft, name=lm.name,
             memory=self.memory)

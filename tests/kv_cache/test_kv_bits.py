@@ -1,7 +1,8 @@
-"""KV pages in 8 and 4 bits (``--kv-bits``) through the whole cache, with a tiny random model:
-greedy output with the cache equals output without it under the same setting, a turn restored
-from disk (with and without prefix views) or from an export equals the warm one bit for bit,
-pages of another setting are a clean miss, and the bytes a token takes."""
+"""KV pages in 8 and 4 bits (``--kv-bits K[,V]``) through the whole cache, with tiny random
+models: greedy output with the cache equals output without it under the same setting (rotated
+or not, keys and values in their own bits, sliding windows and KV-shared layers too), a turn
+restored from disk (with and without prefix views) or from an export equals the warm one bit for
+bit, pages of another setting are a clean miss, and the bytes a token takes."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kv_cache.transfer import TransferError, export_entry, import_entry
 from tests.tiny_model import make_tiny_model
 
 P = 4
-SETTINGS = [(8, 32), (4, 32)]
+SETTINGS = [(8, 32), (4, 32), ("8,4", 32), ((4, 8), 32)]
 
 
 @pytest.fixture(scope="module")
@@ -33,16 +34,17 @@ def spec_of(model) -> CacheSpec:
                            a.hidden_size // a.num_attention_heads, mx.float32)
 
 
-def manager(model, bits, group, disk: Path | None = None, ram=1 << 24, store_url=None):
-    spec, fp = with_kv_bits(spec_of(model), "tiny", bits, group)
+def manager(model, bits, group, disk: Path | None = None, ram=1 << 24, store_url=None,
+            rotate=True):
+    spec, fp = with_kv_bits(spec_of(model), "tiny", bits, group, rotate)
     return open_cache(spec, fp, page_size=P, max_ram_bytes=ram, policy="lru", disk_dir=disk,
                       max_disk_bytes=1 << 26, max_resident=0, store_url=store_url)
 
 
-def greedy_off(model, tokens, n, bits, group) -> list[int]:
+def greedy_off(model, tokens, n, bits, group, rotate=True) -> list[int]:
     """``n`` greedy tokens without the paged cache: mlx-lm's own cache, whose new keys and
     values are rounded as the setting's pages hold them ("cache off, same setting")."""
-    quant = make_quant(bits, group)
+    quant = make_quant(bits, group, rotate)
 
     class RoundTrip(KVCache):
         def update_and_fetch(self, keys, values):
@@ -71,13 +73,15 @@ def greedy_on(model, seq, new, n) -> tuple[list[int], mx.array]:
     return out, first
 
 
+@pytest.mark.parametrize("rotate", [True, False], ids=["rotated", "plain"])
 @pytest.mark.parametrize("bits,group", SETTINGS)
-def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, bits, group):
+def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, bits, group,
+                                                                        rotate):
     turn1, turn2 = list(range(40, 62)), list(range(70, 79))
-    m = manager(model, bits, group)
+    m = manager(model, bits, group, rotate=rotate)
     seq, _ = m.start(turn1, [])
     answer, _ = greedy_on(model, seq, turn1, 8)
-    assert answer == greedy_off(model, turn1, 8, bits, group)
+    assert answer == greedy_off(model, turn1, 8, bits, group, rotate)
     m.save("a1", seq)
     seq.close()
     history = turn1 + answer[:-1]  # the last answer token was not read yet
@@ -85,7 +89,7 @@ def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, b
     seq, match = m.start(prompt, ["a1"])
     assert match.tokens == len(history) and match.source == "entry:a1"
     again, _ = greedy_on(model, seq, prompt[match.tokens:], 8)
-    assert again == greedy_off(model, prompt, 8, bits, group)
+    assert again == greedy_off(model, prompt, 8, bits, group, rotate)
     seq.close()
     m.close()
 
@@ -168,10 +172,11 @@ def test_pages_of_another_setting_are_a_clean_miss_and_stay(model, tmp_path):
 
 
 def test_bytes_per_token_in_memory_and_on_disk(model, tmp_path):
-    """Head_dim 32 with groups of 32 here (the default model: 64 and 64, ratios 0.28 / 0.16)."""
+    """Head_dim 32 with groups of 32 here: a group's codes, then its float16 scale and bias
+    (the default model: head_dim 64 in one group, ratios 0.27 / 0.20 / 0.14 for 8, 8,4, 4)."""
     tokens = list(range(10, 10 + 8 * P))
     sizes = {}
-    for bits in (None, 8, 4):
+    for bits in (None, 8, 4, "8,4"):
         m = manager(model, bits, 32, tmp_path / str(bits))
         seq, _ = m.start(tokens, [])
         greedy_on(model, seq, tokens, 1)
@@ -184,9 +189,10 @@ def test_bytes_per_token_in_memory_and_on_disk(model, tmp_path):
         sizes[bits] = (*memory, on_disk)
     full = sizes[None]
     assert full[1] == 2 * 2 * 2 * P * 32 * 4  # layers, k/v, kv heads, positions, head_dim, f32
-    assert sizes[8][1] == 2 * 2 * 2 * P * (32 + 2 * 4) and sizes[8][0] == 8 * sizes[8][1]
-    assert sizes[4][1] == 2 * 2 * 2 * P * (16 + 2 * 4)
-    for bits, ratio in ((8, 0.32), (4, 0.19)):
+    assert sizes[8][1] == 2 * 2 * 2 * P * (32 + 4) and sizes[8][0] == 8 * sizes[8][1]
+    assert sizes[4][1] == 2 * 2 * 2 * P * (16 + 4)
+    assert sizes["8,4"][1] == 2 * 2 * P * (32 + 4 + 16 + 4)
+    for bits, ratio in ((8, 0.29), ("8,4", 0.22), (4, 0.16)):
         assert sizes[bits][0] <= ratio * full[0]
         assert sizes[bits][2] < 0.5 * full[2]  # file headers are a larger share of tiny pages
 

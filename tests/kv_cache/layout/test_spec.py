@@ -36,3 +36,13 @@ def test_kv_bits_change_the_pages_and_the_fingerprint_only_when_set():
     assert q8.groups[0].quant == KVQuant(8, 64) and q4.groups[0].quant == KVQuant(4, 64)
     assert q8.groups[0].stored_dtype == "uint32"
     assert q4.groups[0].page_bytes(16) < q8.groups[0].page_bytes(16) < spec.groups[0].page_bytes(16)
+    # keys and values in their own bits, and the rotation, are settings of their own
+    q84, fp84 = with_kv_bits(spec, "fp", "8,4")
+    assert q84.groups[0].quant == KVQuant(8, 64, 4) and with_kv_bits(spec, "fp", (8, 4))[1] == fp84
+    plain, fp_plain = with_kv_bits(spec, "fp", 8, rotate=False)
+    assert len({fp8, fp84, fp_plain}) == 3 and plain.groups[0].quant == KVQuant(8, rotate=False)
+    assert q4.groups[0].page_bytes(16) < q84.groups[0].page_bytes(16) < q8.groups[0].page_bytes(16)
+    for s in (q84, plain):
+        assert CacheSpec.from_json(s.to_json()) == s
+    g = q84.groups[0]
+    assert g.stored_shape(5) == (2, 2, 2, 5, (64 + 4 + 32 + 4) // 8)

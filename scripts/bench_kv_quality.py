@@ -1,0 +1,185 @@
+"""KV pages in bits against full precision: what they cost the default model's answers.
+
+All settings in one run, on the default model's real weights (docs/BENCHMARKS.md section 14):
+
+  perplexity  of a long public text read with long context: the first ``--text-tokens``
+              (12,288) tokens of Python's own documentation as ``help()`` shows it (the
+              standard library's ``pydoc_data/topics.py``, installed with every Python: its
+              topics in file order), read in windows of ``2 * --context`` tokens that advance by
+              ``--context``, each scoring only its second half: every scored token (8,192 here)
+              has between ``--context`` (4,096) and ``2 * --context - 1`` tokens before it.
+              The model reads keys and values through a cache that codes them exactly as pages
+              do (``KVQuant.round_trip_pair``: the decoded values of the stored codes), so these
+              are the paged cache's figures too.
+  agreement   greedy answers of ``--gen`` (200) tokens to 20 chat prompts decoded together:
+              how many tokens each answer keeps before its first difference from full
+              precision, and the share of positions that agree.
+
+Settings: full precision, 8, 8,4 (keys 8, values 4), 4 (all with the Hadamard rotation, the
+default), and for reference 8 and 4 without it (``/plain``) and ``mx.quantize``'s own round
+trip at 4 bits (not exact, so not usable for pages).
+
+Usage: python scripts/bench_kv_quality.py [--gen 200] [--context 4096] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+from mlx_lm.models.cache import BatchKVCache, KVCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kv_cache.layout.quant import KVQuant  # noqa: E402
+
+PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a haiku about the sea.", "Explain what a hash table is.",
+    "Give three tips for learning a new language.", "Why is the sky blue?",
+    "Summarise the plot of Romeo and Juliet.", "What is 17 times 23? Show your steps.",
+    "Write a short email asking a colleague for a meeting.",
+    "List the planets of the solar system in order.", "What does a compiler do?",
+    "Describe a cat to someone who has never seen one.", "How do vaccines work?",
+    "Write a Python function that reverses a string.", "What causes the seasons on Earth?",
+    "Suggest a name for a bakery and say why.", "What is the difference between RAM and disk?",
+    "Tell me a fun fact about octopuses.", "How should I prepare for a job interview?",
+    "Explain recursion to a child.", "What are the main causes of inflation?",
+]
+
+
+class MxQuantizeRoundTrip:
+    """``mx.dequantize(mx.quantize(x))`` at ``bits``, group size 64: a reference only."""
+
+    def __init__(self, bits: int, group_size: int = 64):
+        self.bits, self.group_size = bits, group_size
+
+    def round_trip_pair(self, keys, values):
+        def rt(x):
+            q = mx.quantize(x, group_size=self.group_size, bits=self.bits)
+            return mx.dequantize(*q, group_size=self.group_size, bits=self.bits).astype(x.dtype)
+
+        return rt(keys), rt(values)
+
+
+SETTINGS = {"full": None, "q8": KVQuant(8), "q8_4": KVQuant(8, 64, 4), "q4": KVQuant(4),
+            "q8_plain": KVQuant(8, rotate=False), "q4_plain": KVQuant(4, rotate=False),
+            "mx_quantize_q4": MxQuantizeRoundTrip(4)}
+GREEDY = ("full", "q8", "q8_4", "q4", "q4_plain")  # the settings whose answers are compared
+
+
+def text_tokens(tokenizer, n: int) -> tuple[list[int], str]:
+    import pydoc_data.topics as topics
+
+    text = "\n\n".join(topics.topics.values())
+    tokens = tokenizer.encode(text)
+    if len(tokens) < n:
+        raise SystemExit(f"pydoc_data.topics gives {len(tokens)} tokens, fewer than {n}")
+    return tokens[:n], f"pydoc_data/topics.py of Python {sys.version.split()[0]}"
+
+
+def _coding(cls, quant):
+    class Coded(cls):
+        def update_and_fetch(self, keys, values):
+            if quant is not None:
+                keys, values = quant.round_trip_pair(keys, values)
+            return super().update_and_fetch(keys, values)
+
+    return Coded
+
+
+def perplexity(model, tokens: list[int], quant, context: int, chunk: int = 512) -> dict:
+    """exp of the mean negative log-likelihood of the scored tokens (see the module's note)."""
+    nll, scored = 0.0, 0
+    for start in range(0, len(tokens) - 2 * context + 1, context):
+        window = tokens[start : start + 2 * context]
+        caches = [_coding(KVCache, quant)() for _ in model.layers]
+        for a in range(0, len(window) - 1, chunk):
+            ids = window[a : min(a + chunk, len(window) - 1)]
+            logits = model(mx.array([ids]), cache=caches)[0]
+            first = max(context - 1 - a, 0)  # predicts position a + 1 + i: score from context on
+            if first >= len(ids):
+                mx.eval([c.state for c in caches])
+                continue
+            lp = logits[first:].astype(mx.float32)
+            lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
+            targets = mx.array(window[a + 1 + first : a + 1 + len(ids)])
+            nll -= mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
+            scored += len(ids) - first
+    return {"perplexity": math.exp(nll / scored), "scored_tokens": scored}
+
+
+def greedy(model, prompts: list[list[int]], quant, n: int) -> list[list[int]]:
+    """``n`` greedy tokens for each prompt, all decoded together (left-padded)."""
+    width = max(map(len, prompts))
+    pad = [width - len(p) for p in prompts]
+    caches = [_coding(BatchKVCache, quant)(pad) for _ in model.layers]
+    x = mx.array([[0] * k + p for k, p in zip(pad, prompts)])
+    out: list[list[int]] = [[] for _ in prompts]
+    for _ in range(n):
+        nxt = mx.argmax(model(x, cache=caches)[:, -1, :], axis=-1)
+        for o, t in zip(out, nxt.tolist()):
+            o.append(t)
+        x = nxt[:, None]
+    return out
+
+
+def agreement(answers: list[list[int]], base: list[list[int]], n: int) -> dict:
+    same = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), n)
+            for a, b in zip(answers, base)]
+    return {"identical_answers": sum(s == n for s in same),
+            "mean_tokens_before_first_difference": statistics.mean(same),
+            "median_tokens_before_first_difference": statistics.median(same),
+            "position_agreement": round(statistics.mean(
+                sum(x == y for x, y in zip(a, b)) / n for a, b in zip(answers, base)), 4)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--gen", type=int, default=200)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--text-tokens", type=int, default=12288)
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    from mlx_kvserver.models.loading import resolve_and_load
+
+    lm = resolve_and_load(None)
+    tok = lm.tokenizer
+    prompts = [tok.encode(tok.render([{"role": "user", "content": p}])) for p in PROMPTS]
+    text, source = text_tokens(tok, args.text_tokens)
+    out: dict = {"model": lm.name, "text": source, "text_tokens": len(text),
+                 "context": args.context, "prompts": len(prompts), "generated": args.gen,
+                 "device": str(mx.default_device()), "settings": {}}
+    answers: dict = {}
+    for name in args.settings:
+        quant = SETTINGS[name]
+        t = time.perf_counter()
+        row = perplexity(lm.model, text, quant, args.context)
+        if name in GREEDY:
+            answers[name] = greedy(lm.model, prompts, quant, args.gen)
+        row["seconds"] = round(time.perf_counter() - t, 1)
+        if "full" in out["settings"]:
+            base = out["settings"]["full"]["perplexity"]
+            row["perplexity_change_pct"] = round(100 * (row["perplexity"] / base - 1), 3)
+            if name in answers:
+                row.update(agreement(answers[name], answers["full"], args.gen))
+        if quant is not None and isinstance(quant, KVQuant):
+            row["bytes_per_position_and_head"] = quant.kv_bytes(64, mx.float32)
+        out["settings"][name] = row
+        print(json.dumps({name: row}), flush=True)
+    print(json.dumps(out, indent=1))
+    if args.json:
+        from bench_results import write_result
+        print("wrote", write_result(args.json, json.dumps(out, indent=1) + "\n"))
+
+
+if __name__ == "__main__":
+    main()
