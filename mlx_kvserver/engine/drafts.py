@@ -89,12 +89,17 @@ def _key(gram: Sequence[int]) -> int:
 
 class SharedIndex:
     """Token ids of entries the cache saved (other conversations, earlier answers), indexed by
-    their 3-grams; bounded to ``max_tokens`` (the oldest sources go first)."""
+    their 3-grams; bounded to ``max_tokens`` (the oldest sources go first).
 
-    def __init__(self, max_tokens: int = 262_144) -> None:
+    NOTE: ~170 bytes a token in Python objects (the token list, the dict's key and value): the
+    default bound keeps it near 11 MB. At 262,144 tokens it held 43 MB, which a server's
+    resident memory showed as growth over its first ~700 requests (docs/BENCHMARKS.md section
+    18); recent entries are the ones worth drafting from."""
+
+    def __init__(self, max_tokens: int = 65_536) -> None:
         self.max_tokens = max_tokens
         self.sources: OrderedDict[int, list[int]] = OrderedDict()
-        self.map: dict[int, tuple[int, int]] = {}  # key -> (source id, position after)
+        self.map: dict[int, int] = {}  # key -> source id << 32 | position after
         self.tokens = 0
         self._next = 0
 
@@ -107,12 +112,12 @@ class SharedIndex:
         self.sources[sid] = toks
         self.tokens += len(toks)
         keys = _keys(np.asarray(toks, np.int64), 3, 3, len(toks) + 1)
-        self.map.update(zip(keys.tolist(), ((sid, e) for e in range(3, len(toks) + 1))))
+        self.map.update(zip(keys.tolist(), range((sid << 32) + 3, (sid << 32) + len(toks) + 1)))
         while self.tokens > self.max_tokens and len(self.sources) > 1:
             old, dropped = self.sources.popitem(last=False)
             self.tokens -= len(dropped)
             for k in _keys(np.asarray(dropped, np.int64), 3, 3, len(dropped) + 1).tolist():
-                if self.map.get(k, (None,))[0] == old:
+                if self.map.get(k, -1) >> 32 == old:
                     del self.map[k]
 
     def draft(self, tokens: Sequence[int], end: int, k: int) -> list[int]:
@@ -127,10 +132,11 @@ class SharedIndex:
         hit = self.map.get(_key(tokens[end - 3:end]))
         if hit is None:
             return None
-        src = self.sources.get(hit[0])
-        if src is None or hit[1] < 4 or src[hit[1] - 4] != tokens[end - 4]:  # a 4th must agree
+        sid, at = hit >> 32, hit & 0xFFFFFFFF
+        src = self.sources.get(sid)
+        if src is None or at < 4 or src[at - 4] != tokens[end - 4]:  # a 4th must agree
             return None
-        return src, hit[1]
+        return src, at
 
 
 class Drafter:
