@@ -257,7 +257,8 @@ MEMORY_GAUGES = (
     ("pages_bytes", "Bytes of KV pages in RAM, all models"),
     ("working_bytes", "Bytes MLX holds beyond weights and pages: working buffers, views"),
     ("mlx_active_bytes", "Bytes MLX holds now"), ("mlx_cache_bytes", "MLX's buffer cache"),
-    ("mlx_peak_bytes", "The most MLX has held since it started"))
+    ("mlx_peak_bytes", "The most MLX has held since the last model load (serving)"),
+    ("load_peak_bytes", "The most MLX held while a model was loading"))
 
 
 def _memory(m: dict | None):

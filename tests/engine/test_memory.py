@@ -37,6 +37,21 @@ def test_mlx_limit_is_set_from_the_budget(tiny_lm):
         mx.set_memory_limit(before)
 
 
+def test_a_load_peak_is_kept_apart_from_serving(tiny_lm):
+    """A model's load may peak above its weights before the budget governs anything: that peak
+    is ``load_peak_bytes``, and ``mlx_peak_bytes`` starts again after it (serving's own)."""
+    budget = MemoryBudget(1 * GB)
+    big = mx.zeros((4 << 20,))  # 16 MB held while "loading"
+    mx.eval(big)
+    del big
+    budget.add_model(tiny_lm)
+    rep = budget.report()
+    assert rep["load_peak_bytes"] >= 16 << 20
+    assert rep["mlx_peak_bytes"] < rep["load_peak_bytes"]
+    mx.eval(mx.zeros((8 << 20,)))  # 32 MB while serving
+    assert budget.report()["mlx_peak_bytes"] >= 32 << 20
+
+
 @pytest.mark.parametrize("context,chunk,rows", [(0, 256, 1), (512, 256, 1), (1024, 512, 1),
                                                 (0, 1024, 1), (600, 5, 8), (1500, 1, 8)])
 def test_a_pass_peak_estimate_bounds_what_mlx_measures(tiny_lm, context, chunk, rows):
