@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                    default=env_float("MAX_KV_RAM_GB", D.max_kv_ram_gb),
                    help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default "
                         f"{D.max_kv_ram_gb:g})")
+    p.add_argument("--memory-reserve", type=float, default=None, metavar="GB",
+                   dest="memory_reserve_gb",
+                   help="the part of --memory-limit that the process holds outside MLX "
+                        "(Python, tokenizers, libraries; default: measured once the models "
+                        "have loaded)")
     p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    dest="memory_limit_gb",
                    help="all the memory the server may use: weights, KV pages, working buffers "
@@ -160,6 +165,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
     if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
         raise SystemExit("--memory-limit must be a positive number of GB")
+    if args.memory_reserve_gb is not None and args.memory_reserve_gb < 0:
+        raise SystemExit("--memory-reserve must be 0 or more GB")
     if args.num_draft_tokens < 0:
         raise SystemExit("--num-draft-tokens must be 0 or more")
     speculate = args.speculate or ("draft" if args.draft_model else "ngram")
@@ -194,7 +201,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,
-        memory_limit_gb=args.memory_limit_gb,
+        memory_limit_gb=args.memory_limit_gb, memory_reserve_gb=args.memory_reserve_gb,
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         kv_rotate=args.kv_rotation == "hadamard", kv_attention=args.kv_attention,

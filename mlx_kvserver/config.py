@@ -47,6 +47,8 @@ class ServerConfig:
     kv_cache_dir: Path | None = None
     max_kv_size_gb: float = 10.0
     max_kv_ram_gb: float = 2.0
+    # what the process holds outside MLX (Python, tokenizers), within the limit; None: measured
+    memory_reserve_gb: float | None = None
     memory_limit_gb: float | None = None  # all the server may use (engine/memory.py); None: a
     # safe fraction of the machine (Metal: of MLX's recommended working set)
     page_size: int = 32

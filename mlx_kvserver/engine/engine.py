@@ -59,8 +59,9 @@ class Engine:
         tokenizer it shares (``DraftModelError`` when it fits none of them)."""
         config = config or ServerConfig()
         self.config = config
-        self.memory = MemoryBudget(int(config.memory_limit_gb * GB)
-                                   if config.memory_limit_gb else None)
+        self.memory = MemoryBudget(
+            int(config.memory_limit_gb * GB) if config.memory_limit_gb else None,
+            None if config.memory_reserve_gb is None else int(config.memory_reserve_gb * GB))
         self.draft = DraftModel(draft, config) if draft is not None \
             and config.speculate == "draft" else None
         self._draft_lm = draft
@@ -106,6 +107,7 @@ class Engine:
         if lm.name in self.models:
             raise ValueError(f"model {lm.name!r} is served already")
         self._open(lm)
+        self.memory.apply()  # what the process holds outside MLX grew with it
 
     def remove_model(self, name: str) -> bool:
         """Stop serving ``name`` once it is idle (call on the engine thread): its cache is

@@ -105,8 +105,9 @@ class MemoryBudget:
     """The server's limit and what is spent of it. ``limit``: bytes (None: ``default_limit``).
     Models register their weights as they load and unload."""
 
-    def __init__(self, limit: int | None = None) -> None:
+    def __init__(self, limit: int | None = None, reserve: int | None = None) -> None:
         self.limit = int(limit) if limit else default_limit()
+        self.reserve = reserve  # --memory-reserve: what ``outside`` is (None: measured)
         self.machine = machine_memory()
         self.device = device_memory()
         self.weights: dict[str, int] = {}
@@ -114,11 +115,30 @@ class MemoryBudget:
         self.refused = 0  # requests refused because they cannot fit even alone
         self.pressure_events = 0
         self.load_peak = 0  # the most MLX held while a model was loading
+        self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
 
+    def measure_outside(self) -> int:
+        """What the process holds outside MLX (Python, the tokenizers, libraries): its resident
+        memory less MLX's active and cached bytes, measured now (after a model loads). It is
+        part of the budget: MLX gets the rest. ``--memory-reserve`` fixes it instead."""
+        if self.reserve is not None:
+            return self.outside
+        try:
+            import psutil
+
+            rss = int(psutil.Process().memory_info().rss)
+        except (ImportError, OSError) as e:  # an odd platform: MLX's bytes alone, as before
+            log.info("the process's resident memory is not known (%s)", e)
+            return self.outside
+        self.outside = max(0, rss - int(mx.get_active_memory()) - int(mx.get_cache_memory()))
+        return self.outside
+
     def apply(self) -> None:
-        """Set MLX's own limits from the budget (and the wired limit on Metal)."""
-        mx.set_memory_limit(self.limit)
+        """Set MLX's own limits from the budget (and the wired limit on Metal), what the
+        process holds outside MLX set aside."""
+        self.measure_outside()
+        mx.set_memory_limit(max(self.limit - self.outside, 1 << 26))
         if self.device is not None:
             try:
                 mx.set_wired_limit(min(self.limit, self.device))
@@ -150,8 +170,9 @@ class MemoryBudget:
         return sum(fn() for fn in self.shedders.values())
 
     def in_use(self) -> int:
-        """What MLX holds now (weights, pages, buffers), its buffer cache apart."""
-        return int(mx.get_active_memory())
+        """What the budget counts as held now: MLX's active bytes (weights, pages, buffers; its
+        buffer cache apart) and what the process holds outside MLX."""
+        return int(mx.get_active_memory()) + self.outside
 
     def pass_peak(self, model: str, tokens: int, context: int, rows: int = 1) -> int:
         """What a pass of ``tokens`` new positions in each of ``rows`` sequences, after
@@ -179,8 +200,10 @@ class MemoryBudget:
     def report(self) -> dict:
         return {"limit_bytes": self.limit, "machine_bytes": self.machine,
                 "metal_working_set_bytes": self.device, "weights_bytes": self.weights_total,
-                "weights_by_model": dict(self.weights), "mlx_active_bytes": self.in_use(),
+                "weights_by_model": dict(self.weights),
+                "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory()), "load_peak_bytes": self.load_peak,
+                "outside_mlx_bytes": self.outside,
                 "refused": self.refused,
                 "pressure_events": self.pressure_events}

@@ -185,10 +185,11 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
     MLX's CPU backend than dequantizing to float16 and casting afterwards). Modules other than
     nn.QuantizedLinear / nn.QuantizedEmbedding (e.g. MoE switch layers) stay as they are.
     """
-    swaps = []
-    for name, m in model.named_modules():
-        if not isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
-            continue
+    quantized = [(name, m) for name, m in model.named_modules()
+                 if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
+    quantized.reverse()
+    while quantized:
+        name, m = quantized.pop()  # the list holds only the modules still to do
         biases = m.get("biases")
         w = mx.dequantize(m.weight, m.scales.astype(mx.float32),
                           None if biases is None else biases.astype(mx.float32),
@@ -201,9 +202,10 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
         else:
             new = nn.Embedding(w.shape[0], w.shape[1])
         new.weight = w
-        swaps.append((name, new))
-    if swaps:
-        model.update_modules(tree_unflatten(swaps))
+        # NOTE: swapped in at once, so the quantized arrays go as the float32 ones come (the
+        # load's peak: weights + one layer's temporaries, not weights + the quantized copy)
+        model.update_modules(tree_unflatten([(name, new)]))
+        del m, w, new
     model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating) and d != mx.float32)
     return model
 
@@ -250,6 +252,8 @@ def load_gguf(path: str | Path, *, dequantize: bool) -> GGUFModel:
         freqs = base * weights["rope_freqs.weight"].astype(mx.float32)
         for layer in model.layers:
             layer.self_attn.rope._freqs = freqs
+    del renamed
+    weights = {}  # the model holds its arrays now: the file's own copies may go (dequantizing)
     if dequantize:
         dequantize_to_float32(model)
     elif mx.default_device().type == mx.DeviceType.gpu:

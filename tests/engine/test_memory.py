@@ -26,7 +26,10 @@ def test_mlx_limit_is_set_from_the_budget(tiny_lm):
     before = mx.get_memory_limit()
     try:
         engine = Engine([tiny_lm], ServerConfig(memory_limit_gb=1.5, kv_cache_dir=None))
-        assert engine.memory.limit == int(1.5 * GB) == mx.get_memory_limit()
+        # what the process holds outside MLX (Python, libraries) is set aside from MLX's limit
+        outside = engine.memory.outside
+        assert 0 < outside < GB and engine.memory.reserve is None
+        assert engine.memory.limit == int(1.5 * GB) == mx.get_memory_limit() + outside
         assert engine.memory.weights[tiny_lm.name] == weights_bytes(tiny_lm.model) > 0
         rep = engine.memory_report()
         assert rep["limit_bytes"] == int(1.5 * GB)
@@ -35,6 +38,19 @@ def test_mlx_limit_is_set_from_the_budget(tiny_lm):
         assert stats["limit_bytes"] == rep["limit_bytes"]
     finally:
         mx.set_memory_limit(before)
+
+
+def test_the_process_outside_mlx_is_counted_unless_a_reserve_is_given():
+    import psutil
+
+    measured = MemoryBudget(GB)
+    outside = measured.measure_outside()
+    rss = psutil.Process().memory_info().rss
+    assert 0 < outside <= rss - mx.get_active_memory() - mx.get_cache_memory() + (16 << 20)
+    assert measured.in_use() >= mx.get_active_memory() + outside
+    fixed = MemoryBudget(GB, reserve=5 << 20)
+    assert fixed.measure_outside() == 5 << 20 and fixed.report()["outside_mlx_bytes"] == 5 << 20
+    assert MemoryBudget(GB, reserve=0).measure_outside() == 0
 
 
 def test_a_load_peak_is_kept_apart_from_serving(tiny_lm):

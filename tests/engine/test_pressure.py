@@ -50,7 +50,7 @@ def serve(tiny_model_dir, tmp_path):
 
 
 def test_a_request_too_large_is_refused_with_the_figures_and_the_next_is_answered(serve):
-    s = serve("--memory-limit", "0.003")
+    s = serve("--memory-limit", "0.003", "--memory-reserve", "0")  # MLX's bytes alone
     big = chat(s.url, long_text(240, 1), 800)  # ~1,200 prompt tokens of the tiny tokenizer
     assert big.status_code == 400, big.text
     err = big.json()["error"]
@@ -72,7 +72,8 @@ def test_long_prompts_at_once_under_a_small_limit_all_finish_as_alone(serve):
     rest = memory(roomy.url)["mlx_active_bytes"]
     roomy.stop()
     # room for about one of them at a time beyond what the server holds at rest
-    tight = serve("--memory-limit", f"{(rest + (3 << 20)) / (1 << 30):.6f}")
+    tight = serve("--memory-limit", f"{(rest + (3 << 20)) / (1 << 30):.6f}",
+                  "--memory-reserve", "0")
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda p: chat(tight.url, p, 24), prompts))
     assert all(r.status_code == 200 for r in together), [r.text for r in together]

@@ -224,10 +224,12 @@ def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, 
         a.close()
 
 
+@pytest.mark.parametrize("views", ["decoded", "packed"])
 @pytest.mark.parametrize("bits,group", SETTINGS)
-def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, group):
+def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, group, views):
     """A batch rounds its new keys and values once for all its members: each member's step is
-    what the sequence alone computes (within the batched matmuls' rounding; the same token)."""
+    what the sequence alone computes (within the batched matmuls' rounding; the same token),
+    with the shared view decoded or packed (read by quantized products)."""
     from kv_cache.model.attention import PrefixViews, install
     from kv_cache.model.batch import batch_caches
 
@@ -235,7 +237,7 @@ def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, grou
     doc = list(range(40, 80))
     prompts = [doc + [90 + i, 100 + i] for i in range(3)]
     m = manager(model, bits, group)
-    m.views = PrefixViews(m.pool)
+    m.views = PrefixViews(m.pool, mode=views)
     seqs, nxt = [], []
     for p in prompts:
         seq, match = m.start(p, [])
@@ -244,6 +246,8 @@ def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, grou
         seq.commit()
         seqs.append(seq)
         nxt.append(mx.argmax(logits).item())
+    assert seqs[-1].view is not None and all(
+        hasattr(kv, "quant") == (views == "packed") for kv in seqs[-1].view.kv.values())
     together = model(mx.array(nxt)[:, None], cache=batch_caches(seqs))[:, -1]
     for i, seq in enumerate(seqs):
         seq.trim(1)  # back to before the step, then the same step alone

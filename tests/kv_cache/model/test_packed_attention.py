@@ -1,7 +1,7 @@
 """Shared prefixes in bits read as their pages store them (``--kv-attention packed``): the
 quantized products equal the decoded ones within rounding, a restored turn reads the same bytes
-the same way as the warm one (bit for bit), a batch reads what each member alone reads, and the
-answers are those of the decoded views."""
+the same way as the warm one (bit for bit), and the answers are those of the decoded views (a
+batch on a packed view reads what each member alone reads: tests/kv_cache/test_kv_bits.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from kv_cache.layout.quant import KVQuant
 from kv_cache.model.attention import PrefixViews, install
-from kv_cache.model.batch import batch_caches
 from kv_cache.model.packed_attention import PackedKV, packed_layers, packed_pays
 from tests.kv_cache.test_kv_bits import greedy_on, manager
 from tests.tiny_model import make_tiny_model
@@ -96,30 +95,4 @@ def test_a_restored_turn_reads_the_packed_view_as_the_warm_one(model, tmp_path, 
     assert decoded_tokens == warm_tokens
     assert mx.allclose(decoded, warm, atol=1e-3).item()
     seq.close()
-    m.close()
-
-
-@pytest.mark.parametrize("bits", SETTINGS)
-def test_a_batch_on_a_packed_view_reads_what_each_alone_reads(model, bits):
-    doc = list(range(40, 80))
-    prompts = [doc + [90 + i, 100 + i] for i in range(3)]
-    m = manager(model, bits, 32)
-    m.views = PrefixViews(m.pool, mode="packed")
-    seqs, nxt = [], []
-    for p in prompts:
-        seq, match = m.start(p, [])
-        logits = model(mx.array(p[match.tokens:])[None], cache=seq.prepare())[0, -1]
-        seq.append_tokens(p[match.tokens:])
-        seq.commit()
-        seqs.append(seq)
-        nxt.append(mx.argmax(logits).item())
-    assert seqs[-1].view is not None and isinstance(next(iter(seqs[-1].view.kv.values())),
-                                                    PackedKV)
-    together = model(mx.array(nxt)[:, None], cache=batch_caches(seqs))[:, -1]
-    for i, seq in enumerate(seqs):
-        seq.trim(1)
-        alone = model(mx.array([[nxt[i]]]), cache=seq.prepare())[0, -1]
-        assert mx.allclose(together[i], alone, atol=1e-5).item()
-        assert mx.argmax(together[i]).item() == mx.argmax(alone).item()
-        seq.close()
     m.close()
