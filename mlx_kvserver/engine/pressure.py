@@ -46,6 +46,7 @@ class Pressure:
 
     def __init__(self, scheduler, memory) -> None:
         self.s, self.memory = scheduler, memory
+        self.logged = 0.0  # when relieve() last logged
 
     def admit(self, r) -> None:
         """Refuse ``r`` (400, with the figures) when it cannot fit even alone."""
@@ -64,10 +65,12 @@ class Pressure:
     def fits(self, extra: int) -> bool:
         return self.memory.in_use() + extra <= self.memory.limit
 
-    def chunk(self, r, done: int, want: int) -> int:
+    def chunk(self, r, done: int, want: int, first: bool = False) -> int:
         """How many of the ``want`` next prompt tokens of ``r`` (``done`` read) one pass may
         read: ``want``, or fewer where the pass would not fit; 0 when not even ``MIN_CHUNK``
-        fits after giving back what nothing running needs."""
+        fits after giving back what nothing running needs, unless ``first`` (the oldest prompt
+        and no answer running): that one goes on with the small chunk, as admission said it fits
+        alone and MLX's limit is the guard (waiting would wait for nothing: a spin)."""
         peak = self.memory.pass_peak
         c = want
         while c > MIN_CHUNK and not self.fits(peak(self.s.name, c, done)):
@@ -75,7 +78,7 @@ class Pressure:
         if self.fits(peak(self.s.name, c, done)):
             return c
         self.relieve()
-        return c if self.fits(peak(self.s.name, c, done)) else 0
+        return c if first or self.fits(peak(self.s.name, c, done)) else 0
 
     def step(self, rows: int, width: int, context: int) -> int:
         """The widest decode step (``width`` positions a row, down to 1) that fits, after giving
@@ -105,19 +108,27 @@ class Pressure:
         self.s.prepares.clear()
         pages = self.memory.shed()
         mx.clear_cache()
-        log.info("%s: memory short (%s in use, limit %s): gave back %s (%d pages)",
-                 self.s.name, _gb(before), _gb(self.memory.limit),
-                 _gb(max(0, before - self.memory.in_use())), pages)
+        now = time.monotonic()
+        if now - self.logged >= 1.0:  # at most once a second (a waiting prompt asks each step)
+            self.logged = now
+            log.info("%s: memory short (%s in use, limit %s): gave back %s (%d pages)",
+                     self.s.name, _gb(before), _gb(self.memory.limit),
+                     _gb(max(0, before - self.memory.in_use())), pages)
 
     def may_start(self, r) -> bool:
         """Whether ``r``'s prompt may start now (its first pass and its buffers fit); a prompt
         that waited ``WAIT_S`` without room is answered 503 with ``Retry-After``."""
         m = self.memory
         need = m.request_floor(self.s.name, len(r.prompt), r.max_tokens)
+        # NOTE: prompts already started grow to their own floors: counted whole (what they hold
+        # now is counted twice, erring on the safe side), so four long prompts sent at once
+        # start one after another under a tight limit instead of all together
+        started = [o for o in self.s.requests if o is not r and o.seq is not None]
+        need += sum(m.request_floor(self.s.name, len(o.prompt), o.max_tokens) for o in started)
         if self.fits(need):
             return True
         self.relieve()
-        if self.fits(need) or not self.s.decoding:
+        if self.fits(need) or not (self.s.decoding or started):
             return True  # nothing else runs: it fits alone (admission said so)
         if r.waiting_since is None:
             r.waiting_since = time.monotonic()

@@ -163,7 +163,7 @@ class Scheduler(Preemption):
                 break  # started; its prompt runs first next step
             want = min(budget, len(tokens) - done)
             if self.pressure is not None:
-                want = self.pressure.chunk(r, done, want)
+                want = self.pressure.chunk(r, done, want, first=not batch and not self.decoding)
                 if want == 0:
                     continue  # not even a small chunk fits now: its turn comes again
             piece = tokens[done : seq.points.stop(done, done + want)]  # a state point ends one

@@ -170,3 +170,31 @@ def test_an_interrupted_answer_sent_back_is_read_from_the_cache(tmp_path):
         assert cached >= first + 40, (cached, first, usage)  # the partial answer's tokens
     finally:
         s.stop()
+
+
+def test_prompts_go_on_one_at_a_time_when_memory_stays_short(tiny_lm, monkeypatch):
+    """Memory short at every step (nothing to give back): the oldest prompt goes on in small
+    chunks (admission said it fits alone; waiting would wait for nothing, a spin that never
+    ends), the others start after it, and every answer is the one it gets alone."""
+    body = lambda k: {"model": tiny_lm.name, "max_tokens": 6, "temperature": 0,
+                      "messages": [{"role": "user", "content": long_text(60, k)}]}
+    want = [Collect(body(k), tiny_lm) for k in range(3)]
+    run(scheduler(tiny_lm), {0: want})
+    budget = MemoryBudget(1 << 30, reserve=0)
+    budget.add_model(tiny_lm)
+    s = scheduler(tiny_lm, memory=budget, name=tiny_lm.name, prefill_chunk=64)
+    budget.shedders[tiny_lm.name] = s.manager.shed
+    monkeypatch.setattr(budget, "in_use", lambda: budget.limit + 1)  # always short
+    jobs = [Collect(body(k), tiny_lm) for k in range(3)]
+    started = []
+    for j in jobs:
+        s.add(j)
+    for _ in range(2000):
+        if not s.busy:
+            break
+        started.append(sum(r.seq is not None for r in s.requests))
+        for job, ev in s.step():
+            job.send(ev)
+    assert not s.busy, "the scheduler spun without progress"
+    assert [j.answers() for j in jobs] == [w.answers() for w in want]
+    assert max(started) == 1  # one prompt read at a time under pressure
