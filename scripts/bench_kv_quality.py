@@ -17,7 +17,8 @@ All settings in one run, on the default model's real weights (docs/BENCHMARKS.md
 
 Settings: full precision, 8, 8,4 (keys 8, values 4), 4 (all with the Hadamard rotation, the
 default), and for reference 8 and 4 without it (``/plain``) and ``mx.quantize``'s own round
-trip at 4 bits (not exact, so not usable for pages).
+trip at 4 bits (not exact, so not usable for pages); ``q4_g32``: 4 bits in groups of 32
+(``--kv-group-size 32``), ``q4_8``: keys 4, values 8 (which side the loss is on).
 
 Usage: python scripts/bench_kv_quality.py [--gen 200] [--context 4096] [--json out.json]
 """
@@ -71,6 +72,8 @@ class MxQuantizeRoundTrip:
 
 SETTINGS = {"full": None, "q8": KVQuant(8), "q8_4": KVQuant(8, 64, 4), "q4": KVQuant(4),
             "q8_plain": KVQuant(8, rotate=False), "q4_plain": KVQuant(4, rotate=False),
+            "q4_g32": KVQuant(4, 32), "q4_g32_plain": KVQuant(4, 32, rotate=False),
+            "q4_8": KVQuant(4, 64, 8),
             "mx_quantize_q4": MxQuantizeRoundTrip(4)}
 GREEDY = ("full", "q8", "q8_4", "q4", "q4_plain")  # the settings whose answers are compared
 
@@ -173,6 +176,7 @@ def main() -> None:
                 row.update(agreement(answers[name], answers["full"], args.gen))
         if quant is not None and isinstance(quant, KVQuant):
             row["bytes_per_position_and_head"] = quant.kv_bytes(64, mx.float32)
+            row["setting"] = quant.label()
         out["settings"][name] = row
         print(json.dumps({name: row}), flush=True)
     print(json.dumps(out, indent=1))
