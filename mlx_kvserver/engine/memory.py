@@ -116,6 +116,7 @@ class MemoryBudget:
         self.pressure_events = 0
         self.load_peak = 0  # the most MLX held while a model was loading
         self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
+        self._process = None  # psutil's view of this process, once measured
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
 
     def measure_outside(self) -> int:
@@ -127,9 +128,11 @@ class MemoryBudget:
         try:
             import psutil
 
-            rss = int(psutil.Process().memory_info().rss)
+            self._process = self._process or psutil.Process()
+            rss = int(self._process.memory_info().rss)
         except (ImportError, OSError) as e:  # an odd platform: MLX's bytes alone, as before
             log.info("the process's resident memory is not known (%s)", e)
+            self._process = None
             return self.outside
         self.outside = max(0, rss - int(mx.get_active_memory()) - int(mx.get_cache_memory()))
         return self.outside
@@ -171,8 +174,18 @@ class MemoryBudget:
 
     def in_use(self) -> int:
         """What the budget counts as held now: MLX's active bytes (weights, pages, buffers; its
-        buffer cache apart) and what the process holds outside MLX."""
-        return int(mx.get_active_memory()) + self.outside
+        buffer cache apart) and what the process holds outside MLX, or where it is more, the
+        process's resident memory now less MLX's buffer cache (what serving adds outside MLX:
+        request objects, threads' arenas, ~50-80 MB under a few long prompts here). With
+        ``--memory-reserve``: MLX's bytes and the reserve alone."""
+        held = int(mx.get_active_memory()) + self.outside
+        if self.reserve is not None or self._process is None:
+            return held
+        try:
+            rss = int(self._process.memory_info().rss)
+        except OSError:
+            return held
+        return max(held, rss - int(mx.get_cache_memory()))
 
     def pass_peak(self, model: str, tokens: int, context: int, rows: int = 1) -> int:
         """What a pass of ``tokens`` new positions in each of ``rows`` sequences, after
@@ -192,10 +205,11 @@ class MemoryBudget:
 
     def request_floor(self, model: str, prompt: int, answer: int) -> int:
         """The least a request needs alone beyond the weights: its working buffers at the end
-        (prompt and answer, every layer) and a pass of one small chunk at that context."""
+        (prompt and answer, every layer), the pages its positions are committed to (held while
+        it runs, so the same bytes twice), and a pass of one small chunk at that context."""
         s = self.shapes[model]
         total = prompt + answer
-        return total * s.kv_bytes + self.pass_peak(model, min(prompt, 32), total)
+        return 2 * total * s.kv_bytes + self.pass_peak(model, min(prompt, 32), total)
 
     def report(self) -> dict:
         return {"limit_bytes": self.limit, "machine_bytes": self.machine,

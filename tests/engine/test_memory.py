@@ -48,6 +48,12 @@ def test_the_process_outside_mlx_is_counted_unless_a_reserve_is_given():
     rss = psutil.Process().memory_info().rss
     assert 0 < outside <= rss - mx.get_active_memory() - mx.get_cache_memory() + (16 << 20)
     assert measured.in_use() >= mx.get_active_memory() + outside
+    import numpy as np
+
+    before = measured.in_use()
+    grown = np.ones(64 << 20, np.uint8)  # serving grows the process outside MLX: counted live
+    assert measured.in_use() >= before + (60 << 20)
+    del grown
     fixed = MemoryBudget(GB, reserve=5 << 20)
     assert fixed.measure_outside() == 5 << 20 and fixed.report()["outside_mlx_bytes"] == 5 << 20
     assert MemoryBudget(GB, reserve=0).measure_outside() == 0
