@@ -117,6 +117,7 @@ class MemoryBudget:
         self.load_peak = 0  # the most MLX held while a model was loading
         self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
         self._process = None  # psutil's view of this process, once measured
+        self._mlx_limit = 0  # MLX's own limit as last set
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
 
     def measure_outside(self) -> int:
@@ -141,7 +142,8 @@ class MemoryBudget:
         """Set MLX's own limits from the budget (and the wired limit on Metal), what the
         process holds outside MLX set aside."""
         self.measure_outside()
-        mx.set_memory_limit(max(self.limit - self.outside, 1 << 26))
+        self._mlx_limit = max(self.limit - self.outside, 1 << 26)
+        mx.set_memory_limit(self._mlx_limit)
         if self.device is not None:
             try:
                 mx.set_wired_limit(min(self.limit, self.device))
@@ -176,16 +178,29 @@ class MemoryBudget:
         """What the budget counts as held now: MLX's active bytes (weights, pages, buffers; its
         buffer cache apart) and what the process holds outside MLX, or where it is more, the
         process's resident memory now less MLX's buffer cache (what serving adds outside MLX:
-        request objects, threads' arenas, ~50-80 MB under a few long prompts here). With
-        ``--memory-reserve``: MLX's bytes and the reserve alone."""
-        held = int(mx.get_active_memory()) + self.outside
+        request objects, threads' arenas, ~50-80 MB under a few long prompts here). MLX's own
+        limit follows what is left for it (``_follow``), so its buffer cache and a pass's
+        temporaries stay within the budget too. With ``--memory-reserve``: MLX's bytes and the
+        reserve alone."""
+        active = int(mx.get_active_memory())
+        held = active + self.outside
         if self.reserve is not None or self._process is None:
             return held
         try:
             rss = int(self._process.memory_info().rss)
         except OSError:
             return held
-        return max(held, rss - int(mx.get_cache_memory()))
+        cache = int(mx.get_cache_memory())
+        self._follow(max(self.outside, rss - active - cache))
+        return max(held, rss - cache)
+
+    def _follow(self, outside_now: int) -> None:
+        """MLX's limit: the budget less what the process holds outside MLX now (set again when
+        that moved by 8 MB or more)."""
+        mlx_limit = max(self.limit - outside_now, 1 << 26)
+        if abs(mlx_limit - self._mlx_limit) >= 8 << 20:
+            mx.set_memory_limit(mlx_limit)
+            self._mlx_limit = mlx_limit
 
     def pass_peak(self, model: str, tokens: int, context: int, rows: int = 1) -> int:
         """What a pass of ``tokens`` new positions in each of ``rows`` sequences, after

@@ -50,10 +50,16 @@ def test_the_process_outside_mlx_is_counted_unless_a_reserve_is_given():
     assert measured.in_use() >= mx.get_active_memory() + outside
     import numpy as np
 
-    before = measured.in_use()
-    grown = np.ones(64 << 20, np.uint8)  # serving grows the process outside MLX: counted live
-    assert measured.in_use() >= before + (60 << 20)
-    del grown
+    limit = mx.get_memory_limit()
+    try:
+        before = measured.in_use()
+        mlx_before = mx.get_memory_limit()
+        grown = np.ones(64 << 20, np.uint8)  # serving grows the process outside MLX: counted
+        assert measured.in_use() >= before + (60 << 20)
+        assert mx.get_memory_limit() <= mlx_before - (56 << 20)  # MLX's limit follows it
+        del grown
+    finally:
+        mx.set_memory_limit(limit)
     fixed = MemoryBudget(GB, reserve=5 << 20)
     assert fixed.measure_outside() == 5 << 20 and fixed.report()["outside_mlx_bytes"] == 5 << 20
     assert MemoryBudget(GB, reserve=0).measure_outside() == 0
