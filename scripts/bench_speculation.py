@@ -281,8 +281,8 @@ def peer_runs(tmp: Path, args, out: Path, results: dict) -> list[dict]:
                 r = run(peer.url.removesuffix("/v1"), str(folder), w, n, args.max_tokens, {})
                 r.update(mode="mlx-lm", round=0, workload=w)
                 runs.append(r)
-                print(f"mlx-lm {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s median, "
-                      f"{r['aggregate_tok_s']:.2f} in all", flush=True)
+                print(f"mlx-lm {w:8s} x{n}: {r['decode_tok_s_median']} tok/s median, "
+                      f"{r['aggregate_tok_s']} in all, tokens {r['tokens']}", flush=True)
                 results["runs"].append(r)
                 write_result(out, json.dumps(results, indent=1))
     finally:
