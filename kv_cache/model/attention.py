@@ -17,10 +17,10 @@ CPU backend in float32): its layer copies the view's keys and values once before
 runs the fused kernel, which computes bit for bit what a sequence holding its whole context in
 its own buffers does.
 
-NOTE: on MLX's CPU backend ``exp`` dominates attention: it is computed once per score here (row
-max, exp, sum), not through ``logsumexp`` and then ``exp`` again. ``mx.fast.scaled_dot_product_
-attention`` returns no log-sum-exp, so the split path is built from plain MLX ops (GEMM-shaped on
-Metal too); a sequence alone with no view goes through the fused kernel unchanged.
+NOTE: ``exp`` dominates attention on MLX's CPU backend: computed once per score here (row max,
+exp, sum). The fused kernel returns no log-sum-exp, so the split path is plain MLX ops; a
+sequence alone with no view goes through the fused kernel unchanged. A view of pages in bits may
+be held packed (``packed_attention``).
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -99,15 +99,10 @@ class PrefixView:
 
 
 class PrefixViews:
-    """The live prefix views of one pool.
-
-    A sequence that starts from at least ``min_pages`` full pages uses the live view with the
-    longest common run of pages, or a new view over all its full pages. A running sequence that
-    holds a new view's pages in its own buffers takes the view up at its own next step, between
-    forward passes (``PagedSequence.prepare`` asks for the views made ``since`` it last looked),
-    so a shared prefix is kept once however the sharing began, and starting one sequence never
-    rewrites another's buffers. A view goes when its last user closes.
-    """
+    """The live prefix views of one pool. A sequence starting from >= ``min_pages`` full pages
+    uses the live view with the longest common run of pages, or a new one over all its full
+    pages; a running sequence takes up a new view of its pages at its next step (``since``), so
+    a shared prefix is kept once however the sharing began. A view goes with its last user."""
 
     def __init__(self, pool: "PagePool", min_pages: int = 2, mode: str = "auto"):
         self.pool = pool
@@ -234,14 +229,10 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
 
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
     """Whether one sequence's prompt piece costs less through the fused kernel over one copy of
-    the view's keys and values than through the split path. Measured on the CPU backend, per
-    layer (``scripts/bench_split_attention.py``, docs/BENCHMARKS.md section 9): in float32 the
-    split path's passes over its scores cost more than the copy once the scores outnumber the
-    keys and values about 1.5 to 1 (repeats of a key's head x queries >= 3 x head_dim; 76
-    queries of 4 heads over 2 and 16,000 positions: 78.7 against 84.4 ms); in float16 and
-    bfloat16 MLX's fused fallback is the slower one (143.5 split against 188.0 ms), and a decode
-    step (one query) is cheaper split. Elsewhere (Metal, CUDA) the split path is kept: not
-    measured there."""
+    the view's keys and values than through the split path (CPU, measured per layer:
+    docs/BENCHMARKS.md section 9): in float32 once the scores outnumber the keys and values
+    about 1.5 to 1 (repeats of a key's head x queries >= 3 x head_dim); in float16 and bfloat16
+    and for one query the split path wins. Metal, CUDA: the split path (not measured there)."""
     _, Hq, T, D = queries.shape
     rep = Hq // r.keys.shape[1]
     return (T > 1 and isinstance(r.prefix, tuple) and r.own_start == r.prefix[0].shape[1]
@@ -253,11 +244,9 @@ def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
 
 
 class Pass:
-    """What one forward pass over our caches shares between its layers: what each cache's
-    ``update_and_fetch`` returned (``fetched``: id of that array -> (the array, the cache); the
-    array is held, so its id cannot be taken by another one while the pass lives), so a layer
-    that reuses another layer's keys (KV sharing, called with no cache) finds that layer's
-    reads; and the own-position masks (``masks``), built once for all layers."""
+    """What one forward pass shares between its layers: what each cache's ``update_and_fetch``
+    returned (``fetched``: id -> (the array, held, the cache)), so a layer that reuses another's
+    keys (KV sharing) finds its reads; and the own-position masks, built once."""
 
     __slots__ = ("fetched", "masks")
 
@@ -397,10 +386,8 @@ def _pad(a: mx.array, n: int) -> mx.array:
 
 
 def install(model) -> bool:
-    """Route ``model``'s attention through ``attention()``: every module of the model whose
-    ``scaled_dot_product_attention`` is mlx-lm's gets ours. Returns whether every attention
-    module of the model was routed (False: this model computes attention some other way, and
-    runs one sequence at a time with no shared views)."""
+    """Route ``model``'s attention through ``attention()`` (each of its modules whose
+    ``scaled_dot_product_attention`` is mlx-lm's); False: not routed (one sequence a pass)."""
     names = {type(m).__module__ for _, m in model.named_modules()}
     hooked = False
     for name in names:
@@ -408,7 +395,5 @@ def install(model) -> bool:
         fn = getattr(mod, "scaled_dot_product_attention", None)
         if fn is _ORIGINAL:
             setattr(mod, "scaled_dot_product_attention", attention)
-            hooked = True
-        elif fn is attention:
-            hooked = True
+        hooked = hooked or fn in (_ORIGINAL, attention)
     return hooked
