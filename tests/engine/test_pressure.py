@@ -30,6 +30,24 @@ def chat(url: str, content: str, max_tokens: int, **kw) -> httpx.Response:
         "messages": [{"role": "user", "content": content}], **kw})
 
 
+def stream_until(url: str, content: str, max_tokens: int, pieces: int,
+                 timeout: float = 300) -> tuple[list[str], str]:
+    """A streamed greedy answer the client leaves after ``pieces`` content pieces (an agent
+    interrupted): the pieces and the answer's message id."""
+    got: list[str] = []
+    with HTTP.stream("POST", f"{url}/v1/chat/completions", timeout=timeout, json={
+            "model": "default", "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": content}]}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                delta = json.loads(line[6:])["choices"]
+                if delta and delta[0]["delta"].get("content"):
+                    got.append(delta[0]["delta"]["content"])
+            if len(got) >= pieces:
+                break  # the client goes away mid-answer
+    return got, json.loads(line[6:])["message_id"]
+
+
 def memory(url: str) -> dict:
     stats = HTTP.get(f"{url}/v1/kv_cache/stats").json()["models"]
     return next(iter(stats.values()))["memory"]
@@ -117,18 +135,7 @@ def test_a_preempted_answer_goes_on_from_its_saved_pages_with_the_same_answer(ti
 def test_a_cancelled_answer_keeps_what_it_computed(serve):
     s = serve()
     question = long_text(200, 3)
-    got = []
-    with HTTP.stream("POST", f"{s.url}/v1/chat/completions", timeout=120, json={
-            "model": "default", "max_tokens": 200, "temperature": 0, "stream": True,
-            "messages": [{"role": "user", "content": question}]}) as r:
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"]
-                if delta and delta[0]["delta"].get("content"):
-                    got.append(delta[0]["delta"]["content"])
-            if len(got) >= 40:
-                break  # the client goes away mid-answer (an agent interrupted)
-        mid = json.loads(line[6:])["message_id"]
+    _, mid = stream_until(s.url, question, 200, 40, timeout=120)
     HTTP.get(f"{s.url}/health")  # the server saw the client go and ended the answer
     for _ in range(100):
         entry = HTTP.get(f"{s.url}/v1/kv_cache/{mid}")
@@ -147,17 +154,7 @@ def test_an_interrupted_answer_sent_back_is_read_from_the_cache(tmp_path):
     s = Server("default", tmp_path / "kv", tmp_path / "s.log", warm=True).start()
     try:
         question = "Write a short story about a lighthouse keeper."
-        got = []
-        with HTTP.stream("POST", f"{s.url}/v1/chat/completions", timeout=300, json={
-                "model": "default", "max_tokens": 300, "temperature": 0, "stream": True,
-                "messages": [{"role": "user", "content": question}]}) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: {"):
-                    delta = json.loads(line[6:])["choices"]
-                    if delta and delta[0]["delta"].get("content"):
-                        got.append(delta[0]["delta"]["content"])
-                if len(got) >= 60:
-                    break  # interrupted
+        got, _ = stream_until(s.url, question, 300, 60)
         HTTP.get(f"{s.url}/health")
         time.sleep(1.0)  # the server sees the client gone at its next step and saves
         first = chat(s.url, question, 1).json()["usage"]["prompt_tokens"]
