@@ -243,31 +243,26 @@ class KVQuant:
         """The values a stored ``page`` holds ``[..., 2, heads, n, head_dim]``, in ``dtype``
         (the model's): bit for bit what ``fresh`` gave the model."""
         if head_dim is None:
-            head_dim = self._head_dim(page.shape[-1], dtype)
+            head_dim = self._dim(page.shape[-1], lambda d: self.words(d, dtype))
         return self._fns(dtype, head_dim).decode(page)
 
-    def _head_dim(self, words: int, dtype: mx.Dtype) -> int:
+    def _dim(self, words: int, width) -> int:
+        """The head_dim whose ``width(head_dim)`` is ``words`` (a page's last axis)."""
         for d in range(self.group_size, 4097, self.group_size):
-            if self.words(d, dtype) == words:
+            if width(d) == words:
                 return d
-        raise ValueError(f"no head_dim gives {words} words a stored position")
+        raise ValueError(f"no head_dim gives {words} words")
 
     # -- packed attention (mx.quantized_matmul) ----------------------------------------------------
 
     def packed(self, words: mx.array, bits: int, dtype: mx.Dtype) -> QuantizedKV:
         """One side's words ``[..., w]`` as MLX's ``(codes, scales, biases)`` of the rotated
         values (what ``mx.quantized_matmul`` reads; scales and biases in ``dtype``)."""
-        head_dim = self._packed_dim(words.shape[-1], bits, dtype)
+        head_dim = self._dim(words.shape[-1], lambda d: self.side_words(bits, d, dtype))
         n = head_dim * bits // 32
         sb = words[..., n:].view(scale_dtype(dtype)).astype(dtype)
         g = head_dim // self.group_size
         return words[..., :n], sb[..., :g], sb[..., g:]
-
-    def _packed_dim(self, w: int, bits: int, dtype: mx.Dtype) -> int:
-        for d in range(self.group_size, 4097, self.group_size):
-            if self.side_words(bits, d, dtype) == w:
-                return d
-        raise ValueError(f"no head_dim gives {w} words")
 
     def rotate_queries(self, q: mx.array) -> mx.array:
         """Queries ``[..., head_dim]`` in the basis the codes hold (``q . x == rotated(q) . y``);
