@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import RequestError
 from .conversation import ResponseFormat, Tool, ToolChoice
+from .tool_choice import chosen_tools
 
 try:
     import llguidance as llg
@@ -266,7 +267,7 @@ class Grammars:
         with ``parallel``, one or more calls separated by ``"\\n"``. ``choice`` is ``required``
         (any of ``tools``) or ``function`` (the named one). A parameters schema that cannot
         compile is a 400 naming the tool. Compiled grammars are cached by their input."""
-        chosen = _chosen(tools, choice)
+        chosen = chosen_tools(tools, choice)
         # NOTE: the key keeps property order (it is the order the JSON is generated in)
         key = _canonical(["tools", call_start, call_end, bool(parallel),
                           [[t.name, t.parameters, t.strict] for t in chosen]])
@@ -278,7 +279,7 @@ class Grammars:
         ``<|start|>assistant`` when the analysis came first), args an instance of the tool's
         parameters; the output ends there with ``<|call|>``, one of the model's end tokens.
         ``choice`` as for :meth:`compile_tool_calls`."""
-        chosen = _chosen(tools, choice)
+        chosen = chosen_tools(tools, choice)
         key = _canonical(["harmony", [[t.name, t.parameters, t.strict] for t in chosen]])
         return self._cached(key, lambda: self._build_harmony(chosen))
 
@@ -357,28 +358,6 @@ class Grammars:
             while len(self._cache) > CACHE_SIZE:
                 self._cache.popitem(last=False)
         return g
-
-
-def _chosen(tools: list[Tool], choice: ToolChoice) -> list[Tool]:
-    """The tools ``choice`` (``required`` or ``function``) lets the output call; a 400 when
-    there are none or a schema is not an object."""
-    if choice.mode == "function":
-        chosen = [t for t in tools if t.name == choice.name]
-        if not chosen:
-            raise RequestError(400, f"tool_choice names {choice.name!r}, which is not among "
-                               "the tools", param="tool_choice")
-    elif choice.mode == "required":
-        chosen = list(tools)
-        if not chosen:
-            raise RequestError(400, "tool_choice 'required' needs at least one tool",
-                               param="tool_choice")
-    else:
-        raise ValueError(f"tool_choice {choice.mode!r} does not constrain the output")
-    for t in chosen:
-        if not isinstance(t.parameters, dict):
-            raise RequestError(400, f"tool {t.name!r}: parameters must be a JSON Schema "
-                               "object", param="tools", code="invalid_schema")
-    return chosen
 
 
 def _json_rule(t: Tool) -> str:
