@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --kv-bits: rotate each group of keys and values by a fixed "
                         "Hadamard matrix before quantizing, which spreads outlier channels "
                         "(default hadamard)")
+    p.add_argument("--kv-calibration", choices=["on", "off"],
+                   default="on" if D.kv_calibrate else "off",
+                   help="with --kv-bits: measure each layer's key offsets and channel weights on "
+                        "a fixed text when a model is opened (seconds on a CPU) and shape keys "
+                        "by them before quantizing (default off: it helps 8-bit keys a little "
+                        "and trades 4-bit keys' short contexts for long ones, BENCHMARKS 14)")
     p.add_argument("--kv-attention", choices=["auto", "packed", "decoded"],
                    default=D.kv_attention,
                    help="with --kv-bits: read shared prefixes as their pages store them "
@@ -205,6 +211,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         page_size=args.page_size, max_resident_sequences=args.max_resident_sequences,
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         kv_rotate=args.kv_rotation == "hadamard", kv_attention=args.kv_attention,
+        kv_calibrate=args.kv_calibration == "on",
         max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, speculate=speculate,
         num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
         eviction_policy=args.eviction_policy, api_key=args.api_key, kv_store=args.kv_store,

@@ -56,6 +56,9 @@ class ServerConfig:
     kv_bits: int | tuple[int, int] | None = None
     kv_group_size: int = 64  # values sharing one scale and bias, with kv_bits
     kv_rotate: bool = True  # with kv_bits: each group rotated (Hadamard) before quantizing
+    # with kv_bits: keys' offsets and channel weights measured on a fixed text when a model is
+    # opened (kv_cache/layout/key_shape.py); off by default: docs/BENCHMARKS.md section 14
+    kv_calibrate: bool = False
     # with kv_bits: shared prefixes read packed (quantized products) or decoded; auto: packed on
     # a GPU (kv_cache/model/packed_attention.py)
     kv_attention: str = "auto"

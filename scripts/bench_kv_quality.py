@@ -15,9 +15,11 @@ All settings in one run, on the default model's real weights (docs/BENCHMARKS.md
               how many tokens each answer keeps before its first difference from full
               precision, and the share of positions that agree.
 
-Settings: full precision, 8, 8,4 (keys 8, values 4), 4 (all with the Hadamard rotation, the
-default), and for reference 8 and 4 without it (``/plain``) and ``mx.quantize``'s own round
-trip at 4 bits (not exact, so not usable for pages); ``q4_g32``: 4 bits in groups of 32
+Settings: full precision, then 8, 8,4 (keys 8, values 4) and 4, each with keys shaped by
+offsets and channel weights calibrated on the server's own fixed text (``--kv-calibration on``,
+``kv_cache.layout.key_shape``) and the Hadamard rotation, and as ``_uncalibrated`` (the
+server's default: the rotation alone); for reference ``_plain`` (neither), ``mx.quantize``'s own
+round trip at 4 bits (not exact, so not usable for pages), ``q4_g32``: 4 bits in groups of 32
 (``--kv-group-size 32``), ``q4_8``: keys 4, values 8 (which side the loss is on).
 
 Usage: python scripts/bench_kv_quality.py [--gen 200] [--context 4096] [--json out.json]
@@ -39,7 +41,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_cache.layout.quant import KVQuant  # noqa: E402
+from kv_cache import key_stats, with_kv_bits  # noqa: E402
+from mlx_kvserver.models.calibration import calibration_tokens  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -62,7 +65,7 @@ class MxQuantizeRoundTrip:
     def __init__(self, bits: int, group_size: int = 64):
         self.bits, self.group_size = bits, group_size
 
-    def round_trip_pair(self, keys, values):
+    def round_trip_pair(self, keys, values, slot=None):
         def rt(x):
             q = mx.quantize(x, group_size=self.group_size, bits=self.bits)
             return mx.dequantize(*q, group_size=self.group_size, bits=self.bits).astype(x.dtype)
@@ -70,12 +73,33 @@ class MxQuantizeRoundTrip:
         return rt(keys), rt(values)
 
 
-SETTINGS = {"full": None, "q8": KVQuant(8), "q8_4": KVQuant(8, 64, 4), "q4": KVQuant(4),
-            "q8_plain": KVQuant(8, rotate=False), "q4_plain": KVQuant(4, rotate=False),
-            "q4_g32": KVQuant(4, 32), "q4_g32_plain": KVQuant(4, 32, rotate=False),
-            "q4_8": KVQuant(4, 64, 8),
-            "mx_quantize_q4": MxQuantizeRoundTrip(4)}
-GREEDY = ("full", "q8", "q8_4", "q4", "q4_plain")  # the settings whose answers are compared
+# name: (--kv-bits, --kv-group-size, --kv-rotation hadamard, --kv-calibration on)
+SETTINGS = {"full": None, "q8": (8, 64, True, True), "q8_4": ("8,4", 64, True, True),
+            "q4": (4, 64, True, True), "q8_uncalibrated": (8, 64, True, False),
+            "q8_4_uncalibrated": ("8,4", 64, True, False),
+            "q4_uncalibrated": (4, 64, True, False), "q8_plain": (8, 64, False, False),
+            "q4_plain": (4, 64, False, False), "q4_g32": (4, 32, True, True),
+            "q4_8": ("4,8", 64, True, True), "mx_quantize_q4": MxQuantizeRoundTrip(4)}
+GREEDY = ("full", "q8", "q8_4", "q4", "q4_uncalibrated")  # whose answers are compared
+
+
+class Setting:
+    """A setting's codec per model slot, as the server makes it (``Engine._open``)."""
+
+    def __init__(self, lm, setting, stats):
+        self.by_slot: dict = {}
+        self.quant = None
+        if isinstance(setting, tuple):
+            bits, group, rotate, calibrate = setting
+            spec, _ = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, group, rotate,
+                                   stats if calibrate else None)
+            self.by_slot = {s: g.quant for g in spec.groups for s in g.layers}
+            self.quant = spec.groups[0].quant
+        elif setting is not None:
+            self.by_slot = {i: setting for i in range(len(lm.model.layers))}
+
+    def round_trip_pair(self, keys, values, slot):
+        return self.by_slot[slot].round_trip_pair(keys, values, slot)
 
 
 def text_tokens(tokenizer, n: int) -> tuple[list[int], str]:
@@ -88,11 +112,11 @@ def text_tokens(tokenizer, n: int) -> tuple[list[int], str]:
     return tokens[:n], f"pydoc_data/topics.py of Python {sys.version.split()[0]}"
 
 
-def _coding(cls, quant):
+def _coding(cls, codec: Setting, slot: int):
     class Coded(cls):
         def update_and_fetch(self, keys, values):
-            if quant is not None:
-                keys, values = quant.round_trip_pair(keys, values)
+            if codec.by_slot:
+                keys, values = codec.round_trip_pair(keys, values, slot)
             return super().update_and_fetch(keys, values)
 
     return Coded
@@ -103,7 +127,7 @@ def perplexity(model, tokens: list[int], quant, context: int, chunk: int = 512) 
     nll, scored = 0.0, 0
     for start in range(0, len(tokens) - 2 * context + 1, context):
         window = tokens[start : start + 2 * context]
-        caches = [_coding(KVCache, quant)() for _ in model.layers]
+        caches = [_coding(KVCache, quant, i)() for i in range(len(model.layers))]
         for a in range(0, len(window) - 1, chunk):
             ids = window[a : min(a + chunk, len(window) - 1)]
             logits = model(mx.array([ids]), cache=caches)[0]
@@ -123,7 +147,7 @@ def greedy(model, prompts: list[list[int]], quant, n: int) -> list[list[int]]:
     """``n`` greedy tokens for each prompt, all decoded together (left-padded)."""
     width = max(map(len, prompts))
     pad = [width - len(p) for p in prompts]
-    caches = [_coding(BatchKVCache, quant)(pad) for _ in model.layers]
+    caches = [_coding(BatchKVCache, quant, i)(pad) for i in range(len(model.layers))]
     x = mx.array([[0] * k + p for k, p in zip(pad, prompts)])
     out: list[list[int]] = [[] for _ in prompts]
     for _ in range(n):
@@ -161,9 +185,14 @@ def main() -> None:
     out: dict = {"model": lm.name, "text": source, "text_tokens": len(text),
                  "context": args.context, "prompts": len(prompts), "generated": args.gen,
                  "device": str(mx.default_device()), "settings": {}}
+    t = time.perf_counter()
+    calib = calibration_tokens(tok)
+    stats = key_stats(lm.model, calib, lm.cache_spec)
+    out["calibration"] = {"tokens": len(calib), "seconds": round(time.perf_counter() - t, 2),
+                          "text": "mlx_kvserver/models/calibration.py"}
     answers: dict = {}
     for name in args.settings:
-        quant = SETTINGS[name]
+        quant = Setting(lm, SETTINGS[name], stats)
         t = time.perf_counter()
         row = perplexity(lm.model, text, quant, args.context)
         if name in GREEDY:
@@ -174,9 +203,10 @@ def main() -> None:
             row["perplexity_change_pct"] = round(100 * (row["perplexity"] / base - 1), 3)
             if name in answers:
                 row.update(agreement(answers[name], answers["full"], args.gen))
-        if quant is not None and isinstance(quant, KVQuant):
-            row["bytes_per_position_and_head"] = quant.kv_bytes(64, mx.float32)
-            row["setting"] = quant.label()
+        if quant.quant is not None:
+            row["bytes_per_position_and_head"] = quant.quant.kv_bytes(64, mx.float32)
+            row["setting"] = quant.quant.label()
+            row["keys_shaped"] = quant.quant.keys is not None
         out["settings"][name] = row
         print(json.dumps({name: row}), flush=True)
     print(json.dumps(out, indent=1))

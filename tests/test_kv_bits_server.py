@@ -1,6 +1,7 @@
 """``--kv-bits`` through the real server: flags, cache on == cache off under the setting, a
-restart answers from disk as the warm server did, another setting is a miss that keeps the
-first setting's files."""
+restart answers from disk as the warm server did (with ``--kv-calibration on`` its keys
+calibrated again to the same shape),
+another setting (calibration off included) is a miss that keeps the first setting's files."""
 
 from __future__ import annotations
 
@@ -39,21 +40,26 @@ def test_flags():
                                                             "--kv-rotation", "none"]))
     assert (c.kv_bits, c.kv_rotate) == ((8, 4), False)
     assert cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "8,8"])).kv_bits == 8
+    assert default.kv_calibrate is False
+    c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "4",
+                                                            "--kv-calibration", "on"]))
+    assert c.kv_calibrate is True
     for bad in ("3", "8,3", "8,4,4", "eight"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--kv-bits", bad])
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_restart_in_bits_answers_as_the_warm_server_and_as_without_cache(lm32, tmp_path, bits):
-    with running_server([lm32], config(tmp_path, bits)) as url:
+@pytest.mark.parametrize("bits,calibrate", [(8, False), (4, False), (4, True)])
+def test_restart_in_bits_answers_as_the_warm_server_and_as_without_cache(lm32, tmp_path, bits,
+                                                                        calibrate):
+    with running_server([lm32], config(tmp_path, bits, kv_calibrate=calibrate)) as url:
         history = run_turns(url, lm32.name, "q", TURNS[:3])
         history.append({"role": "user", "content": TURNS[3], "message_id": "q-u3"})
         warm, _, warm_usage = ask(url, lm32.name, history)
         cold, _, _ = ask(url, lm32.name, history, use_cache=False)
     assert warm == cold and warm_usage.prompt_tokens_details.cached_tokens > 0
     files = page_files(tmp_path)
-    with running_server([lm32], config(tmp_path, bits)) as url:  # a restart
+    with running_server([lm32], config(tmp_path, bits, kv_calibrate=calibrate)) as url:  # restart
         restored, _, usage = ask(url, lm32.name, history)
     assert restored == warm and usage.prompt_tokens_details.cached_tokens > 0
     other = 4 if bits == 8 else None
@@ -61,3 +67,17 @@ def test_restart_in_bits_answers_as_the_warm_server_and_as_without_cache(lm32, t
         _, _, usage = ask(url, lm32.name, history)
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert set(files) <= set(page_files(tmp_path))  # the first setting's pages stay
+
+
+def test_keys_calibrated_or_not_are_two_settings(lm32, tmp_path, caplog):
+    history = [{"role": "user", "content": TURNS[0], "message_id": "c-u0"}]
+    with caplog.at_level("INFO", logger="mlx_kvserver.engine"):
+        with running_server([lm32], config(tmp_path, 4, kv_calibrate=True)) as url:
+            shaped, _, _ = ask(url, lm32.name, history)
+    assert any("keys calibrated" in r.getMessage() for r in caplog.records)
+    files = page_files(tmp_path)
+    with running_server([lm32], config(tmp_path, 4, kv_calibrate=False)) as url:
+        _, _, usage = ask(url, lm32.name, history + [{"role": "assistant", "content": shaped},
+                                                     {"role": "user", "content": TURNS[1]}])
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    assert set(files) <= set(page_files(tmp_path))

@@ -30,7 +30,10 @@ for bfloat16 pages) with few enough significant bits that every product in the d
   so any BLAS, GEMV or GPU kernel gives the same), ``scale`` keeps at most ``24 - log2(g *
   levels)`` significant bits so ``scale * I`` is exact, ``H``'s first column is all ones and the
   others sum to zero, so only channel 0 of a group adds the bias (one rounding) and the others
-  are exact products.
+  are exact products;
+- with shaped keys (``kv_cache.layout.key_shape``: ``x = w * x' + m``, ``w`` of 3 significant
+  bits, ``m`` a float16 value) the scales give up 3 more bits, each product times ``w`` stays
+  exact, and the decode is ``(P + B) + m``: the two sums round, in that order, on every backend.
 
 Hence the decoded floats depend only on the stored bits, never on the shape, batch or kernel
 that decodes them: a fresh key, a gathered page, a prefix view and a restored page agree bit for
@@ -45,6 +48,9 @@ from typing import Any
 
 import mlx.core as mx
 
+from kv_cache.layout.key_shape import D_BITS, KeyShape
+from kv_cache.layout.rounding import MANTISSA, round_down, round_up
+
 QuantizedKV = tuple[mx.array, mx.array, mx.array]  # packed codes, scales, biases
 
 BITS = (4, 8)
@@ -57,10 +63,6 @@ def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
     """The dtype of scales and biases for pages of values in ``dtype``: float16, or bfloat16
     for bfloat16 values (whose range float16 does not cover)."""
     return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-
-
-_MANTISSA = {mx.float16: 11, mx.bfloat16: 8}
-_LIMIT = {mx.float16: 65504.0, mx.bfloat16: 3.0e38}
 
 
 def _signs(n: int) -> list[float]:
@@ -79,36 +81,6 @@ def _hadamard(n: int) -> list[list[float]]:
     return h
 
 
-def _pow2(e: mx.array) -> mx.array:
-    """``2.0 ** e`` for integer ``e`` in [-126, 127], built from its bits (exact everywhere)."""
-    return ((e.astype(mx.int32) + 127) << 23).view(mx.float32)
-
-
-def _floor_log2(r: mx.array) -> mx.array:
-    """``floor(log2 r)`` of float32 ``r > 0`` from its exponent bits (-127 for 0/subnormals)."""
-    return ((r.view(mx.int32) >> 23) - 127).astype(mx.float32)
-
-
-def _round_up(v: mx.array, bits: int, sdt: mx.Dtype) -> mx.array:
-    """``v >= 0`` rounded up to ``bits`` significant bits, then to ``sdt`` (float32 result)."""
-    e = mx.clip(_floor_log2(v) - (bits - 1), -126, 127)
-    q = _pow2(e)
-    s = mx.ceil(v / q) * q
-    s = mx.minimum(mx.maximum(s, 2.0 ** -24 if sdt == mx.float16 else 1e-38), _LIMIT[sdt])
-    return s.astype(sdt).astype(mx.float32)
-
-
-def _round_down(v: mx.array, sdt: mx.Dtype) -> mx.array:
-    """The largest ``sdt`` value ``<= v`` (float32 result)."""
-    v = mx.clip(v, -_LIMIT[sdt], _LIMIT[sdt])
-    c = v.astype(sdt)
-    bits = c.view(mx.uint16)
-    neg = (bits >> 15) == 1
-    down = mx.where(bits == 0, mx.array(0x8001, mx.uint16),
-                    mx.where(neg, bits + 1, bits - 1)).view(sdt)
-    return mx.where(c.astype(mx.float32) > v, down, c).astype(mx.float32)
-
-
 _COMPILED: dict = {}
 
 
@@ -122,6 +94,7 @@ class KVQuant:
     group_size: int = 64
     value_bits: int = 0
     rotate: bool = True
+    keys: KeyShape | None = None  # keys shaped before they are quantized (``key_shape``)
 
     def __post_init__(self):
         if not self.value_bits:
@@ -152,7 +125,8 @@ class KVQuant:
         """What enters the model's fingerprint (pages of different settings never mix)."""
         return {"kv_bits": self.bits, "kv_value_bits": self.value_bits,
                 "kv_group_size": self.group_size, "kv_scales": SCALES,
-                "kv_rotation": ROTATION if self.rotate else "none"}
+                "kv_rotation": ROTATION if self.rotate else "none",
+                **(self.keys.describe() if self.keys is not None else {})}
 
     @classmethod
     def from_description(cls, d: dict[str, Any]) -> "KVQuant":
@@ -198,22 +172,27 @@ class KVQuant:
             fns = _COMPILED[key] = _Codec(self, dtype, head_dim)
         return fns
 
-    def fresh(self, keys: mx.array, values: mx.array
+    def fresh(self, keys: mx.array, values: mx.array, slot: int | None = None
               ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """New keys and values ``[..., head_dim]``: what the model reads of them (the decoded
-        values of their codes, in their dtype) and their stored words (key words, value words),
-        in one compiled call."""
+        """New keys and values ``[..., kv_heads, n, head_dim]`` of the model's cache slot
+        ``slot`` (with shaped keys; None: ``[layers, kv_heads, n, head_dim]`` of the whole
+        group): what the model reads of them (the decoded values of their codes, in their dtype)
+        and their stored words (key words, value words), in one compiled call."""
         self.check(keys.shape[-1])
-        return self._fns(keys.dtype, keys.shape[-1]).fresh(keys, values)
+        fns = self._fns(keys.dtype, keys.shape[-1])
+        if self.keys is None:
+            return fns.fresh(keys, values)
+        return fns.fresh(keys, values, *self.keys.layer(slot))
 
-    def round_trip_pair(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+    def round_trip_pair(self, keys: mx.array, values: mx.array, slot: int | None = None
+                        ) -> tuple[mx.array, mx.array]:
         """What the model reads of new keys and values (``fresh`` without the words)."""
-        k, v, _, _ = self.fresh(keys, values)
+        k, v, _, _ = self.fresh(keys, values, slot)
         return k, v
 
-    def round_trip(self, x: mx.array) -> mx.array:
+    def round_trip(self, x: mx.array, slot: int | None = None) -> mx.array:
         """What the model reads of new keys ``x`` (key bits)."""
-        return self.round_trip_pair(x, x)[0]
+        return self.round_trip_pair(x, x, slot)[0]
 
     def join(self, key_words: mx.array, value_words: mx.array) -> mx.array:
         """Key words ``[..., n, wk]`` and value words ``[..., n, wv]`` (leading axes: kv heads)
@@ -244,7 +223,8 @@ class KVQuant:
         (the model's): bit for bit what ``fresh`` gave the model."""
         if head_dim is None:
             head_dim = self._dim(page.shape[-1], lambda d: self.words(d, dtype))
-        return self._fns(dtype, head_dim).decode(page)
+        fns = self._fns(dtype, head_dim)
+        return fns.decode(page) if self.keys is None else fns.decode(page, *self.keys.layer(None))
 
     def _dim(self, words: int, width) -> int:
         """The head_dim whose ``width(head_dim)`` is ``words`` (a page's last axis)."""
@@ -288,16 +268,19 @@ class _Codec:
         # to the stream of the thread that made it (MLX 0.32: "no Stream(cpu, 0) in current thread").
         mx.eval(self.signs, self.h, self.e0)
 
-        def fresh(keys, values):
-            k, kw = self._side(keys, q.bits)
+        def fresh(keys, values, *shape):
+            k, kw = self._side(keys, q.bits, shape)
             v, vw = self._side(values, q.value_bits)
             return k, v, kw, vw
 
-        def decode(page):
+        def decode(page, *shape):
             if q.bits == q.value_bits:  # the halves are the keys' and the values' own words
-                return self._decode_words(page, q.bits)
-            kw, vw = q.split(page, head_dim, dtype)
-            return mx.stack([self._decode_words(kw, q.bits),
+                if not shape:
+                    return self._decode_words(page, q.bits)
+                kw, vw = page[..., 0, :, :, :], page[..., 1, :, :, :]
+            else:
+                kw, vw = q.split(page, head_dim, dtype)
+            return mx.stack([self._decode_words(kw, q.bits, shape),
                              self._decode_words(vw, q.value_bits)], axis=-4)
 
         def rotate_queries(x):
@@ -313,24 +296,30 @@ class _Codec:
         self.rotate_queries = mx.compile(rotate_queries)
         self.unrotate = mx.compile(unrotate)
 
-    def _mantissa(self, bits: int) -> int:
-        """Significant bits a scale keeps so that ``scale * (codes @ H)`` is exact in float32."""
+    def _mantissa(self, bits: int, shaped: bool = False) -> int:
+        """Significant bits a scale keeps so that ``scale * (codes @ H)`` is exact in float32
+        (times a shaped key's 3-bit channel weight: ``kv_cache.layout.key_shape``)."""
         top = self.q.group_size * ((1 << bits) - 1) if self.q.rotate else (1 << bits) - 1
-        return min(_MANTISSA[self.sdt], 24 - math.ceil(math.log2(top + 1)))
+        return min(MANTISSA[self.sdt], 24 - math.ceil(math.log2(top + 1))
+                   - (D_BITS if shaped else 0))
 
-    def _side(self, x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
-        """Keys or values ``[..., head_dim]``: what the model reads, and their words."""
+    def _side(self, x: mx.array, bits: int, shape: tuple = ()) -> tuple[mx.array, mx.array]:
+        """Keys or values ``[..., head_dim]``: what the model reads, and their words; ``shape``:
+        the keys' ``(offsets, scales)`` (``kv_cache.layout.key_shape``)."""
         g, levels = self.q.group_size, (1 << bits) - 1
         y = x.astype(mx.float32)
+        if shape:
+            y = (y - shape[0]) / shape[1]
         if self.q.rotate:
             y = ((y * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h) * (1.0 / g)
         else:
             y = y.reshape(*x.shape[:-1], -1, g)
         lo, hi = y.min(axis=-1, keepdims=True), y.max(axis=-1, keepdims=True)
-        bias = _round_down(lo, self.sdt)
-        scale = _round_up((hi - bias) * (1.0 / levels), self._mantissa(bits), self.sdt)
+        bias = round_down(lo, self.sdt)
+        scale = round_up((hi - bias) * (1.0 / levels), self._mantissa(bits, bool(shape)),
+                          self.sdt)
         codes = mx.clip(mx.round((y - bias) / scale), 0, levels)
-        read = self._values(codes, scale, bias, x.shape)
+        read = self._values(codes, scale, bias, x.shape, shape)
         per = 32 // bits
         c = codes.astype(mx.uint32).reshape(*x.shape[:-1], -1, per)
         packed = (c << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
@@ -338,9 +327,22 @@ class _Codec:
         return read, mx.concatenate([packed, sb.view(mx.uint32)], axis=-1)
 
     def _values(self, codes: mx.array, scale: mx.array, bias: mx.array,
-                shape: tuple[int, ...]) -> mx.array:
+                shape: tuple[int, ...], key_shape: tuple = ()) -> mx.array:
         """Codes ``[..., groups, g]`` (float32 integers), scales and biases ``[..., groups, 1]``
-        as the model reads them: exact products, one rounding (see the module's note)."""
+        as the model reads them: exact products, one rounding (see the module's note); shaped
+        keys: exact products, then ``(P + B) + offset``, two roundings in that order."""
+        if key_shape:
+            off, w = key_shape  # [..., 1, head_dim]: float16 offsets, 3-bit weights
+            if self.q.rotate:
+                # NOTE: codes @ H: exact integers; scale * I * (w * s): exact (the scale gave
+                # up w's bits); bias * g * (w * s): exact; so only the two sums round.
+                f = w * self.signs
+                p = (scale * (codes @ self.h)).reshape(shape) * f
+                b = (bias * self.e0).reshape(shape) * f
+            else:
+                p = (codes * scale).reshape(shape) * w
+                b = mx.broadcast_to(bias, codes.shape).reshape(shape) * w
+            return ((p + b) + off).astype(self.dtype)
         if self.q.rotate:
             # NOTE: codes @ H sums integers < 2**24: exact, whatever the kernel's order.
             x = scale * (codes @ self.h) + bias * self.e0
@@ -349,7 +351,7 @@ class _Codec:
             x = (codes * scale + bias).reshape(shape)
         return x.astype(self.dtype)
 
-    def _decode_words(self, words: mx.array, bits: int) -> mx.array:
+    def _decode_words(self, words: mx.array, bits: int, shape: tuple = ()) -> mx.array:
         g, per, mask = self.q.group_size, 32 // bits, (1 << bits) - 1
         lead, n = words.shape[:-1], self.d * bits // 32
         groups = self.d // g
@@ -357,7 +359,7 @@ class _Codec:
         codes = (words[..., :n, None] >> (mx.arange(per, dtype=mx.uint32) * bits)) & mask
         codes = codes.reshape(*lead, groups, g).astype(mx.float32)
         return self._values(codes, sb[..., :groups, None], sb[..., groups:, None],
-                            (*lead, self.d))
+                            (*lead, self.d), shape)
 
 
 def parse_bits(text: str | int | tuple | None) -> tuple[int, int] | None:

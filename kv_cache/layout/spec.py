@@ -25,10 +25,11 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar, Mapping, Sequence
 
 import mlx.core as mx
 
+from kv_cache.layout.key_shape import KeyStats, shapes_for
 from kv_cache.layout.kinds import FULL, STATE, PagedKind, RecurrentState, paged_kind
 from kv_cache.layout.quant import KVQuant, make_quant
 
@@ -138,13 +139,18 @@ class CacheSpec:
         g = GroupSpec(FULL, tuple(range(num_layers)), num_kv_heads, head_dim, dtype_name(dtype))
         return cls(num_layers, (g,))
 
-    def with_quant(self, quant: KVQuant | None) -> "CacheSpec":
-        """The same cache with its pages held by ``quant`` (None: in the model's dtype); part of
-        the description, so of the fingerprint: pages of two settings never mix."""
+    def with_quant(self, quant: KVQuant | None,
+                   key_stats: Mapping[int, KeyStats] | None = None) -> "CacheSpec":
+        """The same cache with its pages held by ``quant`` (None: in the model's dtype), each
+        group's keys shaped from ``key_stats`` where given (``kv_cache.layout.key_shape``); part
+        of the description, so of the fingerprint: pages of two settings never mix."""
         for g in self.groups:
             if quant is not None:
                 quant.check(g.head_dim)
-        return replace(self, groups=tuple(replace(g, quant=quant) for g in self.groups))
+        shapes = shapes_for([g.layers for g in self.groups], key_stats if quant else None)
+        return replace(self, groups=tuple(
+            replace(g, quant=quant if sh is None else replace(quant, keys=sh))
+            for g, sh in zip(self.groups, shapes)))
 
     @property
     def has_state(self) -> bool:
@@ -182,10 +188,12 @@ class CacheSpec:
 
 
 def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | str | tuple | None,
-                 group_size: int = 64, rotate: bool = True) -> tuple[CacheSpec, str]:
+                 group_size: int = 64, rotate: bool = True,
+                 key_stats: Mapping[int, KeyStats] | None = None) -> tuple[CacheSpec, str]:
     """A model's cache spec and fingerprint with its pages in ``bits`` (unchanged without):
     ``8``, ``4``, or keys' and values' own as ``(8, 4)`` or ``"8,4"``; each group rotated first
-    unless ``rotate`` is off (``kv_cache.layout.quant``).
+    unless ``rotate`` is off (``kv_cache.layout.quant``), its keys shaped by ``key_stats``
+    (``kv_cache.model.calibrate``) where given (``kv_cache.layout.key_shape``).
 
     NOTE: the setting enters the fingerprint, so pages of two settings never mix: their chain
     hashes, disk directory, store keys and exports all differ, and each is a clean miss (not a
@@ -193,5 +201,8 @@ def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | str | tuple | No
     quant = make_quant(bits, group_size, rotate)
     if quant is None:
         return spec, fingerprint
-    blob = json.dumps([fingerprint, quant.describe()], sort_keys=True).encode()
-    return spec.with_quant(quant), hashlib.sha256(blob).hexdigest()
+    shaped = spec.with_quant(quant, key_stats)
+    described = [fingerprint, quant.describe()]
+    described += [g.quant.keys.describe() for g in shaped.groups if g.quant.keys is not None]
+    blob = json.dumps(described, sort_keys=True).encode()
+    return shaped, hashlib.sha256(blob).hexdigest()

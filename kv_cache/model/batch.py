@@ -38,7 +38,7 @@ class BatchLayer:
         quant = self.members[0].quant  # pages in bits: code the whole batch in one call
         words = None
         if quant is not None:
-            keys, values, *words = quant.fresh(keys, values)
+            keys, values, *words = quant.fresh(keys, values, self.members[0].layer)
         for i, m in enumerate(self.members):
             n = keys.shape[2] if self.lengths is None else self.lengths[i]
             stored = None if words is None else tuple(w[i : i + 1, :, :n] for w in words)

@@ -53,13 +53,14 @@ class PackedKV:
     values: QuantizedKV
     quant: KVQuant
     length: int
+    shape: tuple = ()  # shaped keys: this layer's (offsets, weights) ``[kv_heads, 1, head_dim]``
 
     def head(self, n: int) -> "PackedKV":
         """The first ``n`` positions."""
         if n == self.length:
             return self
         return PackedKV(tuple(a[:, :n] for a in self.keys), tuple(a[:, :n] for a in self.values),
-                        self.quant, n)
+                        self.quant, n, self.shape)
 
     @property
     def nbytes(self) -> int:
@@ -68,8 +69,14 @@ class PackedKV:
     def scores(self, q: mx.array) -> mx.array:
         """``q [kv_heads, M, head_dim]`` (scaled) against the keys: ``[kv_heads, M, length]``."""
         c = self.quant
-        return mx.quantized_matmul(c.rotate_queries(q), *self.keys, transpose=True,
-                                   group_size=c.group_size, bits=c.bits)
+        if not self.shape:
+            return mx.quantized_matmul(c.rotate_queries(q), *self.keys, transpose=True,
+                                       group_size=c.group_size, bits=c.bits)
+        # keys held as (k - m) / w: q . k == (w q) . ((k - m) / w) + q . m
+        off, w = self.shape
+        s = mx.quantized_matmul(c.rotate_queries(q * w.astype(q.dtype)), *self.keys,
+                                transpose=True, group_size=c.group_size, bits=c.bits)
+        return s + (q * off.astype(q.dtype)).sum(axis=-1, keepdims=True)
 
     def weighted_values(self, p: mx.array) -> mx.array:
         """``p [kv_heads, M, length]`` times the values, in the model's basis: ``[kv_heads, M,
@@ -87,8 +94,9 @@ def packed_layers(group: GroupSpec, rows: mx.array) -> list[PackedKV]:
     kw, vw = q.split(rows, group.head_dim, dtype)
     keys = q.packed(kw, q.bits, dtype)
     values = q.packed(vw, q.value_bits, dtype)
-    return [PackedKV(tuple(a[i] for a in keys), tuple(a[i] for a in values), q, n)
-            for i in range(rows.shape[0])]
+    return [PackedKV(tuple(a[i] for a in keys), tuple(a[i] for a in values), q, n,
+                     q.keys.layer(slot) if q.keys is not None else ())
+            for i, slot in enumerate(group.layers)]
 
 
 def prefix_length(prefix) -> int:

@@ -19,16 +19,19 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache import CacheManager, export_entry, import_entry, open_cache, with_kv_bits
+from kv_cache import (CacheManager, export_entry, import_entry, key_stats, open_cache,
+                      with_kv_bits)
 
 from ..chat.output import Done, Error
 from ..config import GB, ServerConfig
 from ..errors import RequestError
+from ..models.calibration import calibration_tokens
 from ..models.loading import LoadedModel
 from .request import Job
 from .draft_model import DraftModel, DraftModelError, check_draft_model
@@ -81,8 +84,15 @@ class Engine:
     def _open(self, lm: LoadedModel) -> None:
         """A cache and a scheduler for ``lm`` (its weights counted in the budget)."""
         config = self.config
+        stats = None
+        if config.kv_bits and config.kv_calibrate:  # shaped keys (kv_cache/layout/key_shape.py)
+            t = time.perf_counter()
+            tokens = calibration_tokens(lm.tokenizer)
+            stats = key_stats(lm.model, tokens, lm.cache_spec)
+            log.info("%s: keys calibrated for --kv-bits on %d tokens in %.1f s", lm.name,
+                     len(tokens), time.perf_counter() - t)
         spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
-                                         config.kv_group_size, config.kv_rotate)
+                                         config.kv_group_size, config.kv_rotate, stats)
         manager = open_cache(
             spec, fingerprint, page_size=config.page_size,
             max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,

@@ -2,7 +2,8 @@
 models: greedy output with the cache equals output without it under the same setting (rotated
 or not, keys and values in their own bits, sliding windows and KV-shared layers too), a turn
 restored from disk (with and without prefix views) or from an export equals the warm one bit for
-bit, pages of another setting are a clean miss, and the bytes a token takes."""
+bit, pages of another setting are a clean miss, and the bytes a token takes. "shaped": keys
+shaped by offsets and channel weights calibrated on the model (``kv_cache.layout.key_shape``)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kv_cache.layout.spec import CacheSpec
+from kv_cache.model.calibrate import key_stats
 from kv_cache.opening import open_cache
-from kv_cache.layout.quant import make_quant
 from kv_cache.layout.spec import with_kv_bits
 from kv_cache.transfer import TransferError, export_entry, import_entry
 from tests.tiny_model import make_tiny_model
 
 P = 4
 SETTINGS = [(8, 32), (4, 32), ("8,4", 32), ((4, 8), 32)]
+KEYS = ["rotated", "plain", "shaped"]  # how keys are coded: rotation, none, calibrated shape
 
 
 @pytest.fixture(scope="module")
@@ -34,25 +36,42 @@ def spec_of(model) -> CacheSpec:
                            a.hidden_size // a.num_attention_heads, mx.float32)
 
 
+_STATS: dict = {}
+
+
+def setting(model, bits, group, keys="rotated") -> tuple[CacheSpec, str]:
+    """The tiny model's spec and fingerprint under a setting (``keys``: one of ``KEYS``)."""
+    stats = None
+    if keys == "shaped":
+        if id(model) not in _STATS:
+            _STATS[id(model)] = key_stats(model, list(range(3, 200, 3)), spec_of(model))
+        stats = _STATS[id(model)]
+    return with_kv_bits(spec_of(model), "tiny", bits, group, keys != "plain", stats)
+
+
 def manager(model, bits, group, disk: Path | None = None, ram=1 << 24, store_url=None,
-            rotate=True):
-    spec, fp = with_kv_bits(spec_of(model), "tiny", bits, group, rotate)
+            keys="rotated"):
+    spec, fp = setting(model, bits, group, keys)
     return open_cache(spec, fp, page_size=P, max_ram_bytes=ram, policy="lru", disk_dir=disk,
                       max_disk_bytes=1 << 26, max_resident=0, store_url=store_url)
 
 
-def greedy_off(model, tokens, n, bits, group, rotate=True) -> list[int]:
+def greedy_off(model, tokens, n, bits, group, keys="rotated") -> list[int]:
     """``n`` greedy tokens without the paged cache: mlx-lm's own cache, whose new keys and
     values are rounded as the setting's pages hold them ("cache off, same setting")."""
-    quant = make_quant(bits, group, rotate)
+    quant = setting(model, bits, group, keys)[0].groups[0].quant
 
     class RoundTrip(KVCache):
+        def __init__(self, slot):
+            super().__init__()
+            self.slot = slot
+
         def update_and_fetch(self, keys, values):
             if quant is not None:
-                keys, values = quant.round_trip_pair(keys, values)
+                keys, values = quant.round_trip_pair(keys, values, self.slot)
             return super().update_and_fetch(keys, values)
 
-    cache = [RoundTrip() for _ in model.layers]
+    cache = [RoundTrip(i) for i in range(len(model.layers))]
     x, out = mx.array(tokens)[None], []
     for _ in range(n):
         t = mx.argmax(model(x, cache=cache)[0, -1]).item()
@@ -73,15 +92,15 @@ def greedy_on(model, seq, new, n) -> tuple[list[int], mx.array]:
     return out, first
 
 
-@pytest.mark.parametrize("rotate", [True, False], ids=["rotated", "plain"])
+@pytest.mark.parametrize("keys", KEYS)
 @pytest.mark.parametrize("bits,group", SETTINGS)
 def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, bits, group,
-                                                                        rotate):
+                                                                        keys):
     turn1, turn2 = list(range(40, 62)), list(range(70, 79))
-    m = manager(model, bits, group, rotate=rotate)
+    m = manager(model, bits, group, keys=keys)
     seq, _ = m.start(turn1, [])
     answer, _ = greedy_on(model, seq, turn1, 8)
-    assert answer == greedy_off(model, turn1, 8, bits, group, rotate)
+    assert answer == greedy_off(model, turn1, 8, bits, group, keys)
     m.save("a1", seq)
     seq.close()
     history = turn1 + answer[:-1]  # the last answer token was not read yet
@@ -89,14 +108,16 @@ def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, b
     seq, match = m.start(prompt, ["a1"])
     assert match.tokens == len(history) and match.source == "entry:a1"
     again, _ = greedy_on(model, seq, prompt[match.tokens:], 8)
-    assert again == greedy_off(model, prompt, 8, bits, group, rotate)
+    assert again == greedy_off(model, prompt, 8, bits, group, keys)
     seq.close()
     m.close()
 
 
+@pytest.mark.parametrize("keys", ["rotated", "shaped"])
 @pytest.mark.parametrize("views", [False, True], ids=["buffers", "prefix-views"])
 @pytest.mark.parametrize("bits,group", SETTINGS)
-def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, group, views):
+def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, group, views,
+                                                        keys):
     from kv_cache.model.attention import PrefixViews, install
 
     # 26 tokens of history (6 full pages and 2), 50 new: enough for the view to be copied in
@@ -104,7 +125,7 @@ def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, 
     # one's (as without bits: test_manager's long prompt piece); the decode steps after it
     # read the view apart, within rounding, and pick the same tokens.
     tokens = list(range(40, 116))
-    m = manager(model, bits, group, tmp_path)
+    m = manager(model, bits, group, tmp_path, keys=keys)
     seq, _ = m.start(tokens[:26], [])
     greedy_on(model, seq, tokens[:26], 1)
     m.save("k", seq)
@@ -113,7 +134,7 @@ def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, 
     m.close()
     if views:
         assert install(model)
-    m = manager(model, bits, group, tmp_path)  # a restart
+    m = manager(model, bits, group, tmp_path, keys=keys)  # a restart
     if views:
         m.views = PrefixViews(m.pool)
     seq, match = m.start(tokens, ["k"])
@@ -158,8 +179,8 @@ def test_pages_of_another_setting_are_a_clean_miss_and_stay(model, tmp_path):
     m.save("e", seq)
     seq.close()
     m.close()
-    for bits, group in [(4, 32), (None, 32)]:
-        other = manager(model, bits, group, tmp_path)
+    for bits, group, keys in [(4, 32, "rotated"), (None, 32, "rotated"), (8, 32, "shaped")]:
+        other = manager(model, bits, group, tmp_path, keys=keys)
         seq, match = other.start(tokens, ["e"])
         assert match.tokens == 0 and match.source == "none"
         seq.close()
@@ -224,9 +245,10 @@ def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, 
         a.close()
 
 
+@pytest.mark.parametrize("keys", ["rotated", "shaped"])
 @pytest.mark.parametrize("views", ["decoded", "packed"])
 @pytest.mark.parametrize("bits,group", SETTINGS)
-def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, group, views):
+def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, group, views, keys):
     """A batch rounds its new keys and values once for all its members: each member's step is
     what the sequence alone computes (within the batched matmuls' rounding; the same token),
     with the shared view decoded or packed (read by quantized products)."""
@@ -236,7 +258,7 @@ def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, grou
     assert install(model)
     doc = list(range(40, 80))
     prompts = [doc + [90 + i, 100 + i] for i in range(3)]
-    m = manager(model, bits, group)
+    m = manager(model, bits, group, keys=keys)
     m.views = PrefixViews(m.pool, mode=views)
     seqs, nxt = [], []
     for p in prompts:
