@@ -15,10 +15,10 @@ All settings in one run, on the default model's real weights (docs/BENCHMARKS.md
               how many tokens each answer keeps before its first difference from full
               precision, and the share of positions that agree.
 
-Settings: full precision, then 8, 8,4 (keys 8, values 4) and 4, each with keys shaped by
-offsets and channel weights calibrated on the server's own fixed text (``--kv-calibration on``,
-``kv_cache.layout.key_shape``) and the Hadamard rotation, and as ``_uncalibrated`` (the
-server's default: the rotation alone); for reference ``_plain`` (neither), ``mx.quantize``'s own
+Settings: full precision, 8, 8,4 (keys 8, values 4), 4, as the server holds them by default
+(the Hadamard rotation), and ``_calibrated``: keys also shaped by offsets and channel weights
+calibrated on the server's own fixed text (``--kv-calibration on``,
+``kv_cache.layout.key_shape``); for reference ``_plain`` (no rotation), ``mx.quantize``'s own
 round trip at 4 bits (not exact, so not usable for pages), ``q4_g32``: 4 bits in groups of 32
 (``--kv-group-size 32``), ``q4_8``: keys 4, values 8 (which side the loss is on).
 
@@ -74,13 +74,14 @@ class MxQuantizeRoundTrip:
 
 
 # name: (--kv-bits, --kv-group-size, --kv-rotation hadamard, --kv-calibration on)
-SETTINGS = {"full": None, "q8": (8, 64, True, True), "q8_4": ("8,4", 64, True, True),
-            "q4": (4, 64, True, True), "q8_uncalibrated": (8, 64, True, False),
-            "q8_4_uncalibrated": ("8,4", 64, True, False),
-            "q4_uncalibrated": (4, 64, True, False), "q8_plain": (8, 64, False, False),
-            "q4_plain": (4, 64, False, False), "q4_g32": (4, 32, True, True),
-            "q4_8": ("4,8", 64, True, True), "mx_quantize_q4": MxQuantizeRoundTrip(4)}
-GREEDY = ("full", "q8", "q8_4", "q4", "q4_uncalibrated")  # whose answers are compared
+SETTINGS = {"full": None, "q8": (8, 64, True, False), "q8_4": ("8,4", 64, True, False),
+            "q4": (4, 64, True, False), "q8_calibrated": (8, 64, True, True),
+            "q8_4_calibrated": ("8,4", 64, True, True), "q4_calibrated": (4, 64, True, True),
+            "q8_plain": (8, 64, False, False), "q4_plain": (4, 64, False, False),
+            "q4_g32": (4, 32, True, False), "q4_g32_plain": (4, 32, False, False),
+            "q4_8": ("4,8", 64, True, False), "mx_quantize_q4": MxQuantizeRoundTrip(4)}
+GREEDY = ("full", "q8", "q8_4", "q4", "q8_calibrated", "q8_4_calibrated",
+          "q4_calibrated", "q4_plain")  # the settings whose answers are compared
 
 
 class Setting:

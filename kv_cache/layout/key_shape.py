@@ -18,8 +18,9 @@ mean turns with the position (RoPE periods of 1,000-10,000 positions carry means
 default model) is only partly served by it: calibration averages over the positions a long
 conversation reaches (``kv_cache.model.calibrate``), which keeps the offsets of the pairs that
 hardly turn (periods over 20,000 positions: means of 10-14) and lets the others go to zero.
-Measured (docs/BENCHMARKS.md section 14): 4-bit keys and values on the default model lose less
-with the shape, most on short contexts; what is left over long ones is not offsets.
+Measured on the default model (docs/BENCHMARKS.md section 14): at 4 bits about a point less
+perplexity over long contexts and a point more over short ones, so the server keeps it off
+unless asked (``--kv-calibration on``).
 
 Exactness (see ``kv_cache.layout.quant``): ``m`` is a float16 value and ``D`` has 3 significant
 bits (``{1, 1.25, 1.5, 1.75} * 2**e``), so every product of the decode stays exact once the
