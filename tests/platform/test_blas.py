@@ -409,14 +409,17 @@ def test_thread_count_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     assert blas.candidate_env(c, {})["OPENBLAS_NUM_THREADS"] == "5"
 
 
-def test_the_launch_asks_glibc_for_huge_pages_unless_the_user_set_it(
+def test_the_launch_asks_glibc_for_huge_pages_and_a_fixed_mmap_threshold_unless_set(
         monkeypatch: pytest.MonkeyPatch) -> None:
     c = blas.Candidate("x", Path("/lib/libx.so"), Path("/lib/libx.so"))
     monkeypatch.setattr(blas.platform, "libc_ver", lambda: ("glibc", "2.36"))
-    assert blas.candidate_env(c, {})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    both = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=65536"
+    assert blas.candidate_env(c, {})["GLIBC_TUNABLES"] == both
     assert blas.candidate_env(c, {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})[
-        "GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+        "GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + both
+    assert blas.candidate_env(c, {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})[
+        "GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=0:glibc.malloc.mmap_threshold=65536"
     assert "GLIBC_TUNABLES" not in blas.candidate_env(
-        c, {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"})
+        c, {"GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1:glibc.malloc.hugetlb=0"})
     monkeypatch.setattr(blas.platform, "libc_ver", lambda: ("", ""))  # musl, or not Linux
     assert "GLIBC_TUNABLES" not in blas.candidate_env(c, {})
