@@ -214,9 +214,6 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
         entry = p.fetched.get(id(keys)) if p is not None else None
         reads = entry[1].reads if entry is not None and entry[0] is keys else None
     if reads is None:
-        watch = getattr(cache, "watch_queries", None)  # calibration (``calibrate``)
-        if watch is not None:
-            watch(queries, keys)
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     rs = reads()
     if rs is None:  # one sequence, nothing shared: the fused kernel, the model's mask

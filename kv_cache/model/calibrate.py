@@ -3,8 +3,8 @@
 ``key_stats(model, tokens, spec)`` runs the model over ``tokens`` with mlx-lm's own caches
 (nothing paged, nothing kept) and measures, for every paged layer of ``spec``, its keys' mean
 and standard deviation per KV head and channel (post-RoPE, as pages hold them) and the root mean
-square of the queries that read them (seen through ``kv_cache.model.attention``'s hook; ones
-for a model whose attention is not routed there). The caller picks the text and keeps it fixed:
+square of the queries that read them (seen by wrapping, for the pass, the attention function
+the model's modules call; ones for a model whose modules call none by that name). The caller picks the text and keeps it fixed:
 the statistics enter the cache's fingerprint (``with_kv_bits``).
 
 Positions: pages hold keys after RoPE, so a channel pair's mean turns with the position, and a
@@ -19,7 +19,9 @@ measured where it was read.
 
 from __future__ import annotations
 
-from typing import Sequence
+import sys
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -27,7 +29,6 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from kv_cache.layout.key_shape import KeyStats
 from kv_cache.layout.spec import CacheSpec
-from kv_cache.model.attention import install
 
 CHUNK = 256  # tokens a forward pass
 
@@ -85,6 +86,32 @@ def _watch(cache, sums: _Sums) -> None:
     cache.__class__ = Watched
 
 
+@contextmanager
+def _queries_watched(model) -> Iterator[None]:
+    """For the block, every module of ``model`` that calls ``scaled_dot_product_attention``
+    (mlx-lm's, or ``kv_cache.model.attention``'s once installed) shows a watched cache its
+    queries first; the functions are put back after."""
+    mods = {sys.modules.get(type(m).__module__) for _, m in model.named_modules()}
+    saved = {mod: mod.scaled_dot_product_attention for mod in mods
+             if callable(getattr(mod, "scaled_dot_product_attention", None))}
+
+    def watching(fn):
+        def sdpa(queries, keys, values, *args, cache=None, **kwargs):
+            watch = getattr(cache, "watch_queries", None)
+            if watch is not None:
+                watch(queries, keys)
+            return fn(queries, keys, values, *args, cache=cache, **kwargs)
+        return sdpa
+
+    for mod, fn in saved.items():
+        mod.scaled_dot_product_attention = watching(fn)
+    try:
+        yield
+    finally:
+        for mod, fn in saved.items():
+            mod.scaled_dot_product_attention = fn
+
+
 def _rope(model, slot: int):
     """The ``rope`` module of the layer behind cache slot ``slot`` (None: not found)."""
     layers = getattr(model, "layers", None)
@@ -102,13 +129,13 @@ def key_stats(model, tokens: Sequence[int], spec: CacheSpec,
     multiple of ``len(tokens)`` below ``positions``, per model slot."""
     if not tokens:
         raise ValueError("calibration needs tokens")
-    install(model)
     caches = make_prompt_cache(model)
     shifts = range(0, max(positions, len(tokens)), len(tokens))
     sums = {s: _Sums(_rope(model, s), shifts) for g in spec.groups for s in g.layers}
     for slot, s in sums.items():
         _watch(caches[slot], s)
-    for a in range(0, len(tokens), CHUNK):
-        model(mx.array([list(tokens[a : a + CHUNK])]), cache=caches)
-        mx.eval([v for s in sums.values() for v in (s.k, s.k2, s.q2) if v is not None])
+    with _queries_watched(model):
+        for a in range(0, len(tokens), CHUNK):
+            model(mx.array([list(tokens[a : a + CHUNK])]), cache=caches)
+            mx.eval([v for s in sums.values() for v in (s.k, s.k2, s.q2) if v is not None])
     return {slot: s.stats() for slot, s in sums.items() if s.n}

@@ -49,7 +49,11 @@ def test_the_statistics_are_those_of_the_keys_and_queries():
     model = make_tiny_model(seed=5, num_layers=3, hidden=128, heads=4, kv_heads=2)
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, 300, size=CHUNK + 40)]
     spec = spec_of_model(model)
+    from mlx_lm.models import llama
+
+    before = llama.scaled_dot_product_attention
     st = key_stats(model, tokens, spec, positions=len(tokens))  # where it was read
+    assert llama.scaled_dot_product_attention is before  # the watch is taken off after
     ref = reference(model, tokens)
     assert sorted(st) == [0, 1, 2]
     for i, (mean, std) in ref.items():
