@@ -165,9 +165,10 @@ def run(base: str, model: str, workload: str, clients: int, max_tokens: int,
         outs = list(pool.map(lambda rb: stream(base, rb[0], rb[1], model, extra), reqs))
     wall = time.perf_counter() - t0
     toks = [_completion(o["usage"]) for o in outs]
-    rates = [(n - 1) / (o["last"] - o["first"]) for n, o in zip(toks, outs)
+    timed = [(n, o) for n, o in zip(toks, outs) if o["first"] is not None]  # streamed a piece
+    rates = [(n - 1) / (o["last"] - o["first"]) for n, o in timed
              if n > 1 and o["last"] > o["first"]]
-    span = max(o["last"] for o in outs) - min(o["first"] for o in outs)
+    span = (max(o["last"] for _, o in timed) - min(o["first"] for _, o in timed)) if timed else 0
     steps = [o["usage"].get("decode_steps") for o in outs]
     acc = sum(_details(o["usage"]).get("accepted_prediction_tokens", 0) for o in outs)
     rej = sum(_details(o["usage"]).get("rejected_prediction_tokens", 0) for o in outs)
@@ -195,6 +196,10 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2, help="on/off alternations")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--warmup", action="store_true",
+                    help="first run every workload once, unrecorded, on a speculating server "
+                         "(on a GPU: MLX compiles its kernels at first use, which would otherwise "
+                         "fall inside the first rows' clocks)")
     ap.add_argument("--peer-mlx-lm", action="store_true",
                     help="also mlx-lm's server on the same model, converted to an MLX folder "
                          "(chat workloads only: it has no Messages API and no grammars)")
@@ -202,6 +207,8 @@ def main() -> None:
     out = result_path(args.json)
     results: dict = {"argv": sys.argv[1:], "runs": []}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.warmup:
+            results["warmup_s"] = warmup(Path(tmp), args)
         for rnd in range(args.rounds):
             for w in args.workloads:
                 for n in args.clients:
@@ -236,6 +243,22 @@ def _row(tmp: Path, args, rnd: int, w: str, n: int, mode: str) -> dict:
           f"{r['aggregate_tok_s']:.2f} in all, {r['tokens_per_step']} tok/step, "
           f"{r['accepted']}/{r['drafted']} drafts taken", flush=True)
     return r
+
+
+def warmup(tmp: Path, args) -> float:
+    """Every workload at every client count, 32 tokens, on one speculating server; unrecorded."""
+    t0 = time.perf_counter()
+    srv = Server(tmp / "kv-warmup", free_port(), ["--model", args.model, "--speculate", "ngram",
+                                                  "--no-disk-cache", "--max-batch", "16"])
+    try:
+        name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
+        for w in args.workloads:
+            for n in args.clients:
+                run(srv.url.removesuffix("/v1"), name, w, n, 32, {})
+    finally:
+        srv.stop()
+    print(f"warm-up: {time.perf_counter() - t0:.1f} s", flush=True)
+    return round(time.perf_counter() - t0, 1)
 
 
 def plot(summary: list[dict], path: Path) -> None:
