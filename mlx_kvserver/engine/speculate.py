@@ -30,6 +30,7 @@ import mlx.core as mx
 
 from ..chat.output import Delta
 from .drafts import Drafter, SharedIndex
+from .pass_cost import PassCost
 from .request import Choice
 
 log = logging.getLogger("mlx_kvserver.engine")
@@ -54,42 +55,6 @@ class SpeculationStats:
                 "accepted": self.accepted,
                 "acceptance_rate": round(self.accepted / self.drafted, 4) if self.drafted else 0.0,
                 "tokens_per_step": round(self.tokens / self.steps, 4) if self.steps else 0.0}
-
-
-class PassCost:
-    """What a forward pass of ``seqs`` sequences over ``rows`` token rows (sequences x the step's
-    width) costs, fitted per batch size as ``fixed + b * rows`` to that size's recent passes
-    (least squares): each sequence in a pass costs its keys' reads and its own attention, each
-    row its activations and its queries' scores, so a pass's fixed part grows with the batch and
-    only passes of the same batch size say what one more row costs. On a CPU a wide verify pass
-    costs almost what its rows would as decode steps; on a GPU little beyond the step. Before a
-    batch size's passes say anything, ``b / fixed`` is taken as ``PRIOR``."""
-
-    PRIOR, WINDOW = 0.05, 32
-
-    def __init__(self) -> None:
-        self.samples: dict[int, list[tuple[int, float]]] = {}
-
-    def add(self, seqs: int, rows: int, seconds: float) -> None:
-        got = self.samples.setdefault(seqs, [])
-        got.append((rows, seconds))
-        del got[:-self.WINDOW]
-
-    def ratio(self, seqs: int) -> float:
-        """``b / fixed`` for a pass of ``seqs`` sequences: one more row against a pass's fixed
-        part."""
-        got = self.samples.get(seqs, [])
-        xs = [r for r, _ in got]
-        if len(set(xs)) < 2 or len(xs) < 4:
-            return self.PRIOR
-        n = len(xs)
-        mx_, my = sum(xs) / n, sum(t for _, t in got) / n
-        sxx = sum((x - mx_) ** 2 for x in xs)
-        b = sum((x - mx_) * (t - my) for x, t in got) / sxx
-        a = my - b * mx_
-        if a <= 0:  # rows are all there is (or noise): a small fixed part
-            a = max(my * 0.05, 1e-6)
-        return max(b, 0.0) / a
 
 
 class Speculation:
@@ -148,21 +113,26 @@ class Speculation:
 
     def _width(self, group: Sequence[Choice], drafts: list[list[int]]) -> int:
         """The step's width (1: a plain decode step): the one that gives the most tokens per
-        second, by each choice's recent acceptance and the cost of wider passes (``PassCost``).
-        A choice whose draft is forced (a grammar) counts every token as taken."""
+        second, by each choice's recent acceptance and what a pass that wide costs against a
+        plain step here (``PassCost``). A choice whose draft is forced (a grammar) counts every
+        token as taken. Where no width pays, a wide pass is still tried now and then
+        (``PassCost.probe_due``), so a cost measured once is measured again."""
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 1
         B = len(group)
-        ratio = self.cost.ratio(B)
-        best, best_rate = 1, B / (1 + ratio * B)
+        best, best_rate, wide, wide_rate = 1, float(B), 2, 0.0
         for w in range(2, longest + 2):
             gain = sum(min(len(d), w - 1) + 1 if c.draft_source == "grammar"
                        else c.drafter.expected(min(len(d), w - 1)) if d else 1.0
                        for c, d in zip(group, drafts))
-            rate = gain / (1 + ratio * B * w)
-            if rate > best_rate * 1.02:
-                best, best_rate = w, rate
+            rate = gain / self.cost.relative(B, w)
+            if rate > wide_rate * 1.02:
+                wide, wide_rate = w, rate
+        if wide_rate > best_rate * 1.02:
+            best = wide
+        if self.cost.probe_due(B, declined=best == 1):
+            best = wide
         return best
 
     def _draft(self, c: Choice) -> tuple[list[int], int]:

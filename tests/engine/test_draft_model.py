@@ -11,7 +11,7 @@ from mlx_kvserver import cli
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.draft_model import DraftModelError, check_draft_model
 from mlx_kvserver.engine.engine import Engine
-from mlx_kvserver.engine.speculate import PassCost
+from mlx_kvserver.engine.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
 from tests.server_utils import running_server
@@ -21,7 +21,8 @@ from tests.tiny_model import make_tiny_model_dir
 
 @pytest.fixture(autouse=True)
 def whole_drafts(monkeypatch):
-    monkeypatch.setattr(PassCost, "ratio", lambda self, seqs: 0.0)  # every draft verified whole
+    # every draft verified whole
+    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width: 1.0)
 
 
 @pytest.fixture(scope="module")

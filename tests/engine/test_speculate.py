@@ -21,7 +21,7 @@ from mlx_kvserver.engine.drafts import Drafter
 from mlx_kvserver.engine.request import Job
 from mlx_kvserver.engine.runner import Runner
 from mlx_kvserver.engine.scheduler import Scheduler
-from mlx_kvserver.engine.speculate import PassCost
+from mlx_kvserver.engine.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.engine.test_scheduler import Collect, run
 from tests.server_utils import running_server
@@ -35,7 +35,7 @@ def wide_passes_cost_nothing(monkeypatch):
     """Every draft verified whole, as where a wider pass costs what a step does (a GPU): the
     width a step picks on this CPU (``Speculation._width``, tested in test_speculation_width.py)
     would otherwise cut the drafts these tests make to check every path."""
-    monkeypatch.setattr(PassCost, "ratio", lambda self, seqs: 0.0)
+    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width: 1.0)
 
 
 @pytest.fixture(scope="module")

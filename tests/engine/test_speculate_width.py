@@ -1,6 +1,7 @@
-"""How wide a verify pass is (engine/speculate.py ``Speculation._width``, ``PassCost``): the
-width that gives the most tokens per second, by each answer's recent acceptance and what wider
-passes cost on this machine; 1 (a plain decode step) where drafts would not pay."""
+"""How wide a verify pass is (engine/speculate.py ``Speculation._width``, engine/pass_cost.py
+``PassCost``): the width that gives the most tokens per second, by each answer's recent
+acceptance and what wider passes cost on this machine against a plain step; 1 (a plain decode
+step) where drafts would not pay, with a wide pass tried again now and then."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from mlx_kvserver.engine.drafts import Drafter
-from mlx_kvserver.engine.speculate import PassCost, Speculation
+from mlx_kvserver.engine.pass_cost import PassCost
+from mlx_kvserver.engine.speculate import Speculation
 
 
 def choice(rate: float, source: str = "context"):
@@ -18,29 +20,84 @@ def choice(rate: float, source: str = "context"):
     return SimpleNamespace(drafter=d, draft_source=source)
 
 
+def on_a_line(ratio: float):
+    """A machine where a pass costs ``fixed * (1 + ratio * rows)`` whatever its width."""
+    return lambda seqs, w: (1 + ratio * seqs * w) / (1 + ratio * seqs)
+
+
 def spec(ratio: float) -> Speculation:
     s = Speculation(runner=None, mode="ngram", max_draft=8)
-    s.cost.ratio = lambda seqs: ratio
+    s.cost.relative = on_a_line(ratio)
+    s.cost.probe_due = lambda seqs, declined: False
     return s
+
+
+def prior(seqs: int, w: int) -> float:
+    return on_a_line(PassCost.PRIOR)(seqs, w)
 
 
 def test_the_fit_of_what_rows_cost():
     c = PassCost()
-    assert c.ratio(8) == PassCost.PRIOR  # nothing measured yet
+    assert c.relative(8, 4) == pytest.approx(prior(8, 4))  # nothing measured yet
+    assert c.relative(8, 1) == 1.0
     for w in (1, 2, 3, 5, 9) * 2:  # the default model on this CPU, 8 x 2,500 tokens of context
         c.add(8, 8 * w, 0.510 + 0.021 * 8 * w)
         c.add(1, w, 0.115 + 0.021 * w)
-    assert c.ratio(8) == pytest.approx(0.021 / 0.510)
-    assert c.ratio(1) == pytest.approx(0.021 / 0.115)  # a batch's fixed part is its own
-    assert c.ratio(4) == PassCost.PRIOR  # no passes of 4 yet
+    assert c.relative(8, 5) == pytest.approx(on_a_line(0.021 / 0.510)(8, 5))
+    assert c.relative(1, 5) == pytest.approx(on_a_line(0.021 / 0.115)(1, 5))  # its own fixed part
+    assert c.relative(4, 5) == pytest.approx(prior(4, 5))  # no passes of 4 yet
     c = PassCost()
     for _ in range(10):
         c.add(8, 8, 0.1)
-    assert c.ratio(8) == PassCost.PRIOR  # one width only: nothing to fit
+    assert c.relative(8, 3) == pytest.approx(prior(8, 3))  # plain steps only: the prior
     c = PassCost()
     for rows in (1, 2, 3, 4) * 3:
         c.add(1, rows, 0.01 * rows)  # no fixed part at all
-    assert c.ratio(1) > 5  # rows are nearly all a pass costs
+    assert c.relative(1, 4) > 3.5  # rows are nearly all a pass costs
+
+
+def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
+    """A GPU: a plain step ~5.5 ms, any pass of two rows or more ~43 ms (the default model alone
+    on an H100, docs/BENCHMARKS.md section 17). The old single line through all passes saw
+    verify passes of one width only and kept the prior: every draft was verified, at 0.26x."""
+    c = PassCost()
+    for _ in range(20):
+        c.add(1, 1, 0.0055)
+    for _ in range(5):
+        c.add(1, 9, 0.043)
+    assert c.relative(1, 9) == pytest.approx(0.043 / 0.0055, rel=0.02)
+    assert c.relative(1, 2) > 5  # the fixed part of a wide pass is most of it
+    s = Speculation(runner=None, mode="ngram", max_draft=8)
+    s.cost = c
+    assert s._width([choice(0.84)], [[1] * 8]) == 1  # ~4.4 tokens a pass do not pay 7.8 steps
+    cheap = PassCost()
+    for rows in (1, 1, 1, 1, 5, 9, 5, 9):
+        cheap.add(1, rows, 0.0055 + 0.0002 * rows)  # a wide pass costing about a step
+    s.cost = cheap
+    assert s._width([choice(0.84)], [[1] * 8]) > 4
+
+
+def test_plain_steps_do_not_push_the_wide_passes_out():
+    c = PassCost()
+    for rows in (9, 5, 9, 5):
+        c.add(1, rows, 0.04)
+    for _ in range(10 * PassCost.WINDOW):
+        c.add(1, 1, 0.005)
+    assert c.relative(1, 9) == pytest.approx(8.0, rel=0.05)  # not the prior (~1.4)
+
+
+def test_a_declined_width_is_tried_again_ever_more_rarely():
+    """Where no width pays, a probe after 16 declined steps, then after 32, 64, ...; a step that
+    chooses a wide pass on its merit starts the count again."""
+    s = Speculation(runner=None, mode="ngram", max_draft=8)
+    for _ in range(8):
+        s.cost.add(1, 1, 0.005)
+        s.cost.add(1, 9, 0.04)
+    widths = [s._width([choice(0.84)], [[1] * 8]) for _ in range(200)]
+    probes = [i + 1 for i, w in enumerate(widths) if w > 1]
+    assert probes == [16, 48, 112]
+    assert s.cost.probe_due(1, declined=False) is False  # a wide pass chosen on merit
+    assert [s.cost.probe_due(1, declined=True) for _ in range(16)][-1] is True
 
 
 def test_free_passes_verify_the_whole_draft():

@@ -1,0 +1,100 @@
+"""What a wider forward pass costs against a plain decode step, measured as the server runs:
+:class:`PassCost` (used by ``speculate.Speculation._width`` to pick each step's width).
+
+Plain steps (one token a sequence) and wide passes (a verify pass: a sequence's last token and
+its draft) are kept apart, because the two need not lie on one line: on a CPU a pass costs about
+``fixed + b * rows`` whatever its width (measured: docs/BENCHMARKS.md section 17), but on a GPU a
+plain step runs kernels made for one query row (a matrix-vector product, attention for one
+query) and a pass of two rows or more other ones, so a wide pass can cost several plain steps
+however few its rows (measured on an H100: ~8x for the default model alone, section 17). So:
+
+- a plain step of ``B`` sequences costs the median of that batch size's recent plain steps;
+- a wide pass of ``rows`` costs a line fitted (least squares) to that batch size's recent wide
+  passes, ``fixed + b * rows``, or, before they say anything, the prior ``b / fixed = PRIOR``
+  with the fixed part taken from the plain steps;
+- each kind keeps its own recent window, so a long run of plain steps never pushes the wide
+  passes out (which made a machine where drafts do not pay try them again and again).
+
+A batch size whose wide passes were found not to pay is probed again now and then, the gap
+doubling each time it still does not (``probe_due``): costs change with the context and the
+batch, and a probe costs one wide pass.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+class PassCost:
+    """Recent passes per batch size: plain steps and wide passes apart (module docstring)."""
+
+    PRIOR, WINDOW = 0.05, 32
+    FIRST_PROBE, LAST_PROBE = 16, 1024  # plain steps declined before a wide pass is tried again
+
+    def __init__(self) -> None:
+        self.plain: dict[int, list[float]] = {}
+        self.wide: dict[int, list[tuple[int, float]]] = {}
+        self._declined: dict[int, int] = {}
+        self._gap: dict[int, int] = {}
+
+    def add(self, seqs: int, rows: int, seconds: float) -> None:
+        """A pass of ``seqs`` sequences over ``rows`` token rows took ``seconds``."""
+        if rows <= seqs:
+            got: list = self.plain.setdefault(seqs, [])
+            got.append(seconds)
+        else:
+            got = self.wide.setdefault(seqs, [])
+            got.append((rows, seconds))
+        del got[:-self.WINDOW]
+
+    def relative(self, seqs: int, width: int) -> float:
+        """What a pass of ``seqs`` sequences ``width`` tokens wide costs, in plain steps of
+        ``seqs`` (1.0 for ``width`` 1; never below 1)."""
+        if width <= 1:
+            return 1.0
+        plain = statistics.median(self.plain[seqs]) if self.plain.get(seqs) else None
+        line = self._line(seqs)
+        if line is None or plain is None:
+            if line is not None:  # no plain step of this size yet: the line at one row a sequence
+                plain = line[0] + line[1] * seqs
+            else:
+                r = self.PRIOR * seqs
+                return (1 + r * width) / (1 + r)
+        a, b = line
+        return max(1.0, (a + b * seqs * width) / plain) if plain > 0 else 1.0
+
+    def _line(self, seqs: int) -> tuple[float, float] | None:
+        """``(fixed, b)`` for wide passes of ``seqs`` sequences: fitted where they were of two
+        widths or more, else through their mean with the prior slope; None before any."""
+        got = self.wide.get(seqs, [])
+        if not got:
+            return None
+        xs = [r for r, _ in got]
+        n = len(xs)
+        mx_, my = sum(xs) / n, sum(t for _, t in got) / n
+        if len(set(xs)) < 2 or n < 4:
+            a = my / (1 + self.PRIOR * mx_)
+            return a, self.PRIOR * a
+        sxx = sum((x - mx_) ** 2 for x in xs)
+        b = max(0.0, sum((x - mx_) * (t - my) for x, t in got) / sxx)
+        a = my - b * mx_
+        if a <= 0:  # rows are all there is (or noise): a small fixed part
+            a = max(my * 0.05, 1e-6)
+        return a, b
+
+    def probe_due(self, seqs: int, declined: bool) -> bool:
+        """Called once a step that had drafts: ``declined`` when its width came out 1 by cost.
+        True when this step should verify anyway (a probe); a step that chose a wide pass on its
+        own merit resets the gap."""
+        if not declined:
+            self._declined[seqs] = 0
+            self._gap[seqs] = self.FIRST_PROBE
+            return False
+        n = self._declined.get(seqs, 0) + 1
+        gap = self._gap.get(seqs, self.FIRST_PROBE)
+        if n < gap:
+            self._declined[seqs] = n
+            return False
+        self._declined[seqs] = 0
+        self._gap[seqs] = min(gap * 2, self.LAST_PROBE)
+        return True
