@@ -120,10 +120,11 @@ def run_server(kind: str, args, doc: str, work: Path, out: dict | None = None,
     return out
 
 
-def on_document(lm, doc: str, n: int, chunk: int = 256):
+def on_document(lm, doc: str | list[str], n: int, chunk: int = 256):
     """``n`` conversations on ``doc`` prompted the way the scheduler does (pages committed per
     chunk, so each later one finds the document in pages and reads it through a view): the
-    pool, its manager, the runner, the sequences and each one's next (greedy) token."""
+    pool, its manager, the runner, the sequences and each one's next (greedy) token. A list of
+    ``n`` documents gives each conversation its own."""
     import mlx.core as mx
 
     from kv_cache.model.attention import PrefixViews
@@ -140,7 +141,8 @@ def on_document(lm, doc: str, n: int, chunk: int = 256):
         manager.views = PrefixViews(pool)
     seqs, nxt = [], []
     for i in range(n):
-        prompt = tok.encode(tok.render([{"role": "system", "content": doc},
+        prompt = tok.encode(tok.render([{"role": "system",
+                                         "content": doc if isinstance(doc, str) else doc[i]},
                                         {"role": "user", "content": question(i)}],
                                        add_generation_prompt=True))
         seq, match = manager.start(prompt, [])

@@ -1,0 +1,130 @@
+"""What a forward pass ``w`` tokens wide costs against a plain decode step (default model).
+
+A verify pass (engine/speculate.py) feeds each sequence its last token and a draft of ``w - 1``;
+speculation pays where such a pass costs little more than a step (engine/pass_cost.py measures
+it as the server runs). This script measures it apart, per backend:
+
+    python scripts/bench_pass_width.py [--widths 1 2 4 9] [--batches 1 8] [--reps 8] [--json out]
+
+Cases: ``shared``: sequences on one ~2,000-token document (one prefix view for all), ``distinct``:
+each sequence on its own document (a view each), both through the server's runner and pages;
+``mlx_lm``: one sequence in mlx-lm's own ``KVCache`` (no pages, the fused attention kernel), for
+reference. Width 1 is the plain decode step (``Runner.decode``); a wider pass is
+``Runner.verify`` with its argmax read, then the draft's positions trimmed (a verify step that
+takes nothing, so every pass sees the same context). Milliseconds per pass (median of
+``--reps``) and each width's cost in plain steps. On a GPU, MLX compiles kernels at first use:
+the first pass of each shape is left out (two warm-up passes per cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import mlx.core as mx  # noqa: E402
+
+from bench_batching import on_document, question  # noqa: E402
+from bench_results import result_path, write_result  # noqa: E402
+from bench_ttft import document  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
+
+
+def _pass(runner, seqs, nxt: list[int], w: int) -> None:
+    if w == 1:
+        mx.eval(mx.argmax(runner.decode(seqs, nxt), axis=-1))
+        for s in seqs:
+            s.trim(1)
+        return
+    rows = runner.verify(seqs, [[t] * w for t in nxt])
+    mx.eval([mx.argmax(r, axis=-1) for r in rows])
+    for s in seqs:
+        s.trim(w)
+
+
+def _median_ms(f, reps: int) -> float:
+    for _ in range(2):
+        f()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
+
+
+def paged(lm, docs: list[str], widths, batches, reps: int) -> dict:
+    _, _, runner, seqs, nxt = on_document(lm, docs, max(batches), chunk=512)
+    out = {}
+    for b in batches:
+        out[b] = {w: _median_ms(lambda: _pass(runner, seqs[:b], nxt[:b], w), reps)
+                  for w in widths}
+        print(b, {w: round(t, 2) for w, t in out[b].items()}, flush=True)
+    for s in seqs:
+        s.close()
+    return out
+
+
+def mlx_lm_reference(lm, doc: str, widths, reps: int) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+
+    tok = lm.tokenizer
+    prompt = tok.encode(tok.render([{"role": "system", "content": doc},
+                                    {"role": "user", "content": question(0)}],
+                                   add_generation_prompt=True))
+    cache = make_prompt_cache(lm.model)
+    for at in range(0, len(prompt), 512):
+        lm.model(mx.array([prompt[at : at + 512]]), cache=cache)
+        mx.eval([c.state for c in cache])
+
+    def one(w: int) -> None:
+        mx.eval(mx.argmax(lm.model(mx.array([[5] * w]), cache=cache), axis=-1))
+        for c in cache:
+            c.trim(w)
+
+    out = {w: _median_ms(lambda: one(w), reps) for w in widths}
+    print("mlx-lm", {w: round(t, 2) for w, t in out.items()}, flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 4, 9])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    lm = resolve_and_load(args.model)
+    n = max(args.batches)
+    doc = document()
+    res: dict = {"argv": sys.argv[1:], "device": str(mx.default_device()),
+                 "machine": platform.machine(), "mlx": mx.__version__,
+                 "env": {k: os.environ.get(k) for k in ("MLX_USE_CUDA_GRAPHS",
+                                                        "MLX_CUDA_USE_CUDNN_SDPA")},
+                 "model": lm.name, "cases": {}}
+    print("shared document", flush=True)
+    res["cases"]["shared"] = paged(lm, [doc] * n, args.widths, args.batches, args.reps)
+    print("a document each", flush=True)
+    docs = [f"Guide {i + 1} of {n}. " + doc for i in range(n)]
+    res["cases"]["distinct"] = paged(lm, docs, args.widths, args.batches, args.reps)
+    res["cases"]["mlx_lm"] = {1: mlx_lm_reference(lm, doc, args.widths, args.reps)}
+    res["in_steps"] = {case: {b: {w: round(t / cells[b][args.widths[0]], 3)
+                                  for w, t in cells[b].items()} for b in cells}
+                       for case, cells in res["cases"].items()}
+    print(json.dumps(res["in_steps"]), flush=True)
+    if args.json:
+        write_result(result_path(args.json), json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()
