@@ -49,6 +49,9 @@ class DiskWriter:
             except Exception:  # a disk problem never takes the server down
                 log.exception("saving a cache entry to disk failed")
             finally:
+                # NOTE: the task holds its entry's pages (host views of MLX arrays): kept in this
+                # frame until the next write, an evicted entry's pages stayed in memory
+                del task
                 self._tasks.task_done()
         self._tasks.task_done()
 

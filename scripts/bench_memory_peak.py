@@ -47,8 +47,12 @@ GB, MB = 1 << 30, 1 << 20
 
 
 def memory(url: str) -> dict:
-    stats = httpx.get(f"{url}/kv_cache/stats", timeout=300).json()["models"]
-    return next(iter(stats.values()))["memory"]
+    """The model's memory report, with its prefix views' bytes and resident sequences' tokens
+    (the parts of ``working_bytes`` that outlive a pass)."""
+    stats = next(iter(httpx.get(f"{url}/kv_cache/stats", timeout=300).json()["models"].values()))
+    ram = stats.get("ram") or {}
+    return {**stats["memory"], "view_bytes": ram.get("prefix_view_bytes", 0),
+            "resident_tokens": ram.get("resident_sequence_tokens", 0)}
 
 
 def send(url: str, prompt: list[int], args, out: dict) -> None:
@@ -88,7 +92,7 @@ def watch(url: str, threads: list, args, seen: list) -> str | None:
             continue
         seen.append({"t_s": round(time.monotonic() - t0, 1), **{k: m[k] for k in (
             "mlx_active_bytes", "pages_bytes", "working_bytes", "mlx_cache_bytes",
-            "mlx_peak_bytes", "pressure_events")}})
+            "mlx_peak_bytes", "pressure_events", "view_bytes", "resident_tokens")}})
         rate = (seen[-1]["pressure_events"] - seen[-2]["pressure_events"]) / 5 \
             if len(seen) > 1 else 0
         fast = fast + 1 if rate > 1000 else 0
