@@ -214,6 +214,7 @@ class SharedStore:
             except Exception:  # a bad job never stops the writer
                 log.exception("kv store: writing an entry failed")
             finally:
+                del job  # its pages' bytes go now, not with the next job (as saving.DiskWriter)
                 self._queue.task_done()
         self._queue.task_done()
 

@@ -3,6 +3,7 @@ each its own disk folder) share one store; what comes down is exact, and a bad v
 
 from __future__ import annotations
 
+import gc
 import time
 
 import mlx.core as mx
@@ -83,6 +84,24 @@ def test_an_entry_saved_by_one_server_restores_exactly_on_another(model, tmp_pat
     assert b.store.shared.stats().pages_written == 2  # only its new full page and tail
     a.close()
     b.close()
+
+
+def test_an_entry_in_both_tiers_and_shed_from_memory_leaves_no_bytes_behind(model, tmp_path,
+                                                                              redis_server):
+    """Each writer (disk, shared store) lets go of its last entry's pages once written: kept
+    until the next write, they outlived the entry's eviction (tests/kv_cache/test_saving.py)."""
+    m = manager(model, tmp_path / "a", redis_server.url)
+    tokens = [5 + i % 200 for i in range(1000)]
+    gc.collect()
+    base = mx.get_active_memory()
+    a_turn(model, m, tokens, "k")
+    entry_bytes = m.pool.stats().used_bytes
+    assert entry_bytes > 100_000 and m.store.shared.stats().entries_written == 1
+    m.shed()
+    gc.collect()
+    assert m.pool.stats().used_bytes == 0
+    assert mx.get_active_memory() - base < entry_bytes // 4
+    m.close()
 
 
 def test_a_prompt_without_ids_finds_its_pages_by_content(model, tmp_path, redis_server):
