@@ -22,6 +22,15 @@ calibrated on the server's own fixed text (``--kv-calibration on``,
 round trip at 4 bits (not exact, so not usable for pages), ``q4_g32``: 4 bits in groups of 32
 (``--kv-group-size 32``), ``q4_8``: keys 4, values 8 (which side the loss is on).
 
+SIMULATIONS, not usable for pages (``scripts/kivi_sim.py``): ``q4_kivi``: KIVI-style keys, 4 bits
+per (layer, kv head, channel) over page-aligned blocks of 32 consecutive positions, the trailing
+incomplete block in full precision, each query reading what a token-by-token decode would (its
+own block float, earlier blocks decoded), values as ``--kv-bits 4`` codes them (rotation, groups
+of 64); ``q4_kivi_g16``: blocks of 16; ``q4_kivi_norot``: values not rotated;
+``kivi4_values_float``: the same keys, values in full precision (the keys' share of the loss);
+``q4_open_float``: the control, keys coded per position as ``--kv-bits 4`` does but the open
+block of 32 float as in ``q4_kivi`` (what the float tail alone gives).
+
 Usage: python scripts/bench_kv_quality.py [--gen 200] [--context 4096] [--json out.json]
 """
 
@@ -42,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv_cache import key_stats, with_kv_bits  # noqa: E402
+from kv_cache.layout.quant import KVQuant  # noqa: E402
+from kivi_sim import KiviSim  # noqa: E402
 from mlx_kvserver.models.calibration import calibration_tokens  # noqa: E402
 
 PROMPTS = [
@@ -79,7 +90,12 @@ SETTINGS = {"full": None, "q8": (8, 64, True, False), "q8_4": ("8,4", 64, True, 
             "q8_4_calibrated": ("8,4", 64, True, True), "q4_calibrated": (4, 64, True, True),
             "q8_plain": (8, 64, False, False), "q4_plain": (4, 64, False, False),
             "q4_g32": (4, 32, True, False), "q4_g32_plain": (4, 32, False, False),
-            "q4_8": ("4,8", 64, True, False), "mx_quantize_q4": MxQuantizeRoundTrip(4)}
+            "q4_8": ("4,8", 64, True, False), "mx_quantize_q4": MxQuantizeRoundTrip(4),
+            # SIMULATIONS (scripts/kivi_sim.py): keys per channel over blocks of positions
+            "q4_kivi": KiviSim(32, 4, KVQuant(4)), "q4_kivi_g16": KiviSim(16, 4, KVQuant(4)),
+            "q4_kivi_norot": KiviSim(32, 4, KVQuant(4, rotate=False)),
+            "kivi4_values_float": KiviSim(32, 4, None),
+            "q4_open_float": KiviSim(32, 4, KVQuant(4), per_channel=False)}
 GREEDY = ("full", "q8", "q8_4", "q4", "q8_calibrated", "q8_4_calibrated",
           "q4_calibrated", "q4_plain")  # the settings whose answers are compared
 
@@ -90,17 +106,22 @@ class Setting:
     def __init__(self, lm, setting, stats):
         self.by_slot: dict = {}
         self.quant = None
+        self.kivi = setting if isinstance(setting, KiviSim) else None
         if isinstance(setting, tuple):
             bits, group, rotate, calibrate = setting
             spec, _ = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, group, rotate,
                                    stats if calibrate else None)
             self.by_slot = {s: g.quant for g in spec.groups for s in g.layers}
             self.quant = spec.groups[0].quant
-        elif setting is not None:
+        elif setting is not None and self.kivi is None:
             self.by_slot = {i: setting for i in range(len(lm.model.layers))}
 
     def round_trip_pair(self, keys, values, slot):
         return self.by_slot[slot].round_trip_pair(keys, values, slot)
+
+    def cache(self, slot: int):
+        """The model's cache for layer ``slot`` under this setting (a ``KVCache``)."""
+        return self.kivi.make_cache() if self.kivi is not None else _coding(KVCache, self, slot)()
 
 
 def text_tokens(tokenizer, n: int) -> tuple[list[int], str]:
@@ -128,7 +149,7 @@ def perplexity(model, tokens: list[int], quant, context: int, chunk: int = 512) 
     nll, scored = 0.0, 0
     for start in range(0, len(tokens) - 2 * context + 1, context):
         window = tokens[start : start + 2 * context]
-        caches = [_coding(KVCache, quant, i)() for i in range(len(model.layers))]
+        caches = [quant.cache(i) for i in range(len(model.layers))]
         for a in range(0, len(window) - 1, chunk):
             ids = window[a : min(a + chunk, len(window) - 1)]
             logits = model(mx.array([ids]), cache=caches)[0]
@@ -148,6 +169,8 @@ def greedy(model, prompts: list[list[int]], quant, n: int) -> list[list[int]]:
     """``n`` greedy tokens for each prompt, all decoded together (left-padded)."""
     width = max(map(len, prompts))
     pad = [width - len(p) for p in prompts]
+    if quant.kivi is not None:
+        raise ValueError("the KIVI simulation has no batched cache: no greedy answers")
     caches = [_coding(BatchKVCache, quant, i)(pad) for i in range(len(model.layers))]
     x = mx.array([[0] * k + p for k, p in zip(pad, prompts)])
     out: list[list[int]] = [[] for _ in prompts]
@@ -208,6 +231,10 @@ def main() -> None:
             row["bytes_per_position_and_head"] = quant.quant.kv_bytes(64, mx.float32)
             row["setting"] = quant.quant.label()
             row["keys_shaped"] = quant.quant.keys is not None
+        if quant.kivi is not None:
+            row["bytes_per_position_and_head"] = quant.kivi.kv_bytes(64)
+            row["setting"] = quant.kivi.label()
+            row["simulated"] = True
         out["settings"][name] = row
         print(json.dumps({name: row}), flush=True)
     print(json.dumps(out, indent=1))
