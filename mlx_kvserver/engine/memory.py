@@ -175,24 +175,24 @@ class MemoryBudget:
         return sum(fn() for fn in self.shedders.values())
 
     def in_use(self) -> int:
-        """What the budget counts as held now: MLX's active bytes (weights, pages, buffers; its
-        buffer cache apart) and what the process holds outside MLX, or where it is more, the
-        process's resident memory now less MLX's buffer cache (what serving adds outside MLX:
-        request objects, threads' arenas, ~50-80 MB under a few long prompts here). MLX's own
-        limit follows what is left for it (``_follow``), so its buffer cache and a pass's
-        temporaries stay within the budget too. With ``--memory-reserve``: MLX's bytes and the
-        reserve alone."""
+        """What the budget counts as held now: MLX's active bytes (weights, pages, buffers), its
+        buffer cache (freed arrays kept for reuse: resident until given back, which
+        ``Pressure.fits`` does first) and what the process holds outside MLX, or where it is
+        more, the process's resident memory now (what serving adds outside MLX: request objects,
+        threads' arenas, ~20-80 MB under a few long prompts here). MLX's own limit follows what
+        is left for it (``_follow``), so its cache and a pass's temporaries stay within the
+        budget too. With ``--memory-reserve``: MLX's bytes and the reserve alone."""
         active = int(mx.get_active_memory())
-        held = active + self.outside
+        cache = int(mx.get_cache_memory())
+        held = active + cache + self.outside
         if self.reserve is not None or self._process is None:
             return held
         try:
             rss = int(self._process.memory_info().rss)
         except OSError:
             return held
-        cache = int(mx.get_cache_memory())
         self._follow(max(self.outside, rss - active - cache))
-        return max(held, rss - cache)
+        return max(held, rss)
 
     def _follow(self, outside_now: int) -> None:
         """MLX's limit: the budget less what the process holds outside MLX now (set again when

@@ -63,6 +63,13 @@ class Pressure:
                 param="max_tokens", code="insufficient_memory")
 
     def fits(self, extra: int) -> bool:
+        """Whether ``extra`` more bytes fit the budget, MLX's buffer cache given back first
+        where that makes the difference (it is counted as held: it is resident)."""
+        if self.memory.in_use() + extra <= self.memory.limit:
+            return True
+        if not mx.get_cache_memory():
+            return False
+        mx.clear_cache()
         return self.memory.in_use() + extra <= self.memory.limit
 
     def chunk(self, r, done: int, want: int, first: bool = False) -> int:
