@@ -40,16 +40,22 @@ def test_mlx_limit_is_set_from_the_budget(tiny_lm):
         mx.set_memory_limit(before)
 
 
+def fill_mlx_cache() -> int:
+    """~32 MB of freed arrays in MLX's buffer cache (it keeps arrays of up to ~1 MB); its size."""
+    a = [mx.arange(1 << 18, dtype=mx.float32) + i for i in range(32)]
+    mx.eval(a)
+    del a
+    cache = mx.get_cache_memory()
+    assert cache >= 30 << 20
+    return cache
+
+
 def test_mlx_buffer_cache_is_counted_as_held():
     """Freed arrays MLX keeps for reuse are resident: the peak sweep went 1.6-2.7% over its
     limits by them (~33 MB) while the budget counted them free (docs/BENCHMARKS.md s. 18)."""
     budget = MemoryBudget(GB)
     budget.measure_outside()
-    a = [mx.arange(1 << 18, dtype=mx.float32) + i for i in range(32)]  # 32 x 1 MB
-    mx.eval(a)
-    del a  # freed into MLX's buffer cache (it keeps arrays of up to ~1 MB)
-    cache = mx.get_cache_memory()
-    assert cache >= 30 << 20
+    cache = fill_mlx_cache()
     assert budget.in_use() >= mx.get_active_memory() + cache + budget.outside
     mx.clear_cache()
 

@@ -16,6 +16,7 @@ import pytest
 
 from mlx_kvserver.engine.memory import MemoryBudget
 from mlx_kvserver.engine.pressure import Pressure
+from tests.engine.test_memory import fill_mlx_cache
 from tests.engine.test_scheduler import Collect, run, scheduler
 from tests.server_procs import HTTP, Server
 
@@ -202,11 +203,7 @@ def test_prompts_go_on_one_at_a_time_when_memory_stays_short(tiny_lm, monkeypatc
 def test_mlx_buffer_cache_is_given_back_before_a_pass_is_refused_room():
     budget = MemoryBudget(1 << 40)
     budget.measure_outside()
-    a = [mx.arange(1 << 18, dtype=mx.float32) + i for i in range(32)]  # 32 x 1 MB
-    mx.eval(a)
-    del a  # freed into MLX's buffer cache (it keeps arrays of up to ~1 MB)
-    cache = mx.get_cache_memory()
-    assert cache >= 30 << 20
+    fill_mlx_cache()
     budget.limit = budget.in_use() + (8 << 20)  # 16 MB more fits only once the cache is back
     p = Pressure(None, budget)
     assert p.fits(16 << 20) and mx.get_cache_memory() == 0
