@@ -22,9 +22,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,6 +32,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx.core as mx  # noqa: E402
 
 from bench_batching import on_document, question  # noqa: E402
+from bench_kv_bits import _median_ms  # noqa: E402
 from bench_results import result_path, write_result  # noqa: E402
 from bench_ttft import document  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
@@ -49,17 +48,6 @@ def _pass(runner, seqs, nxt: list[int], w: int) -> None:
     mx.eval([mx.argmax(r, axis=-1) for r in rows])
     for s in seqs:
         s.trim(w)
-
-
-def _median_ms(f, reps: int) -> float:
-    for _ in range(2):
-        f()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        f()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1000
 
 
 def paged(lm, docs: list[str], widths, batches, reps: int) -> dict:

@@ -36,6 +36,7 @@ class PassCost:
         self.wide: dict[int, list[tuple[int, float]]] = {}
         self._declined: dict[int, int] = {}
         self._gap: dict[int, int] = {}
+        self._fits: dict[int, tuple] = {}  # per batch size, (plain, line) until its next pass
 
     def add(self, seqs: int, rows: int, seconds: float) -> None:
         """A pass of ``seqs`` sequences over ``rows`` token rows took ``seconds``."""
@@ -46,14 +47,17 @@ class PassCost:
             got = self.wide.setdefault(seqs, [])
             got.append((rows, seconds))
         del got[:-self.WINDOW]
+        self._fits.pop(seqs, None)
 
     def relative(self, seqs: int, width: int) -> float:
         """What a pass of ``seqs`` sequences ``width`` tokens wide costs, in plain steps of
         ``seqs`` (1.0 for ``width`` 1; never below 1)."""
         if width <= 1:
             return 1.0
-        plain = statistics.median(self.plain[seqs]) if self.plain.get(seqs) else None
-        line = self._line(seqs)
+        if seqs not in self._fits:  # fitted once a step, not once a width tried
+            self._fits[seqs] = (statistics.median(self.plain[seqs]) if self.plain.get(seqs)
+                                else None, self._line(seqs))
+        plain, line = self._fits[seqs]
         if line is None or plain is None:
             if line is not None:  # no plain step of this size yet: the line at one row a sequence
                 plain = line[0] + line[1] * seqs

@@ -81,6 +81,7 @@ def test_plain_steps_do_not_push_the_wide_passes_out():
     c = PassCost()
     for rows in (9, 5, 9, 5):
         c.add(1, rows, 0.04)
+    assert c.relative(1, 9) < 2  # no plain step yet: the line's own one-row cost
     for _ in range(10 * PassCost.WINDOW):
         c.add(1, 1, 0.005)
     assert c.relative(1, 9) == pytest.approx(8.0, rel=0.05)  # not the prior (~1.4)
