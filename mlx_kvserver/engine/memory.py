@@ -25,6 +25,11 @@ log = logging.getLogger("mlx_kvserver.engine")
 
 GB = 1 << 30
 DEFAULT_FRACTION = 0.75  # of the machine's memory (Metal: of MLX's recommended working set)
+# NOTE: what the process may add outside MLX between two of the budget's checks (it measures the
+# process's resident memory at each): up to ~15 MiB above the last check under four concurrent
+# long prompts under pressure on this machine's CPU backend (docs/BENCHMARKS.md section 18), so
+# the budget keeps twice that free. Not measured on Metal.
+MARGIN = 32 << 20
 
 
 def machine_memory() -> int:
@@ -116,6 +121,8 @@ class MemoryBudget:
         self.pressure_events = 0
         self.load_peak = 0  # the most MLX held while a model was loading
         self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
+        # kept free for what grows between two checks (none with a fixed --memory-reserve)
+        self.margin = 0 if reserve is not None else MARGIN
         self._process = None  # psutil's view of this process, once measured
         self._mlx_limit = 0  # MLX's own limit as last set
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
@@ -142,7 +149,7 @@ class MemoryBudget:
         """Set MLX's own limits from the budget (and the wired limit on Metal), what the
         process holds outside MLX set aside."""
         self.measure_outside()
-        self._mlx_limit = max(self.limit - self.outside, 1 << 26)
+        self._mlx_limit = max(self.limit - self.outside - self.margin, 1 << 26)
         mx.set_memory_limit(self._mlx_limit)
         if self.device is not None:
             try:
@@ -179,25 +186,26 @@ class MemoryBudget:
         buffer cache (freed arrays kept for reuse: resident until given back, which
         ``Pressure.fits`` does first) and what the process holds outside MLX, or where it is
         more, the process's resident memory now (what serving adds outside MLX: request objects,
-        threads' arenas, ~20-80 MB under a few long prompts here). MLX's own limit follows what
-        is left for it (``_follow``), so its cache and a pass's temporaries stay within the
-        budget too. With ``--memory-reserve``: MLX's bytes and the reserve alone."""
+        threads' arenas, ~20-80 MB under a few long prompts here), and the ``margin`` kept free
+        for what the process adds between two checks. MLX's own limit follows what is left for
+        it (``_follow``), so its cache and a pass's temporaries stay within the budget too. With
+        ``--memory-reserve``: MLX's bytes and the reserve alone."""
         active = int(mx.get_active_memory())
         cache = int(mx.get_cache_memory())
         held = active + cache + self.outside
         if self.reserve is not None or self._process is None:
-            return held
+            return held + self.margin
         try:
             rss = int(self._process.memory_info().rss)
         except OSError:
-            return held
+            return held + self.margin
         self._follow(max(self.outside, rss - active - cache))
-        return max(held, rss)
+        return max(held, rss) + self.margin
 
     def _follow(self, outside_now: int) -> None:
         """MLX's limit: the budget less what the process holds outside MLX now (set again when
         that moved by 8 MB or more)."""
-        mlx_limit = max(self.limit - outside_now, 1 << 26)
+        mlx_limit = max(self.limit - outside_now - self.margin, 1 << 26)
         if abs(mlx_limit - self._mlx_limit) >= 8 << 20:
             mx.set_memory_limit(mlx_limit)
             self._mlx_limit = mlx_limit
@@ -233,6 +241,6 @@ class MemoryBudget:
                 "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory()), "load_peak_bytes": self.load_peak,
-                "outside_mlx_bytes": self.outside,
+                "outside_mlx_bytes": self.outside, "margin_bytes": self.margin,
                 "refused": self.refused,
                 "pressure_events": self.pressure_events}

@@ -52,11 +52,11 @@ class Pressure:
         """Refuse ``r`` (400, with the figures) when it cannot fit even alone."""
         m = self.memory
         need = m.request_floor(self.s.name, len(r.prompt), r.max_tokens)
-        if m.weights_total + m.outside + need > m.limit:
+        if m.weights_total + m.outside + m.margin + need > m.limit:
             m.refused += 1
             raise RequestError(
                 400, f"this request needs about {_gb(need)} of memory beyond the models' "
-                f"weights ({_gb(m.weights_total)}) and the process's own ({_gb(m.outside)}): "
+                f"weights ({_gb(m.weights_total)}) and the process's own ({_gb(m.outside + m.margin)}): "
                 f"{len(r.prompt)} prompt tokens and up to "
                 f"{r.max_tokens} answer tokens; the server's memory limit is {_gb(m.limit)} "
                 "(--memory-limit). Shorten the conversation or ask for fewer tokens",

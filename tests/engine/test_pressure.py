@@ -209,3 +209,25 @@ def test_mlx_buffer_cache_is_given_back_before_a_pass_is_refused_room():
     assert p.fits(16 << 20) and mx.get_cache_memory() == 0
     assert not p.fits(budget.limit)  # nothing left to give back: no
 
+
+
+def test_admission_keeps_the_margin(tiny_lm):
+    """A request whose floor fits the limit only if the margin kept for what grows between two
+    checks is spent is refused (400, the figures); a little less is admitted."""
+    from types import SimpleNamespace
+
+    from mlx_kvserver.errors import RequestError
+
+    budget = MemoryBudget(1 << 40)
+    budget.add_model(tiny_lm)
+    budget.measure_outside()
+    assert budget.margin > 0
+    p = Pressure(SimpleNamespace(name=tiny_lm.name), budget)
+    r = SimpleNamespace(prompt=[5] * 400, max_tokens=100)
+    need = budget.request_floor(tiny_lm.name, 400, 100)
+    budget.limit = budget.weights_total + budget.outside + need  # fits without the margin only
+    with pytest.raises(RequestError) as e:
+        p.admit(r)
+    assert e.value.status == 400 and e.value.code == "insufficient_memory"
+    budget.limit += budget.margin
+    p.admit(r)
