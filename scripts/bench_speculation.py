@@ -155,9 +155,42 @@ def _piece(ev: dict) -> str:
     return d.get("text") or d.get("partial_json") or ""
 
 
+def as_openai(route: str, body: dict) -> tuple[str, dict]:
+    """A request in the shape mlx-lm's server reads (OpenAI's chat completions only, no
+    assistant prefill): the Anthropic ``edit`` request as OpenAI tools, a tool call and its
+    result; ``rewrite`` without its assistant prefill (mlx-lm closes the assistant turn and
+    answers anew). The same conversation otherwise; mlx-lm's answers differ (it ignores
+    ``tool_choice`` and ``response_format``): its row is its decode speed on these prompts."""
+    if route == "/v1/messages":
+        msgs = [{"role": "system", "content": body["system"]}]
+        for m in body["messages"]:
+            if isinstance(m["content"], str):
+                msgs.append(m)
+            elif m["role"] == "assistant":
+                msgs.append({"role": "assistant", "content": "", "tool_calls": [
+                    {"id": b["id"], "type": "function", "function": {
+                        "name": b["name"], "arguments": json.dumps(b["input"])}}
+                    for b in m["content"]]})
+            else:
+                msgs += [{"role": "tool", "tool_call_id": b["tool_use_id"],
+                          "content": b["content"]} for b in m["content"]]
+        tools = [{"type": "function", "function": {
+            "name": t["name"], "description": t["description"], "parameters": t["input_schema"]}}
+            for t in body["tools"]]
+        return "/v1/chat/completions", {
+            "messages": msgs, "tools": tools, "max_tokens": body["max_tokens"], "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": body["tool_choice"]["name"]}}}
+    msgs = body["messages"]
+    if msgs[-1]["role"] == "assistant":
+        body = {**body, "messages": msgs[:-1]}
+    return route, body
+
+
 def run(base: str, model: str, workload: str, clients: int, max_tokens: int,
-        extra: dict) -> dict:
+        extra: dict, peer: bool = False) -> dict:
     reqs = [WORKLOADS[workload](i, max_tokens) for i in range(clients)]
+    if peer:
+        reqs = [as_openai(*rb) for rb in reqs]
     for route, body in reqs:  # read every prompt first: the clock measures decoding only
         stream(base, route, {**body, "max_tokens": 1}, model, extra)
     t0 = time.perf_counter()
@@ -202,7 +235,8 @@ def main() -> None:
                          "fall inside the first rows' clocks)")
     ap.add_argument("--peer-mlx-lm", action="store_true",
                     help="also mlx-lm's server on the same model, converted to an MLX folder "
-                         "(chat workloads only: it has no Messages API and no grammars)")
+                         "(each workload as OpenAI chat completions: it has no Messages API, "
+                         "no assistant prefill, no grammars)")
     args = ap.parse_args()
     out = result_path(args.json)
     results: dict = {"argv": sys.argv[1:], "runs": []}
@@ -290,7 +324,7 @@ def plot(summary: list[dict], path: Path) -> None:
 
 def peer_runs(tmp: Path, args, out: Path, results: dict) -> list[dict]:
     """mlx-lm's server (no prompt lookup; its draft models turn batching off) on the default
-    model's MLX folder, the chat workloads, plain decoding."""
+    model's MLX folder, every workload in the shape it reads (``as_openai``), plain decoding."""
     from mlx_kvserver.models.convert import save_mlx_folder
     from mlx_kvserver.models.loading import resolve_and_load
     from scripts.bench_multiturn import MlxLmServer
@@ -299,9 +333,10 @@ def peer_runs(tmp: Path, args, out: Path, results: dict) -> list[dict]:
     runs = []
     peer = MlxLmServer(folder, free_port(), tmp)
     try:
-        for w in [w for w in args.workloads if w in ("rewrite", "free")]:
+        for w in args.workloads:
             for n in args.clients:
-                r = run(peer.url.removesuffix("/v1"), str(folder), w, n, args.max_tokens, {})
+                r = run(peer.url.removesuffix("/v1"), str(folder), w, n, args.max_tokens, {},
+                        peer=True)
                 r.update(mode="mlx-lm", round=0, workload=w)
                 runs.append(r)
                 print(f"mlx-lm {w:8s} x{n}: {r['decode_tok_s_median']} tok/s median, "
