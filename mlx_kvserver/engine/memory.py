@@ -30,6 +30,10 @@ DEFAULT_FRACTION = 0.75  # of the machine's memory (Metal: of MLX's recommended 
 # long prompts under pressure on this machine's CPU backend (docs/BENCHMARKS.md section 18), so
 # the budget keeps twice that free. Not measured on Metal.
 MARGIN = 32 << 20
+# NOTE: MLX's buffer cache (freed arrays kept for reuse) grows during a pass, between two checks,
+# and on the CPU backend MLX's memory limit does not hold it: it may grow only into what the
+# budget has free beyond this much room for the next pass (none of it under pressure).
+PASS_ROOM = 128 << 20
 
 
 def machine_memory() -> int:
@@ -125,6 +129,7 @@ class MemoryBudget:
         self.margin = 0 if reserve is not None else MARGIN
         self._process = None  # psutil's view of this process, once measured
         self._mlx_limit = 0  # MLX's own limit as last set
+        self._cache_limit = -1  # MLX's buffer cache limit as last set
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
 
     def measure_outside(self) -> int:
@@ -194,13 +199,22 @@ class MemoryBudget:
         cache = int(mx.get_cache_memory())
         held = active + cache + self.outside
         if self.reserve is not None or self._process is None:
-            return held + self.margin
+            return self._bound_cache(held + self.margin, cache)
         try:
             rss = int(self._process.memory_info().rss)
         except OSError:
-            return held + self.margin
+            return self._bound_cache(held + self.margin, cache)
         self._follow(max(self.outside, rss - active - cache))
-        return max(held, rss) + self.margin
+        return self._bound_cache(max(held, rss) + self.margin, cache)
+
+    def _bound_cache(self, used: int, cache: int) -> int:
+        """MLX's buffer cache may hold what it holds now and grow into what the budget has free
+        beyond ``PASS_ROOM`` (set again when that moved by 8 MB or more). ``used``: in use."""
+        bound = cache + max(0, self.limit - used - PASS_ROOM)
+        if abs(bound - self._cache_limit) >= 8 << 20 or (bound == 0) != (self._cache_limit == 0):
+            mx.set_cache_limit(bound)
+            self._cache_limit = bound
+        return used
 
     def _follow(self, outside_now: int) -> None:
         """MLX's limit: the budget less what the process holds outside MLX now (set again when
