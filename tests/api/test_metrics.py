@@ -105,6 +105,8 @@ def test_metrics_need_the_key_parse_and_move_with_requests(tiny_lm, tmp_path):
         assert value(after, "memory_weights_bytes") == mem["weights_bytes"] > 0
         assert value(after, "memory_pages_bytes") == stats["ram"]["bytes"]
         assert value(after, "memory_refused_total") == 0
+        assert value(after, "memory_outside_mlx_bytes") == mem["outside_mlx_bytes"]
+        assert value(after, "memory_margin_bytes") == mem["margin_bytes"]
         assert value(after, "memory_mlx_active_bytes") > mem["weights_bytes"]
 
 

@@ -227,7 +227,8 @@ def test_cache_panel_shows_stats_exports_and_deletes(served, web, downloads, tin
     assert len(css(web, ".cache-entry")) == 4  # both questions and both answers
     mem = {r.get_attribute("data-stat"): r.text for r in  # the server's one memory budget
            css(web, ".cache-memory tr")}
-    assert set(mem) == {"memory", "weights", "pages", "working", "pressure"}
+    assert set(mem) == {"memory", "weights", "pages", "working", "process", "pressure"}
+    assert "outside MLX" in mem["process"] and "kept free" in mem["process"], mem
     limit = httpx.get(f"{served.url}/kv_cache/stats").json()["models"][tiny_lm.name][
         "memory"]["limit_bytes"]
     assert f"of {limit / (1 << 30):.1f} GiB" in mem["memory"], mem

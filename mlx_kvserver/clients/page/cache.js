@@ -89,6 +89,8 @@ function memoryStats(m) { // the server's one budget: what is spent of it, and o
   row(t, "weights", bytes(m.weights_bytes)).dataset.stat = "weights";
   row(t, "pages", bytes(m.pages_bytes)).dataset.stat = "pages";
   row(t, "working", bytes(m.working_bytes)).dataset.stat = "working";
+  row(t, "process", `${bytes(m.outside_mlx_bytes)} outside MLX, ${bytes(m.margin_bytes)} kept free`)
+    .dataset.stat = "process";
   row(t, "pressure", `${m.pressure_events} times short, ${m.refused} refused`).dataset.stat = "pressure";
   return box;
 }
