@@ -280,9 +280,9 @@ class Scheduler(Preemption):
                                                 [c.next_token for c in group])
                     tokens = [c.sample(logits[i]) for i, c in enumerate(group)]
                     mx.eval(tokens)
-                    self.speculation.decoded(group, time.perf_counter() - t0)
-                    outs = [c.accept(int(t.item()), logits[i])
-                            for i, (c, t) in enumerate(zip(group, tokens))]
+                    ids = [int(t.item()) for t in tokens]
+                    self.speculation.decoded(group, time.perf_counter() - t0, ids)
+                    outs = [c.accept(t, logits[i]) for i, (c, t) in enumerate(zip(group, ids))]
             except Exception as e:  # the engine never dies with a request
                 log.exception("decode step failed")
                 for r in {id(c.request): c.request for c in group}.values():

@@ -79,6 +79,7 @@ class Speculation:
         self.shared = SharedIndex() if self.mode != "off" else None
         self.stats = SpeculationStats()
         self.cost = PassCost()
+        self._declined: dict[int, int] = {}  # this step's drafts declined by cost: first tokens
 
     @property
     def on(self) -> bool:
@@ -109,6 +110,13 @@ class Speculation:
                 out[i] = d[:m.valid_prefix(d)] if d and m is not None else d
                 c.draft_source = "model" if out[i] else ""
         width = self._width(group, out)
+        # NOTE: a draft declined by cost gets no verify pass, so its drafter would learn
+        # nothing and keep a draft too short or a rate too low to pay (seen: 16 steps on a
+        # one-token draft until the next probe); its first token is checked against the plain
+        # step's token instead (``decoded``): free, and for sampled answers the chance of a match
+        # is the chance the draft token would have been kept
+        self._declined = {id(c): d[0] for c, d in zip(group, out)
+                          if d and width == 1 and c.draft_source not in ("", "grammar")}
         return [d[:width - 1] for d in out]
 
     def _width(self, group: Sequence[Choice], drafts: list[list[int]]) -> int:
@@ -211,9 +219,16 @@ class Speculation:
             out.append(deltas)
         return out
 
-    def decoded(self, group: Sequence[Choice], seconds: float) -> None:
-        """A plain decode step of ``group`` (one token each) that took ``seconds``."""
+    def decoded(self, group: Sequence[Choice], seconds: float,
+                tokens: Sequence[int] = ()) -> None:
+        """A plain decode step of ``group`` (one token each, ``tokens``) that took ``seconds``;
+        a draft declined for it is scored by its first token (``drafts``)."""
         self.cost.add(len(group), len(group), seconds)
+        declined, self._declined = self._declined, {}
+        for c, t in zip(group, tokens):
+            first = declined.get(id(c))
+            if first is not None and c.drafter is not None:
+                c.drafter.taken(1, int(t == first))
         self.stats.steps += 1
         self.stats.tokens += len(group)
         for c in group:

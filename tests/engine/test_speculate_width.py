@@ -129,3 +129,26 @@ def test_a_grammar_forced_draft_counts_as_taken():
     assert s._width(forced, [[1] * 6, [], [], []]) >= 5  # nearly all of it
     unforced = [choice(0.0)] + [choice(0.2) for _ in range(3)]
     assert s._width(unforced, [[1] * 6, [], [], []]) == 1
+
+
+def test_a_draft_declined_by_cost_is_scored_by_the_plain_steps_token():
+    """A draft that does not pay gets no verify pass, so it would learn nothing until the next
+    probe (seen: 16 steps on a one-token draft while the answer copied its context). Its first
+    token is checked against the plain step's token instead: a drafter that is right grows its
+    draft and rate until a wide pass pays; one that is wrong pauses (free text costs nothing)."""
+    def run(step_token):
+        s = spec(0.25)  # a pass costs (1 + 0.25 * rows) / 1.25 plain steps
+        c = choice(0.2)
+        c.drafter.length, c.steps = 1, 0
+        s._draft = lambda c: (list(range(100, 100 + c.drafter.length)), 10)
+        for step in range(12):
+            drafts = s.drafts([c])
+            if drafts[0]:
+                return step, c
+            s.decoded([c], 0.1, [step_token])
+        return None, c
+
+    step, c = run(100)  # the plain step's token is the draft's first: taken
+    assert step is not None and step <= 2 and c.drafter.rate > 0.2  # long before a probe (16)
+    step, c = run(7)  # never the draft's token: declined throughout, and drafting pauses
+    assert step is None and c.drafter.rate < 0.2 and c.drafter.pause > 0
