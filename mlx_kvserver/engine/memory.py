@@ -197,24 +197,26 @@ class MemoryBudget:
         ``--memory-reserve``: MLX's bytes and the reserve alone."""
         active = int(mx.get_active_memory())
         cache = int(mx.get_cache_memory())
-        held = active + cache + self.outside
-        if self.reserve is not None or self._process is None:
-            return self._bound_cache(held + self.margin, cache)
-        try:
-            rss = int(self._process.memory_info().rss)
-        except OSError:
-            return self._bound_cache(held + self.margin, cache)
-        self._follow(max(self.outside, rss - active - cache))
-        return self._bound_cache(max(held, rss) + self.margin, cache)
+        used = active + cache + self.outside
+        if self.reserve is None and self._process is not None:
+            try:
+                rss = int(self._process.memory_info().rss)
+            except OSError:
+                rss = 0
+            if rss:
+                self._follow(max(self.outside, rss - active - cache))
+                used = max(used, rss)
+        used += self.margin
+        self._bound_cache(used, cache)
+        return used
 
-    def _bound_cache(self, used: int, cache: int) -> int:
+    def _bound_cache(self, used: int, cache: int) -> None:
         """MLX's buffer cache may hold what it holds now and grow into what the budget has free
         beyond ``PASS_ROOM`` (set again when that moved by 8 MB or more). ``used``: in use."""
         bound = cache + max(0, self.limit - used - PASS_ROOM)
         if abs(bound - self._cache_limit) >= 8 << 20 or (bound == 0) != (self._cache_limit == 0):
             mx.set_cache_limit(bound)
             self._cache_limit = bound
-        return used
 
     def _follow(self, outside_now: int) -> None:
         """MLX's limit: the budget less what the process holds outside MLX now (set again when

@@ -56,7 +56,8 @@ class Pressure:
             m.refused += 1
             raise RequestError(
                 400, f"this request needs about {_gb(need)} of memory beyond the models' "
-                f"weights ({_gb(m.weights_total)}) and the process's own ({_gb(m.outside + m.margin)}): "
+                f"weights ({_gb(m.weights_total)}) and the process's own "
+                f"({_gb(m.outside + m.margin)}): "
                 f"{len(r.prompt)} prompt tokens and up to "
                 f"{r.max_tokens} answer tokens; the server's memory limit is {_gb(m.limit)} "
                 "(--memory-limit). Shorten the conversation or ask for fewer tokens",
