@@ -4,7 +4,9 @@ A user (the server) opens one model's cache with ``open_cache`` and works throug
 ``CacheManager`` it returns (``start`` a sequence for a prompt, ``save`` it under a key, ``keep``
 it resident, ``report`` and ``describe`` for stats, ``share_prefixes`` once the model is known to
 batch) and the names below (the runner's ``forward``/``install``/``batch_caches`` around a
-forward pass; ``with_kv_bits`` for pages in bits, ``key_stats`` to shape their keys; ``check_store_url`` for ``--kv-store``); ``layout/``, ``pages/``, ``model/`` and ``tiers/`` are the library's own layers.
+forward pass; ``with_kv_bits`` for pages in bits, ``key_block_for`` for their keys' scales,
+``key_stats`` to shape their keys; ``check_store_url`` for ``--kv-store``); ``layout/``,
+``pages/``, ``model/`` and ``tiers/`` are the library's own layers.
 """
 
 from kv_cache.errors import FormatError, OutOfBlocksError
@@ -14,7 +16,7 @@ from kv_cache.model.batch import batch_caches, finish_batch
 from kv_cache.model.calibrate import key_stats
 from kv_cache.model.sequence import PagedSequence
 from kv_cache.layout.quant import parse_bits as parse_kv_bits
-from kv_cache.layout.spec import CacheSpec, with_kv_bits
+from kv_cache.layout.spec import CacheSpec, key_block_for, with_kv_bits
 from kv_cache.model.spec_reader import spec_of_model
 from kv_cache.model.state_points import boundaries
 from kv_cache.opening import check_store_url, open_cache
@@ -25,5 +27,5 @@ from kv_cache.transfer import TransferError, export_entry, export_key, import_en
 __all__ = ["CacheManager", "CacheSpec", "FormatError", "Match", "OutOfBlocksError",
            "PagedSequence", "TransferError", "atomic_fs", "batch_caches", "boundaries",
            "check_store_url", "common_prefix", "export_entry", "export_key", "finish_batch",
-           "forward", "import_entry", "install", "key_stats", "open_cache", "parse_kv_bits", "spec_of_model",
-           "with_kv_bits"]
+           "forward", "import_entry", "install", "key_block_for", "key_stats", "open_cache",
+           "parse_kv_bits", "spec_of_model", "with_kv_bits"]

@@ -120,6 +120,7 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
             best = self._by_points(prompt, limit, boundaries, best)
         if not verified and self.store is not None and best.tokens < limit:
             best = self._by_content(prompt, limit, best)
+        best.tokens = self._whole(best.tokens)
         if best.stored is None and best.found is None:
             best.tables = self._cut(best.tables, best.tokens)
         return best
@@ -150,6 +151,11 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
         key = self.store.find_end(prompt, limit)
         m = None if key is None else self._candidate(prompt, limit, key)[0]
         return m if m is not None and m.tokens > best.tokens else best
+
+    def _whole(self, n: int) -> int:
+        """``n`` cut to a page boundary where a reuse must start at one
+        (``CacheSpec.whole_pages``: keys per channel over a page)."""
+        return n - n % self.pool.page_size if self.pool.spec.whole_pages else n
 
     def _no_tables(self) -> list[list[int | None]]:
         return [[] for _ in self.pool.groups]
@@ -224,7 +230,7 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
     def _take_resident(self, prompt: Sequence[int], match: Match) -> PagedSequence | None:
         best, best_n = None, 0
         for seq in self._resident.values():
-            n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+            n = self._whole(min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
             if n > best_n and seq.has_buffers() and seq.can_trim_to(n):
                 best, best_n = seq, n
         if best is None or best_n < match.tokens:

@@ -51,6 +51,7 @@ class Restore:
         """What ``_load`` does once it has the manifest: the pages ``hashes`` (per group, of
         ``tokens``) and the partial page after them (``tails.get(group)``: data holding it)."""
         pool, P = self.pool, self.pool.page_size
+        n = self._whole(n)
         tables: list[list[int | None]] = []
         covered = n
         for g, spec in enumerate(pool.groups):

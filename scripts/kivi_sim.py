@@ -1,4 +1,6 @@
-"""KIVI-style keys, SIMULATED for ``bench_kv_quality.py``: a reference, not a page format.
+"""KIVI-style keys, SIMULATED for ``bench_kv_quality.py``: the reference that the page format
+``--kv-key-scales page`` (``kv_cache.layout.channel_keys``, ``kv_cache.model.channel_cache``)
+was built from and is tested against (``tests/kv_cache/model/test_channel_cache.py``).
 
 KIVI (Liu et al. 2024, "KIVI: a tuning-free asymmetric 2bit quantization for KV cache")
 quantizes keys **per channel along tokens** and values per token along ``head_dim``. Here:
@@ -27,9 +29,8 @@ The control ``per_channel=False``: the same cache with each sealed block's keys 
 position by the page codec instead (``KVQuant(bits)``: rotation, groups of 64 along
 ``head_dim``), the open block float as well: what the float tail alone gives.
 
-Not a page format: the pages of ``kv_cache`` code each position on its own when it is written
-(the codes are the truth, a fresh key is read as its decoded codes); per-channel scales need the
-whole block before any of its keys can be coded.
+An mlx-lm cache, not the pages: it keeps every key in float beside the decoded blocks, and is
+not restorable; the pages hold the codes only, and a reuse starts at a page boundary.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 from kv_cache.layout.quant import KVQuant
-from kv_cache.layout.rounding import MANTISSA, round_down, round_up
+from kv_cache.layout.channel_keys import quantize
 
 
 def kivi_round_trip(x: mx.array, block: int, bits: int = 4
@@ -50,12 +51,8 @@ def kivi_round_trip(x: mx.array, block: int, bits: int = 4
     *lead, n, d = x.shape
     if n % block:
         raise ValueError(f"{n} positions are not a whole number of blocks of {block}")
-    levels = (1 << bits) - 1
     y = x.astype(mx.float32).reshape(*lead, n // block, block, d)
-    lo, hi = y.min(axis=-2, keepdims=True), y.max(axis=-2, keepdims=True)
-    bias = round_down(lo, mx.float16)  # <= lo
-    scale = round_up((hi - bias) * (1.0 / levels), MANTISSA[mx.float16], mx.float16)
-    codes = mx.clip(mx.round((y - bias) / scale), 0, levels)  # bias + levels*scale >= hi
+    codes, scale, bias = quantize(y, bits, mx.float16)  # the page codec's own (channel_keys)
     read = (codes * scale + bias).reshape(x.shape).astype(x.dtype)
     return read, scale, bias
 

@@ -42,14 +42,14 @@ bit.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from kv_cache.layout.key_shape import D_BITS, KeyShape
-from kv_cache.layout.rounding import MANTISSA, round_down, round_up
+from kv_cache.layout import channel_keys
+from kv_cache.layout.codec import Codec, scale_dtype
+from kv_cache.layout.key_shape import KeyShape
 
 QuantizedKV = tuple[mx.array, mx.array, mx.array]  # packed codes, scales, biases
 
@@ -59,27 +59,7 @@ ROTATION = "hadamard-signs-v1"  # the rotation's name in the description (change
 SCALES = "affine-exact-v2"  # scales stored as the truth, rounded so that the decode is exact
 
 
-def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
-    """The dtype of scales and biases for pages of values in ``dtype``: float16, or bfloat16
-    for bfloat16 values (whose range float16 does not cover)."""
-    return mx.bfloat16 if dtype == mx.bfloat16 else mx.float16
-
-
-def _signs(n: int) -> list[float]:
-    """Fixed +-1 signs, from a fixed 64-bit LCG (stable across Python, NumPy and MLX versions)."""
-    out, state = [], 0x9E3779B97F4A7C15
-    for _ in range(n):
-        state = (state * 6364136223846793005 + 1442695040888963407) % (1 << 64)
-        out.append(1.0 if state >> 63 else -1.0)
-    return out
-
-
-def _hadamard(n: int) -> list[list[float]]:
-    h = [[1.0]]
-    while len(h) < n:
-        h = [r + r for r in h] + [r + [-x for x in r] for r in h]
-    return h
-
+__all__ = ["KVQuant", "QuantizedKV", "make_quant", "parse_bits", "scale_dtype"]
 
 _COMPILED: dict = {}
 
@@ -95,6 +75,7 @@ class KVQuant:
     value_bits: int = 0
     rotate: bool = True
     keys: KeyShape | None = None  # keys shaped before they are quantized (``key_shape``)
+    key_block: int = 0  # keys per channel over pages of this many positions (``channel_keys``)
 
     def __post_init__(self):
         if not self.value_bits:
@@ -105,6 +86,8 @@ class KVQuant:
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"--kv-group-size must be one of {GROUP_SIZES}, not "
                              f"{self.group_size}")
+        if self.key_block and self.keys is not None:
+            raise ValueError("keys per channel over a page are not shaped (--kv-calibration)")
 
     @property
     def key_bits(self) -> int:
@@ -126,18 +109,20 @@ class KVQuant:
         return {"kv_bits": self.bits, "kv_value_bits": self.value_bits,
                 "kv_group_size": self.group_size, "kv_scales": SCALES,
                 "kv_rotation": ROTATION if self.rotate else "none",
+                **({"kv_key_scales": f"channel-page-{self.key_block}"} if self.key_block else {}),
                 **(self.keys.describe() if self.keys is not None else {})}
 
     @classmethod
     def from_description(cls, d: dict[str, Any]) -> "KVQuant":
+        block = int(d["kv_key_scales"].rsplit("-", 1)[1]) if "kv_key_scales" in d else 0
         return cls(int(d["kv_bits"]), int(d["kv_group_size"]), int(d["kv_value_bits"]),
-                   d["kv_rotation"] != "none")
+                   d["kv_rotation"] != "none", key_block=block)
 
     def label(self) -> str:
         """``8``, ``8,4``, with ``/g32`` and ``/plain`` where not the defaults."""
         s = str(self.bits) if self.bits == self.value_bits else f"{self.bits},{self.value_bits}"
         return s + ("" if self.group_size == 64 else f"/g{self.group_size}") \
-            + ("" if self.rotate else "/plain")
+            + ("" if self.rotate else "/plain") + ("/channel" if self.key_block else "")
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -147,10 +132,17 @@ class KVQuant:
         groups = head_dim // self.group_size
         return head_dim * bits // 32 + groups * 2 * scale_dtype(dtype).size // 4
 
+    def key_words(self, head_dim: int, dtype: mx.Dtype) -> int:
+        """Words of one position's key of one head (per channel: codes and a scale share)."""
+        if self.key_block:
+            return channel_keys.key_words(head_dim, self.bits, self.key_block)
+        return self.side_words(self.bits, head_dim, dtype)
+
     def kv_bytes(self, head_dim: int, dtype: mx.Dtype) -> int:
-        """Bytes of one position of one head, its key and its value."""
-        return 4 * (self.side_words(self.bits, head_dim, dtype)
-                    + self.side_words(self.value_bits, head_dim, dtype))
+        """Bytes of one position of one head, its key and its value (an even number of words:
+        a row is cut in two halves)."""
+        w = self.key_words(head_dim, dtype) + self.side_words(self.value_bits, head_dim, dtype)
+        return 4 * (w + w % 2)
 
     def page_bytes(self, layers: int, kv_heads: int, head_dim: int, n: int,
                    dtype: mx.Dtype) -> int:
@@ -169,7 +161,7 @@ class KVQuant:
         key = (self, dtype, head_dim)
         fns = _COMPILED.get(key)
         if fns is None:
-            fns = _COMPILED[key] = _Codec(self, dtype, head_dim)
+            fns = _COMPILED[key] = Codec(self, dtype, head_dim)
         return fns
 
     def fresh(self, keys: mx.array, values: mx.array, slot: int | None = None
@@ -180,6 +172,11 @@ class KVQuant:
         and their stored words (key words, value words), in one compiled call."""
         self.check(keys.shape[-1])
         fns = self._fns(keys.dtype, keys.shape[-1])
+        if self.key_block:  # keys stay float until their page is full (channel_keys.seal)
+            v, vw = fns.fresh_values(values)
+            kw = mx.zeros((*keys.shape[:-1], self.key_words(keys.shape[-1], keys.dtype)),
+                          mx.uint32)
+            return keys, v, kw, vw
         if self.keys is None:
             return fns.fresh(keys, values)
         return fns.fresh(keys, values, *self.keys.layer(slot))
@@ -200,22 +197,30 @@ class KVQuant:
         if key_words.shape[-1] == value_words.shape[-1]:
             return mx.stack([key_words, value_words], axis=-4)
         both = mx.concatenate([key_words, value_words], axis=-1)
+        if both.shape[-1] % 2:
+            both = mx.pad(both, [(0, 0)] * (both.ndim - 1) + [(0, 1)])
         half = both.shape[-1] // 2
         return mx.stack([both[..., :half], both[..., half:]], axis=-4)
 
     def split(self, page: mx.array, head_dim: int, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
         """Stored rows ``[..., 2, heads, n, words]`` as (key words, value words)."""
         k, v = page[..., 0, :, :, :], page[..., 1, :, :, :]
-        wk = self.side_words(self.bits, head_dim, dtype)
+        wk = self.key_words(head_dim, dtype)
         if wk == k.shape[-1]:
             return k, v
         both = mx.concatenate([k, v], axis=-1)
-        return both[..., :wk], both[..., wk:]
+        return both[..., :wk], both[..., wk : wk + self.side_words(self.value_bits, head_dim,
+                                                                   dtype)]
 
     def encode(self, kv: mx.array) -> mx.array:
         """Values ``[..., 2, heads, n, head_dim]`` quantized as a page stores them (the words
         ``fresh`` gives)."""
-        _, _, kw, vw = self.fresh(kv[..., 0, :, :, :], kv[..., 1, :, :, :])
+        keys = kv[..., 0, :, :, :]
+        _, _, kw, vw = self.fresh(keys, kv[..., 1, :, :, :])
+        whole = keys.shape[-2] // self.key_block * self.key_block if self.key_block else 0
+        if whole:  # keys of the whole pages, coded per channel
+            sealed = channel_keys.seal(keys[..., :whole, :], self.bits, self.key_block)[1]
+            kw = mx.concatenate([sealed, kw[..., whole:, :]], axis=-2)
         return self.join(kw, vw)
 
     def decode(self, page: mx.array, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:
@@ -252,114 +257,6 @@ class KVQuant:
     def unrotate(self, out: mx.array) -> mx.array:
         """A weighted sum of rotated values ``[..., head_dim]`` back in the model's basis."""
         return self._fns(out.dtype, out.shape[-1]).unrotate(out) if self.rotate else out
-
-
-class _Codec:
-    """The compiled functions of one setting, dtype and head_dim."""
-
-    def __init__(self, q: KVQuant, dtype: mx.Dtype, head_dim: int):
-        self.q, self.dtype, self.d = q, dtype, head_dim
-        g = q.group_size
-        self.sdt = scale_dtype(dtype)
-        self.signs = mx.array(_signs(head_dim), mx.float32)
-        self.h = mx.array(_hadamard(g), mx.float32)
-        self.e0 = (mx.arange(g) == 0).astype(mx.float32) * g  # sum of each column of H
-        # NOTE: evaluated now: the codec is shared by threads, and an unevaluated array belongs
-        # to the stream of the thread that made it (MLX 0.32: "no Stream(cpu, 0) in current thread").
-        mx.eval(self.signs, self.h, self.e0)
-
-        def fresh(keys, values, *shape):
-            k, kw = self._side(keys, q.bits, shape)
-            v, vw = self._side(values, q.value_bits)
-            return k, v, kw, vw
-
-        def decode(page, *shape):
-            if q.bits == q.value_bits:  # the halves are the keys' and the values' own words
-                if not shape:
-                    return self._decode_words(page, q.bits)
-                kw, vw = page[..., 0, :, :, :], page[..., 1, :, :, :]
-            else:
-                kw, vw = q.split(page, head_dim, dtype)
-            return mx.stack([self._decode_words(kw, q.bits, shape),
-                             self._decode_words(vw, q.value_bits)], axis=-4)
-
-        def rotate_queries(x):
-            y = (x.astype(mx.float32) * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h
-            return y.reshape(x.shape).astype(x.dtype)
-
-        def unrotate(y):
-            x = (y.astype(mx.float32).reshape(*y.shape[:-1], -1, g) @ self.h)
-            return (x.reshape(y.shape) * self.signs).astype(y.dtype)
-
-        self.fresh = mx.compile(fresh)
-        self.decode = mx.compile(decode)
-        self.rotate_queries = mx.compile(rotate_queries)
-        self.unrotate = mx.compile(unrotate)
-
-    def _mantissa(self, bits: int, shaped: bool = False) -> int:
-        """Significant bits a scale keeps so that ``scale * (codes @ H)`` is exact in float32
-        (times a shaped key's 3-bit channel weight: ``kv_cache.layout.key_shape``)."""
-        top = self.q.group_size * ((1 << bits) - 1) if self.q.rotate else (1 << bits) - 1
-        return min(MANTISSA[self.sdt], 24 - math.ceil(math.log2(top + 1))
-                   - (D_BITS if shaped else 0))
-
-    def _side(self, x: mx.array, bits: int, shape: tuple = ()) -> tuple[mx.array, mx.array]:
-        """Keys or values ``[..., head_dim]``: what the model reads, and their words; ``shape``:
-        the keys' ``(offsets, scales)`` (``kv_cache.layout.key_shape``)."""
-        g, levels = self.q.group_size, (1 << bits) - 1
-        y = x.astype(mx.float32)
-        if shape:
-            y = (y - shape[0]) / shape[1]
-        if self.q.rotate:
-            y = ((y * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h) * (1.0 / g)
-        else:
-            y = y.reshape(*x.shape[:-1], -1, g)
-        lo, hi = y.min(axis=-1, keepdims=True), y.max(axis=-1, keepdims=True)
-        bias = round_down(lo, self.sdt)
-        scale = round_up((hi - bias) * (1.0 / levels), self._mantissa(bits, bool(shape)),
-                          self.sdt)
-        codes = mx.clip(mx.round((y - bias) / scale), 0, levels)
-        read = self._values(codes, scale, bias, x.shape, shape)
-        per = 32 // bits
-        c = codes.astype(mx.uint32).reshape(*x.shape[:-1], -1, per)
-        packed = (c << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
-        sb = mx.concatenate([scale[..., 0], bias[..., 0]], axis=-1).astype(self.sdt)
-        return read, mx.concatenate([packed, sb.view(mx.uint32)], axis=-1)
-
-    def _values(self, codes: mx.array, scale: mx.array, bias: mx.array,
-                shape: tuple[int, ...], key_shape: tuple = ()) -> mx.array:
-        """Codes ``[..., groups, g]`` (float32 integers), scales and biases ``[..., groups, 1]``
-        as the model reads them: exact products, one rounding (see the module's note); shaped
-        keys: exact products, then ``(P + B) + offset``, two roundings in that order."""
-        if key_shape:
-            off, w = key_shape  # [..., 1, head_dim]: float16 offsets, 3-bit weights
-            if self.q.rotate:
-                # NOTE: codes @ H: exact integers; scale * I * (w * s): exact (the scale gave
-                # up w's bits); bias * g * (w * s): exact; so only the two sums round.
-                f = w * self.signs
-                p = (scale * (codes @ self.h)).reshape(shape) * f
-                b = (bias * self.e0).reshape(shape) * f
-            else:
-                p = (codes * scale).reshape(shape) * w
-                b = mx.broadcast_to(bias, codes.shape).reshape(shape) * w
-            return ((p + b) + off).astype(self.dtype)
-        if self.q.rotate:
-            # NOTE: codes @ H sums integers < 2**24: exact, whatever the kernel's order.
-            x = scale * (codes @ self.h) + bias * self.e0
-            x = x.reshape(shape) * self.signs
-        else:
-            x = (codes * scale + bias).reshape(shape)
-        return x.astype(self.dtype)
-
-    def _decode_words(self, words: mx.array, bits: int, shape: tuple = ()) -> mx.array:
-        g, per, mask = self.q.group_size, 32 // bits, (1 << bits) - 1
-        lead, n = words.shape[:-1], self.d * bits // 32
-        groups = self.d // g
-        sb = words[..., n:].view(self.sdt).astype(mx.float32)
-        codes = (words[..., :n, None] >> (mx.arange(per, dtype=mx.uint32) * bits)) & mask
-        codes = codes.reshape(*lead, groups, g).astype(mx.float32)
-        return self._values(codes, sb[..., :groups, None], sb[..., groups:, None],
-                            (*lead, self.d), shape)
 
 
 def parse_bits(text: str | int | tuple | None) -> tuple[int, int] | None:

@@ -25,13 +25,13 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, replace
-from typing import Any, ClassVar, Mapping, Sequence
+from typing import Any, ClassVar, Mapping
 
 import mlx.core as mx
 
 from kv_cache.layout.key_shape import KeyStats, shapes_for
 from kv_cache.layout.kinds import FULL, STATE, PagedKind, RecurrentState, paged_kind
-from kv_cache.layout.quant import KVQuant, make_quant
+from kv_cache.layout.quant import KVQuant, make_quant, parse_bits
 
 _DTYPES = {"float16": mx.float16, "bfloat16": mx.bfloat16, "float32": mx.float32}
 
@@ -143,14 +143,30 @@ class CacheSpec:
                    key_stats: Mapping[int, KeyStats] | None = None) -> "CacheSpec":
         """The same cache with its pages held by ``quant`` (None: in the model's dtype), each
         group's keys shaped from ``key_stats`` where given (``kv_cache.layout.key_shape``); part
-        of the description, so of the fingerprint: pages of two settings never mix."""
+        of the description, so of the fingerprint: pages of two settings never mix. Keys per
+        channel over a page (``quant.key_block``) are for full-attention groups (a sliding
+        window's keep per-position scales) of a model without recurrent state (which resumes
+        where an entry ends, not at a page boundary)."""
         for g in self.groups:
             if quant is not None:
                 quant.check(g.head_dim)
+        if quant is not None and quant.key_block and self.has_state:
+            raise ValueError("keys per channel over a page (--kv-key-scales page) need a model "
+                             "without recurrent state: use --kv-key-scales position")
         shapes = shapes_for([g.layers for g in self.groups], key_stats if quant else None)
+
+        def group_quant(g: GroupSpec, sh) -> KVQuant | None:
+            if quant is None or not quant.key_block:
+                return quant if sh is None else replace(quant, keys=sh)
+            return quant if g.kind.reads_all else replace(quant, key_block=0)
         return replace(self, groups=tuple(
-            replace(g, quant=quant if sh is None else replace(quant, keys=sh))
-            for g, sh in zip(self.groups, shapes)))
+            replace(g, quant=group_quant(g, sh)) for g, sh in zip(self.groups, shapes)))
+
+    @property
+    def whole_pages(self) -> bool:
+        """Whether a reuse starts at a page boundary: keys per channel over a page have no codes
+        until the page is full, and a stored open page holds none (``channel_keys``)."""
+        return any(g.quant is not None and g.quant.key_block for g in self.groups)
 
     @property
     def has_state(self) -> bool:
@@ -189,11 +205,13 @@ class CacheSpec:
 
 def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | str | tuple | None,
                  group_size: int = 64, rotate: bool = True,
-                 key_stats: Mapping[int, KeyStats] | None = None) -> tuple[CacheSpec, str]:
+                 key_stats: Mapping[int, KeyStats] | None = None,
+                 key_block: int = 0) -> tuple[CacheSpec, str]:
     """A model's cache spec and fingerprint with its pages in ``bits`` (unchanged without):
     ``8``, ``4``, or keys' and values' own as ``(8, 4)`` or ``"8,4"``; each group rotated first
     unless ``rotate`` is off (``kv_cache.layout.quant``), its keys shaped by ``key_stats``
-    (``kv_cache.model.calibrate``) where given (``kv_cache.layout.key_shape``).
+    (``kv_cache.model.calibrate``) where given (``kv_cache.layout.key_shape``); ``key_block``:
+    keys per channel over pages of that many positions (``kv_cache.layout.channel_keys``).
 
     NOTE: the setting enters the fingerprint, so pages of two settings never mix: their chain
     hashes, disk directory, store keys and exports all differ, and each is a clean miss (not a
@@ -201,8 +219,39 @@ def with_kv_bits(spec: CacheSpec, fingerprint: str, bits: int | str | tuple | No
     quant = make_quant(bits, group_size, rotate)
     if quant is None:
         return spec, fingerprint
+    if key_block:
+        if key_stats is not None:
+            raise ValueError("keys per channel over a page are not shaped: --kv-calibration "
+                             "works with --kv-key-scales position")
+        quant = replace(quant, key_block=key_block)
     shaped = spec.with_quant(quant, key_stats)
     described = [fingerprint, quant.describe()]
     described += [g.quant.keys.describe() for g in shaped.groups if g.quant.keys is not None]
     blob = json.dumps(described, sort_keys=True).encode()
     return shaped, hashlib.sha256(blob).hexdigest()
+
+
+KEY_SCALES = ("auto", "page", "position")
+
+
+def key_block_for(spec: CacheSpec, bits: int | str | tuple | None, key_scales: str,
+                  page_size: int, shaped: bool = False) -> int:
+    """``--kv-key-scales``: the page size over which keys get per-channel scales (0: per
+    position). ``page``: per channel (a ``ValueError`` where the model or the setting cannot
+    have it); ``position``: per position; ``auto``: per channel for 4-bit keys where it can be
+    (docs/BENCHMARKS.md section 14: +8.25% perplexity per position, under +3% per channel),
+    per position for 8-bit keys (within 0.05% already)."""
+    if key_scales not in KEY_SCALES:
+        raise ValueError(f"--kv-key-scales must be one of {KEY_SCALES}, not {key_scales!r}")
+    kv = parse_bits(bits)
+    if kv is None or key_scales == "position":
+        return 0
+    if key_scales == "page":
+        if shaped:
+            raise ValueError("--kv-key-scales page does not shape keys: --kv-calibration "
+                             "works with --kv-key-scales position")
+        if spec.has_state:
+            raise ValueError("keys per channel over a page (--kv-key-scales page) need a "
+                             "model without recurrent state: use --kv-key-scales position")
+        return page_size
+    return page_size if kv[0] == 4 and not shaped and not spec.has_state else 0

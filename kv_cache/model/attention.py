@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from kv_cache.model.masks import build_mask as _build_mask
 from kv_cache.model.packed_attention import PackedKV, packed_layers, packed_pays, prefix_length
 from kv_cache.pages.holders import VIEW
 
@@ -192,6 +193,11 @@ class Reads:
     window: int
     buffer: tuple[mx.array, mx.array] | None = None  # the buffers ``keys`` is a slice of,
     at: int = 0  # from this index (padding can then be a longer slice, not a copy)
+    # keys per channel over pages of ``block`` (``kv_cache.model.channel_cache``): ``keys``
+    # float from ``float_from``, then ``copies`` decoded copies of the positions from it
+    block: int = 0
+    float_from: int = 0
+    copies: int = 0
 
     def padded(self, n: int) -> tuple[mx.array, mx.array]:
         """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""
@@ -237,7 +243,7 @@ def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
     rep = Hq // r.keys.shape[1]
     return (T > 1 and isinstance(r.prefix, tuple) and r.own_start == r.prefix[0].shape[1]
             and r.q_start + T == r.own_start + r.keys.shape[2]
-            and r.keys.dtype == mx.float32 and rep * T >= 3 * D
+            and r.keys.dtype == mx.float32 and rep * T >= 3 * D and not r.copies
             and (mask is None or isinstance(mask, str)
                  or mask.shape[-1] == r.own_start + r.keys.shape[2])
             and mx.default_device().type == mx.DeviceType.cpu)
@@ -306,24 +312,11 @@ def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
     p = _PASS.get()
     if p is None:
         return _build_mask(reads, lens, T, N)
-    key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window) for r in reads))
+    key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window, r.block, r.float_from,
+                                     r.copies) for r in reads))
     if key not in p.masks:
         p.masks[key] = _build_mask(reads, lens, T, N)
     return p.masks[key]
-
-
-def _build_mask(reads: list[Reads], lens: list[int], T: int, N: int) -> mx.array | None:
-    if T == 1 and all(n == N for n in lens) and all(
-            not r.window or r.q_start - r.own_start < r.window for r in reads):
-        return None
-    j = mx.arange(N)
-    kpos = mx.array([r.own_start for r in reads])[:, None] + j[None]  # [B, N]
-    valid = j[None] < mx.array(lens)[:, None]
-    qpos = mx.array([r.q_start for r in reads])[:, None] + mx.arange(T)[None]  # [B, T]
-    visible = (kpos[:, None, :] <= qpos[:, :, None]) & valid[:, None, :]
-    windows = mx.array([r.window or (1 << 30) for r in reads])[:, None, None]
-    visible = visible & (kpos[:, None, :] > qpos[:, :, None] - windows)
-    return mx.where(visible, 0.0, -mx.inf)[:, None, None].astype(mx.float32)
 
 
 def _group(queries: mx.array, reads: list[Reads], scale: float,

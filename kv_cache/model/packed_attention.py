@@ -36,10 +36,11 @@ MODES = ("auto", "packed", "decoded")
 
 def packed_pays(mode: str, quant: KVQuant | None) -> bool:
     """Whether prefix views of pages in ``quant`` are read packed (``mode``: ``auto`` is packed
-    on a GPU, decoded on the CPU)."""
+    on a GPU, decoded on the CPU). Keys per channel over a page (``quant.key_block``) are read
+    decoded: their scales run along positions, which ``mx.quantized_matmul`` does not read."""
     if mode not in MODES:
         raise ValueError(f"--kv-attention must be one of {MODES}, not {mode!r}")
-    if quant is None or mode == "decoded":
+    if quant is None or mode == "decoded" or quant.key_block:
         return False
     return mode == "packed" or mx.default_device().type == mx.DeviceType.gpu
 

@@ -37,6 +37,13 @@ def write_group(pool: PagePool, g: int, table: PageTable, layers: Sequence[Paged
         for b in table.truncate(start):
             if b is not None:
                 pool.release(b)
+    quant = pool.groups[g].quant
+    if quant is not None and quant.key_block and start % P and end - start >= P - start % P:
+        # Keys per channel over a page: the open page is full now and gets its key codes
+        # (``kv_cache.model.channel_cache``), so it is written again whole.
+        start -= start % P
+        for b in table.truncate(start):
+            pool.release(b)
     kv = stored_rows(pool.groups[g], layers, start, end)  # as the pages hold it
     if start % P and not pool.is_writable(table.blocks[-1], start % P):
         # NOTE: copy-on-write: the tail page is shared, sealed or longer than our view.

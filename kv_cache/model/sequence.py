@@ -16,6 +16,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
 from kv_cache.pages.hashing import chain_hashes
+from kv_cache.model.channel_cache import ChannelKeysCache
 from kv_cache.model.layer_cache import PagedLayerCache, layer_cache
 from kv_cache.model.page_writes import release_before, write_group
 from kv_cache.pages.pool import PagePool
@@ -89,7 +90,9 @@ class PagedSequence:
         layers: list = [None] * spec.num_slots
         self.group_layers: list[list[PagedLayerCache]] = []
         for g in spec.groups:
-            cls = [layer_cache(g.kind, i, P, n, g.quant) for i in g.layers]
+            cls = [ChannelKeysCache(g.kind, i, P, n, g.quant) if g.quant is not None
+                   and g.quant.key_block else layer_cache(g.kind, i, P, n, g.quant)
+                   for i in g.layers]
             self.group_layers.append(cls)
             for i, layer in zip(g.layers, cls):
                 layers[i] = layer
@@ -196,9 +199,12 @@ class PagedSequence:
             blocks = table.blocks[base // P : -(-end // P)]
             assert None not in blocks, "a page the window reads was released"
             gathered = self.pool.gather_layers(blocks, n, room)
-            # pages in bits: a window that may write a page again after a trim keeps its words
+            # pages in bits: a window that may write a page again after a trim keeps its words;
+            # keys per channel: the open page's rows (written again whole once it is full)
             rows = self.pool.gather(blocks, n) if spec.quant is not None \
                 and not spec.kind.reads_all else None
+            if spec.quant is not None and spec.quant.key_block and end % P:
+                rows = self.pool.gather(blocks[-1:], end % P)
             for i, (layer, (keys, values)) in enumerate(zip(layers, gathered)):
                 layer.load(keys, values, base, None if rows is None else rows[i])
 
@@ -303,8 +309,12 @@ class PagedSequence:
         """A branch that shares every page and the prefix view (metadata is copied, data is
         not)."""
         self.commit()
-        return PagedSequence(self.pool, self.tokens, [t.blocks for t in self.tables],
-                             self.state_snapshot(), self.views)
+        child = PagedSequence(self.pool, self.tokens, [t.blocks for t in self.tables],
+                              self.state_snapshot(), self.views)
+        for mine, theirs in zip(self.paged_layers, child.paged_layers):
+            if isinstance(mine, ChannelKeysCache):  # the open page's float keys
+                theirs.tail = mine.float_tail()
+        return child
 
     def share_prefix(self) -> None:
         """Make every full page of this sequence readable through one prefix view (before

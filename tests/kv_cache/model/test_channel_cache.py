@@ -1,0 +1,340 @@
+"""Keys per channel over a page (``--kv-key-scales page``) through the whole cache, tiny random
+models, pages of 4: the model reads what the reference (``scripts/kivi_sim.KiviCache``: earlier
+pages decoded, its own page float, each page coded once) reads, in any chunking, batched or
+alone, after trims and dropped buffers; a restored turn equals the warm one bit for bit; reuse
+starts at a page boundary; a page's key codes are written once it is full."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from kv_cache.layout import channel_keys
+from kv_cache.layout.quant import KVQuant
+from kv_cache.layout.spec import CacheSpec, with_kv_bits
+from kv_cache.model.channel_cache import ChannelKeysCache
+from kv_cache.opening import open_cache
+from scripts.kivi_sim import KiviCache
+from tests.kv_cache.test_kv_bits import model, spec_of  # noqa: F401 (model: a fixture)
+
+P = 4
+
+
+def manager(model, disk: Path | None = None, key_block: int = P, bits=4, max_resident=0):
+    spec, fp = with_kv_bits(spec_of(model), "tiny", bits, 32, True, None, key_block=key_block)
+    return open_cache(spec, fp, page_size=P, max_ram_bytes=1 << 24, policy="lru",
+                      disk_dir=disk, max_disk_bytes=1 << 26, max_resident=max_resident)
+
+
+def reference(model, tokens, n, bits=4) -> tuple[list[int], mx.array]:
+    """``n`` greedy tokens through the simulation's mlx-lm cache, and the first logits."""
+    cache = [KiviCache(P, bits, KVQuant(bits, 32)) for _ in model.layers]
+    x, out, first = mx.array(tokens)[None], [], None
+    for _ in range(n):
+        logits = model(x, cache=cache)[0, -1]
+        first = logits if first is None else first
+        out.append(mx.argmax(logits).item())
+        x = mx.array([[out[-1]]])
+    return out, first
+
+
+def run(model, seq, new, n, chunk: int = 0) -> tuple[list[int], mx.array]:
+    """Read ``new`` into ``seq`` (in pieces of ``chunk``), then ``n`` greedy tokens."""
+    out, first, x = [], None, list(new)
+    for _ in range(n):
+        step = chunk or len(x)
+        for i in range(0, len(x), step):
+            logits = model(mx.array(x[i : i + step])[None], cache=seq.prepare())[0, -1]
+            seq.append_tokens(x[i : i + step])
+        first = logits if first is None else first
+        out.append(mx.argmax(logits).item())
+        x = [out[-1]]
+    return out, first
+
+
+def test_the_codec_reads_back_what_it_gave_and_keeps_each_key_within_half_a_step():
+    mx.random.seed(0)
+    x = mx.random.normal((2, 3, 3 * P, 32)) * 4 + mx.arange(32) * 0.7  # channel offsets
+    read, words = channel_keys.seal(x, 4, P)
+    assert words.shape == (2, 3, 3 * P, 4 + 8)  # 4 words of codes, 32 channels' pairs / 4 rows
+    assert mx.array_equal(channel_keys.decode(words, 4, P, mx.float32, 32), read).item()
+    lo = x.reshape(2, 3, 3, P, 32).min(axis=-2)
+    hi = x.reshape(2, 3, 3, P, 32).max(axis=-2)
+    step = ((hi - lo) / 15).reshape(2, 3, 3, 1, 32)
+    err = mx.abs(read - x).reshape(2, 3, 3, P, 32)
+    assert (err <= step * 0.5 + 1e-3).all().item()
+    # a last page that is not full has no codes: it reads as zeros
+    part = channel_keys.decode(words[..., : 2 * P + 1, :], 4, P, mx.float32, 32)
+    assert mx.array_equal(part[..., : 2 * P, :], read[..., : 2 * P, :]).item()
+    assert not part[..., 2 * P :, :].any().item()
+    with pytest.raises(ValueError, match="whole pages"):
+        channel_keys.seal(x[..., :5, :], 4, P)
+
+
+@pytest.mark.parametrize("chunk", [0, 3, 5], ids=["one-pass", "pieces-of-3", "pieces-of-5"])
+def test_greedy_with_the_cache_equals_the_reference_in_any_chunking(model, chunk):
+    turn1, turn2 = list(range(40, 62)), list(range(70, 79))
+    m = manager(model)
+    seq, _ = m.start(turn1, [])
+    answer, first = run(model, seq, turn1, 8, chunk)
+    want, want_first = reference(model, turn1, 8)
+    assert answer == want and mx.allclose(first, want_first, atol=1e-4).item()
+    m.save("a1", seq)
+    seq.close()
+    prompt = turn1 + answer + turn2
+    seq, match = m.start(prompt, ["a1"])
+    assert match.tokens == 28 and match.source == "entry:a1"  # 29 cached: a page boundary
+    again, _ = run(model, seq, prompt[match.tokens:], 8, chunk)
+    assert again == reference(model, prompt, 8)[0]
+    seq.close()
+    m.close()
+
+
+def test_the_layout_changes_what_is_read(model):
+    """Per position (today's 4 bits) the first logits differ from per channel: the reference
+    above tells the two apart."""
+    tokens = list(range(40, 62))
+    outs = []
+    for block in (P, 0):
+        m = manager(model, key_block=block)
+        seq, _ = m.start(tokens, [])
+        outs.append(run(model, seq, tokens, 1)[1])
+        seq.close()
+        m.close()
+    assert not mx.allclose(outs[0], outs[1], atol=1e-4).item()
+
+
+@pytest.mark.parametrize("views", [False, True], ids=["buffers", "prefix-views"])
+def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, views):
+    from kv_cache.model.attention import PrefixViews, install
+
+    tokens = list(range(40, 116))
+    m = manager(model, tmp_path)
+    if views:
+        assert install(model)
+        m.views = PrefixViews(m.pool)
+    seq, _ = m.start(tokens[:26], [])
+    run(model, seq, tokens[:26], 1)
+    m.save("k", seq)
+    seq.close()
+    seq, match = m.start(tokens, ["k"])  # warm: the pages in memory
+    assert (match.tokens, match.source) == (24, "entry:k")
+    warm_tokens, warm = run(model, seq, tokens[24:], 6)
+    seq.close()
+    m.close()
+    m = manager(model, tmp_path)  # a restart
+    if views:
+        m.views = PrefixViews(m.pool)
+    seq, match = m.start(tokens, ["k"])
+    assert (match.tokens, match.source) == (24, "disk:k")
+    if views:
+        assert seq.view is not None and seq.view.length == 24
+    restored_tokens, restored = run(model, seq, tokens[24:], 6)
+    assert mx.array_equal(restored, warm).item() and restored_tokens == warm_tokens
+    assert restored_tokens == reference(model, tokens, 6)[0]
+    seq.close()
+    m.close()
+
+
+def key_rows(m, block) -> mx.array:
+    """The keys a page's rows give back, ``[layers, kv_heads, n, head_dim]``."""
+    kw, _ = m.pool.groups[0].quant.split(m.pool.data(block), 32, mx.float32)
+    return channel_keys.decode(kw, 4, P, mx.float32, 32)
+
+
+def test_a_page_gets_its_key_codes_once_full_from_its_float_keys(model):
+    m = manager(model)
+    seq, _ = m.start([], [])
+    run(model, seq, list(range(30, 36)), 1)  # 6 positions: page 0 full, page 1 open
+    seq.commit()
+    layer = seq.group_layers[0][0]
+    assert isinstance(layer, ChannelKeysCache) and layer.sealed == P
+    kw, _ = m.pool.groups[0].quant.split(m.pool.data(seq.table.blocks[1]), 32, mx.float32)
+    assert kw.shape[-2] == 2 and not kw.any().item()  # an open page: no key codes yet
+    run(model, seq, [40, 41], 1)  # positions 6, 7: page 1 is full
+    floats = mx.array(layer.keys[0, :, 4:8])  # still float until a commit or the next pass
+    seq.commit()
+    block = seq.table.blocks[1]
+    assert m.pool.is_sealed(block) and m.pool.num_tokens(block) == P
+    want = channel_keys.seal(floats, 4, P)[0]
+    assert mx.array_equal(key_rows(m, block)[0], want).item()
+    assert mx.array_equal(layer.keys[0, :, 4:8], want).item()  # the buffer reads the codes
+    seq.close()
+    m.close()
+
+
+def test_a_trim_back_into_a_sealed_page_reads_its_float_keys_again(model):
+    """Speculation's rollback: a verify pass across a page boundary, committed, then trimmed
+    back into the page it completed; what follows is what reading without the draft gives."""
+    tokens = list(range(50, 60))  # 10 positions: page 2 (8..11) open
+    want = reference(model, tokens + [7, 8], 4)[0]
+    m = manager(model)
+    seq, _ = m.start([], [])
+    run(model, seq, tokens, 1)
+    draft = [7, 99, 98, 97, 96]  # positions 10..14: page 2 full inside the pass
+    model(mx.array([draft]), cache=seq.prepare())
+    seq.append_tokens(draft)
+    seq.commit()
+    layer = seq.group_layers[0][0]
+    assert layer.sealed == 12
+    assert seq.can_trim_to(11) and seq.can_trim_to(8) and not seq.can_trim_to(7)
+    seq.trim(4)  # keep 11 positions: back into page 2, its float keys again
+    assert layer.sealed == 8 and seq.table.num_tokens == 11
+    assert run(model, seq, [8], 4)[0] == want
+    seq.commit()  # page 2 written again whole, from its floats
+    assert seq.table.num_tokens == 15 and m.pool.is_sealed(seq.table.blocks[2])
+    assert mx.array_equal(key_rows(m, seq.table.blocks[2])[0], layer.keys[0, :, 8:12]).item()
+    seq.close()
+    m.close()
+
+
+def test_dropped_buffers_keep_the_open_pages_float_keys(model):
+    tokens = list(range(60, 70))  # page 2 open after them
+    want, want_first = reference(model, tokens + [3, 4], 3)
+    m = manager(model)
+    seq, _ = m.start([], [])
+    run(model, seq, tokens, 1)
+    seq.drop_buffers()  # memory pressure: the buffers go, the open page's floats stay
+    layer = seq.group_layers[0][0]
+    assert layer.keys is None and layer.tail is not None and layer.tail[0] == 8
+    got, first = run(model, seq, [3, 4], 3)
+    assert got == want and mx.allclose(first, want_first, atol=1e-4).item()
+    seq.close()
+    m.close()
+
+
+def test_sequences_read_together_read_what_each_reads_alone(model):
+    """A prompt batch whose members cross page boundaries (decoded copies, own masks), then a
+    decode step together, each against the same sequence alone."""
+    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.batch import batch_caches
+
+    assert install(model)
+    doc = list(range(40, 50))
+    prompts = [doc + [90 + i] * (3 + 2 * i) for i in range(3)]
+    m = manager(model)
+    m.views = PrefixViews(m.pool)
+    seqs = []
+    for p in prompts:
+        seq, match = m.start(p[:9], [])
+        model(mx.array(p[match.tokens : 9])[None], cache=seq.prepare())
+        seq.append_tokens(p[match.tokens : 9])
+        seq.commit()
+        seqs.append(seq)
+    assert seqs[-1].view is not None and seqs[-1].view.length == 8
+    rest = [p[9:] for p in prompts]
+    width = max(len(r) for r in rest)
+    x = mx.array([r + [0] * (width - len(r)) for r in rest])
+    together = model(x, cache=batch_caches(seqs, [len(r) for r in rest]))
+    for i, (seq, r) in enumerate(zip(seqs, rest)):
+        seq.append_tokens(r)
+        ref = reference(model, prompts[i], 1)[1]  # within the pieces' rounding
+        assert mx.allclose(together[i, len(r) - 1], ref, atol=1e-3).item()
+        assert mx.argmax(together[i, len(r) - 1]).item() == mx.argmax(ref).item()
+    nxt = [mx.argmax(together[i, len(r) - 1]).item() for i, r in enumerate(rest)]
+    step = model(mx.array(nxt)[:, None], cache=batch_caches(seqs))[:, -1]
+    for i, seq in enumerate(seqs):
+        seq.trim(1)  # back to before the step, then the same step alone
+        alone = model(mx.array([[nxt[i]]]), cache=seq.prepare())[0, -1]
+        assert mx.allclose(step[i], alone, atol=1e-5).item()
+        seq.close()
+    m.close()
+
+
+def test_reuse_starts_at_a_page_boundary_and_the_setting_is_its_own(model, tmp_path):
+    tokens = list(range(20, 39))  # 19 tokens
+    m = manager(model, tmp_path)
+    assert m.pool.spec.whole_pages
+    seq, _ = m.start(tokens, [])
+    run(model, seq, tokens, 1)
+    m.save("e", seq)
+    seq.close()
+    m.close()
+    other = manager(model, tmp_path, key_block=0)  # per position: another fingerprint
+    assert not other.pool.spec.whole_pages
+    seq, match = other.start(tokens + [1], ["e"])
+    assert match.tokens == 0
+    seq.close()
+    other.close()
+    m = manager(model, tmp_path)
+    seq, match = m.start(tokens + [1], ["e"])
+    assert (match.tokens, match.source) == (16, "disk:e")
+    seq.close()
+    m.close()
+
+
+def test_only_full_attention_of_a_model_without_recurrent_state_takes_it():
+    from kv_cache.layout.kinds import SlidingWindow
+    from kv_cache.layout.spec import GroupSpec, StateSpec
+
+    full = GroupSpec(CacheSpec.plain(2, 2, 32).groups[0].kind, (0, 2), 2, 32, "float32")
+    window = GroupSpec(SlidingWindow(8), (1, 3), 2, 32, "float32")
+    spec, _ = with_kv_bits(CacheSpec(4, (full, window)), "m", 4, 32, key_block=P)
+    assert [g.quant.key_block for g in spec.groups] == [P, 0]
+    hybrid = CacheSpec(3, (full,), (StateSpec(1, ((1, 4),), ("float32",)),))
+    with pytest.raises(ValueError, match="recurrent state"):
+        with_kv_bits(hybrid, "m", 4, 32, key_block=P)
+    with pytest.raises(ValueError, match="not shaped"):
+        with_kv_bits(CacheSpec(4, (full, window)), "m", 4, 32, key_stats={}, key_block=P)
+
+
+def test_views_of_keys_per_channel_are_read_decoded_and_auto_picks_them_for_4_bit_keys():
+    from kv_cache.layout.spec import key_block_for
+    from kv_cache.model.packed_attention import packed_pays
+
+    assert not packed_pays("packed", KVQuant(4, 32, key_block=P))
+    assert packed_pays("packed", KVQuant(4, 32))
+    plain = CacheSpec.plain(2, 2, 32)
+    assert key_block_for(plain, 4, "auto", 32) == 32
+    assert key_block_for(plain, "4,8", "auto", 32) == 32
+    assert key_block_for(plain, 8, "auto", 32) == 0
+    assert key_block_for(plain, "8,4", "auto", 32) == 0
+    assert key_block_for(plain, 8, "page", 32) == 32 and key_block_for(plain, 4, "position", 32) == 0
+    assert key_block_for(plain, None, "page", 32) == 0
+    assert key_block_for(plain, 4, "auto", 32, shaped=True) == 0
+    with pytest.raises(ValueError, match="kv-calibration"):
+        key_block_for(plain, 4, "page", 32, shaped=True)
+    with pytest.raises(ValueError, match="kv-key-scales"):
+        key_block_for(plain, 4, "pages", 32)
+
+
+def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows():
+    """gemma3 (sliding, global, sliding, global; head_dim 32 here): the global layers read keys
+    per channel over a page, the windows per position; each layer as its reference reads."""
+    from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
+
+    from kv_cache.model.spec_reader import spec_of_model
+    from tests.tiny_families import _get_classes, tiny_family_config
+
+    cfg = {**tiny_family_config("gemma3_text"), "head_dim": 32, "query_pre_attn_scalar": 32}
+    model_class, args_class = _get_classes(cfg)
+    mx.random.seed(4)
+    model = model_class(args_class.from_dict(cfg))
+    model.set_dtype(mx.float32)
+    spec, fp = with_kv_bits(spec_of_model(model, "gemma3_text"), "g", 4, 32, key_block=P)
+    assert [(g.kind.reads_all, g.quant.key_block) for g in spec.groups] == [(False, 0), (True, P)]
+    position = KVQuant(4, 32)
+
+    class CodedWindow(RotatingKVCache):
+        def update_and_fetch(self, keys, values):
+            return super().update_and_fetch(*position.round_trip_pair(keys, values))
+
+    ref = [KiviCache(P, 4, position) if type(c).__name__ == "KVCache"
+           else CodedWindow(max_size=c.max_size) for c in make_prompt_cache(model)]
+    m = open_cache(spec, fp, page_size=P, max_ram_bytes=1 << 24, policy="lru", disk_dir=None,
+                   max_disk_bytes=0, max_resident=0)
+    seq = m.new_sequence()
+    tokens = list(range(3, 43))
+    for i in range(0, len(tokens), 7):  # pieces across pages and the window of 16
+        piece = mx.array([tokens[i : i + 7]])
+        want = model(piece, cache=ref)[0]
+        got = model(piece, cache=seq.prepare())[0]
+        seq.append_tokens(tokens[i : i + 7])
+        seq.commit()
+        assert mx.allclose(got, want, atol=1e-4).item(), i
+    assert isinstance(seq.layers[1], ChannelKeysCache)
+    assert not isinstance(seq.layers[0], ChannelKeysCache)
+    seq.close()
+    m.close()
