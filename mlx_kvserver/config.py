@@ -59,6 +59,9 @@ class ServerConfig:
     # with kv_bits: keys' offsets and channel weights measured on a fixed text when a model is
     # opened (kv_cache/layout/key_shape.py); off by default: docs/BENCHMARKS.md section 14
     kv_calibrate: bool = False
+    # with kv_bits: keys' scales per channel over a page, or per position along head_dim; auto:
+    # per channel for 4-bit keys (kv_cache/layout/channel_keys.py)
+    kv_key_scales: str = "auto"
     # with kv_bits: shared prefixes read packed (quantized products) or decoded; auto: packed on
     # a GPU (kv_cache/model/packed_attention.py)
     kv_attention: str = "auto"

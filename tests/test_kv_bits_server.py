@@ -1,7 +1,8 @@
 """``--kv-bits`` through the real server: flags, cache on == cache off under the setting, a
 restart answers from disk as the warm server did (with ``--kv-calibration on`` its keys
-calibrated again to the same shape),
-another setting (calibration off included) is a miss that keeps the first setting's files."""
+calibrated again to the same shape; 4-bit keys per channel over a page, the default, and per
+position), another setting (calibration off or the other key scales included) is a miss that
+keeps the first setting's files."""
 
 from __future__ import annotations
 
@@ -44,26 +45,37 @@ def test_flags():
     c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "4",
                                                             "--kv-calibration", "on"]))
     assert c.kv_calibrate is True
+    assert default.kv_key_scales == "auto"
+    c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "4",
+                                                            "--kv-key-scales", "position"]))
+    assert c.kv_key_scales == "position"
+    with pytest.raises(SystemExit, match="kv-key-scales page"):
+        cli.config_from_args(cli.build_parser().parse_args(
+            ["--kv-bits", "4", "--kv-calibration", "on", "--kv-key-scales", "page"]))
     for bad in ("3", "8,3", "8,4,4", "eight"):
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args(["--kv-bits", bad])
 
 
-@pytest.mark.parametrize("bits,calibrate", [(8, False), (4, False), (4, True)])
+@pytest.mark.parametrize("bits,calibrate,scales", [(8, False, "auto"), (4, False, "auto"),
+                                                   (4, False, "position"), (4, True, "auto")],
+                         ids=["8", "4-channel", "4-position", "4-shaped"])
 def test_restart_in_bits_answers_as_the_warm_server_and_as_without_cache(lm32, tmp_path, bits,
-                                                                        calibrate):
-    with running_server([lm32], config(tmp_path, bits, kv_calibrate=calibrate)) as url:
+                                                                        calibrate, scales):
+    kw = {"kv_calibrate": calibrate, "kv_key_scales": scales}
+    with running_server([lm32], config(tmp_path, bits, **kw)) as url:
         history = run_turns(url, lm32.name, "q", TURNS[:3])
         history.append({"role": "user", "content": TURNS[3], "message_id": "q-u3"})
         warm, _, warm_usage = ask(url, lm32.name, history)
         cold, _, _ = ask(url, lm32.name, history, use_cache=False)
     assert warm == cold and warm_usage.prompt_tokens_details.cached_tokens > 0
     files = page_files(tmp_path)
-    with running_server([lm32], config(tmp_path, bits, kv_calibrate=calibrate)) as url:  # restart
+    with running_server([lm32], config(tmp_path, bits, **kw)) as url:  # restart
         restored, _, usage = ask(url, lm32.name, history)
     assert restored == warm and usage.prompt_tokens_details.cached_tokens > 0
-    other = 4 if bits == 8 else None
-    with running_server([lm32], config(tmp_path, other)) as url:  # another setting: a miss
+    other = {8: config(tmp_path, 4), 4: config(tmp_path, 4, kv_key_scales="page" if scales ==
+                                                "position" else "position")}[bits]
+    with running_server([lm32], other) as url:  # another setting: a miss
         _, _, usage = ask(url, lm32.name, history)
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert set(files) <= set(page_files(tmp_path))  # the first setting's pages stay

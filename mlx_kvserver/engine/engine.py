@@ -25,8 +25,8 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache import (CacheManager, export_entry, import_entry, key_stats, open_cache,
-                      with_kv_bits)
+from kv_cache import (CacheManager, export_entry, import_entry, key_block_for, key_stats,
+                      open_cache, with_kv_bits)
 
 from ..chat.output import Done, Error
 from ..config import GB, ServerConfig
@@ -91,8 +91,10 @@ class Engine:
             stats = key_stats(lm.model, tokens, lm.cache_spec)
             log.info("%s: keys calibrated for --kv-bits on %d tokens in %.1f s", lm.name,
                      len(tokens), time.perf_counter() - t)
+        block = key_block_for(lm.cache_spec, config.kv_bits, config.kv_key_scales,
+                              config.page_size, stats is not None)
         spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
-                                         config.kv_group_size, config.kv_rotate, stats)
+                                         config.kv_group_size, config.kv_rotate, stats, block)
         manager = open_cache(
             spec, fingerprint, page_size=config.page_size,
             max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
