@@ -41,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kv_cache.layout.quant import make_quant  # noqa: E402
 from kv_cache.model.packed_attention import PackedKV  # noqa: E402
 
-# each setting's name and its --kv-bits (rotated: the default)
-SETTINGS = {"full": None, "q8": 8, "q8_4": (8, 4), "q4": 4}
+# each setting's name, its --kv-bits (rotated: the default) and --kv-key-scales (auto: keys per
+# channel over a page for 4-bit keys, per position for 8-bit keys)
+SETTINGS = {"full": (None, "auto"), "q8": (8, "auto"), "q8_4": ((8, 4), "auto"),
+            "q4": (4, "auto"), "q4_position": (4, "position")}
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
@@ -78,7 +80,9 @@ def attention(history: int, reps: int, queries: int = 1) -> dict:
                 for i in range(LAYERS)]
 
     out["float32_buffers_ms"] = _median_ms(lambda: dense(ks), reps)
-    for name, bits in list(SETTINGS.items())[1:]:
+    for name, (bits, scales) in list(SETTINGS.items())[1:]:
+        if scales != "auto":
+            continue  # per position: the packed products are those of the settings above
         c = make_quant(bits)
         rows = [c.fresh(ks[2 * i], ks[2 * i + 1])[2:] for i in range(LAYERS)]
         packed = [PackedKV(c.packed(kw[0], c.bits, mx.float32),
@@ -110,14 +114,17 @@ def attention(history: int, reps: int, queries: int = 1) -> dict:
 SYSTEM, TURN = 200, (60, 140)  # a 20-turn conversation: system prompt, then user + answer
 
 
-def _setup(lm, bits: int | None, root: Path | None):
-    """A manager and runner for ``bits`` as the engine sets them up (disk under ``root``)."""
+def _setup(lm, setting: tuple, root: Path | None):
+    """A manager and runner for ``setting`` (``--kv-bits``, ``--kv-key-scales``) as the engine
+    sets them up (disk under ``root``)."""
     from kv_cache.model.attention import PrefixViews
     from kv_cache.opening import open_cache
-    from kv_cache.layout.spec import with_kv_bits
+    from kv_cache.layout.spec import key_block_for, with_kv_bits
     from mlx_kvserver.engine.runner import Runner
 
-    spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, bits)
+    bits, scales = setting
+    spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, 64, True, None,
+                            key_block_for(lm.cache_spec, bits, scales, 32))
     m = open_cache(spec, fp, page_size=32, max_ram_bytes=4 << 30, policy="lru", disk_dir=root,
                    max_disk_bytes=1 << 36, max_resident=4)
     m.views = PrefixViews(m.pool)
@@ -129,21 +136,24 @@ def _disk_bytes(root: Path) -> int:
 
 
 def _turn(m, runner, hist: list[int], new: list[int]) -> tuple[float, float]:
-    """Turn 4: the cache step (``start``), then the prompt pass; back to the history after."""
+    """Turn 4: the cache step (``start``), then the prompt pass; back to the history after.
+    Keys per channel over a page: the reuse stops at the history's last page boundary and the
+    prompt pass reads the rest of the history too."""
     t0 = time.perf_counter()
     seq, match = m.start(hist + new, ["h"])
     t1 = time.perf_counter()
-    runner.prefill(seq, new)
+    runner.prefill(seq, (hist + new)[match.tokens :])
     t2 = time.perf_counter()
-    assert match.tokens == len(hist), match
-    seq.trim(len(new))
+    whole = len(hist) - len(hist) % m.pool.page_size if m.pool.spec.whole_pages else len(hist)
+    assert match.tokens == whole, match
+    seq.trim(len(seq.tokens) - len(hist))
     m.keep(seq)
     return t1 - t0, t2 - t1
 
 
-def _history(lm, bits, root: Path, hist: list[int], new: list[int], reps: int) -> dict:
+def _history(lm, setting, root: Path, hist: list[int], new: list[int], reps: int) -> dict:
     """Bytes per token of the saved history, and turn 4 warm (the history resident)."""
-    m, runner = _setup(lm, bits, root)
+    m, runner = _setup(lm, setting, root)
     seq, _ = m.start(hist, [])
     for i in range(0, len(hist), 512):
         runner.prefill(seq, hist[i : i + 512])
@@ -163,8 +173,8 @@ def _restored(rows: dict, lm, work: Path, hist: list[int], new: list[int], reps:
     turns rep by rep; its TTFT, cache step and MB/s (the entry's files over the step)."""
     times: dict = {name: [] for name in rows}
     for _ in range(reps):
-        for name, bits in SETTINGS.items():
-            m, runner = _setup(lm, bits, work / name / "restore")
+        for name, setting in SETTINGS.items():
+            m, runner = _setup(lm, setting, work / name / "restore")
             times[name].append(_turn(m, runner, hist, new))
             m.close()
     for name, row in rows.items():
@@ -178,13 +188,13 @@ def _restored(rows: dict, lm, work: Path, hist: list[int], new: list[int], reps:
                     "restore_tokens_per_s": round(len(hist) / step)})
 
 
-def _on_document(lm, bits, doc: list[int]):
+def _on_document(lm, setting, doc: list[int]):
     """8 sequences on one shared document (each later one reads it through a view), as the
     scheduler prompts them; with each one's next greedy token."""
     from bench_ttft import QUESTIONS
 
     tok = lm.tokenizer
-    m, runner = _setup(lm, bits, None)
+    m, runner = _setup(lm, setting, None)
     seqs, nxt = [], []
     for i in range(8):
         prompt = doc + tok.encode(tok.render([{"role": "user", "content":
@@ -218,7 +228,7 @@ def decode(rounds: int, steps: int = 8) -> dict:
 
     lm = resolve_and_load(None)
     doc = lm.tokenizer.encode(document())
-    runs = {name: _on_document(lm, bits, doc) for name, bits in SETTINGS.items()}
+    runs = {name: _on_document(lm, setting, doc) for name, setting in SETTINGS.items()}
     out: dict = {"device": str(mx.default_device()), "rounds": rounds, "steps": steps}
     for b in (1, 8):
         per: dict = {name: [] for name in SETTINGS}
@@ -238,11 +248,11 @@ def decode(rounds: int, steps: int = 8) -> dict:
     return out
 
 
-def _conversation_bytes(lm, bits, root: Path, turns: int = 20) -> dict:
+def _conversation_bytes(lm, setting, root: Path, turns: int = 20) -> dict:
     """Disk bytes of one ``turns``-turn conversation saved as the server saves it; the KV is
     random (sizes do not depend on it), written through the layer caches as a forward pass
     writes it."""
-    m, _ = _setup(lm, bits, root)
+    m, _ = _setup(lm, setting, root)
     g = lm.cache_spec.groups[0]
     rng, n = mx.random.key(1), 0
     seq, _ = m.start([], [])
@@ -277,9 +287,9 @@ def serving(reps: int, work: Path) -> dict:
     toks = (doc * 2)[: 2266 + 25]
     out: dict = {"model": lm.name, "history_tokens": 2266, "new_tokens": 25,
                  "device": str(mx.default_device())}
-    for name, bits in SETTINGS.items():
-        row = _history(lm, bits, work / name / "restore", toks[:2266], toks[2266:], reps)
-        row.update(_conversation_bytes(lm, bits, work / name / "conversation"))
+    for name, setting in SETTINGS.items():
+        row = _history(lm, setting, work / name / "restore", toks[:2266], toks[2266:], reps)
+        row.update(_conversation_bytes(lm, setting, work / name / "conversation"))
         out[name] = row
     _restored({k: out[k] for k in SETTINGS}, lm, work, toks[:2266], toks[2266:], reps)
     print(json.dumps({k: out[k] for k in SETTINGS}), flush=True)

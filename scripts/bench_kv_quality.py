@@ -31,6 +31,13 @@ of 64); ``q4_kivi_g16``: blocks of 16; ``q4_kivi_norot``: values not rotated;
 ``q4_open_float``: the control, keys coded per position as ``--kv-bits 4`` does but the open
 block of 32 float as in ``q4_kivi`` (what the float tail alone gives).
 
+THROUGH THE REAL PAGED CACHE (``PagedSequence`` over a page pool, pages of 32, as the server
+runs it: prompt pieces committed to pages, answers decoded together by ``batch_caches``):
+``q4_pages``: ``--kv-bits 4`` as the server holds it by default (``--kv-key-scales auto``: keys
+per channel over a page, ``kv_cache.layout.channel_keys``); ``q4_position_pages``: the same
+with ``--kv-key-scales position``; ``q8_pages``, ``q8_4_pages``: 8 and 8,4 (keys per position
+there, as ``auto`` does for 8-bit keys).
+
 Usage: python scripts/bench_kv_quality.py [--gen 200] [--context 4096] [--json out.json]
 """
 
@@ -50,7 +57,8 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_cache import key_stats, with_kv_bits  # noqa: E402
+from kv_cache import (batch_caches, install, key_block_for, key_stats, open_cache,  # noqa: E402
+                      with_kv_bits)
 from kv_cache.layout.quant import KVQuant  # noqa: E402
 from kivi_sim import KiviSim  # noqa: E402
 from mlx_kvserver.models.calibration import calibration_tokens  # noqa: E402
@@ -84,6 +92,13 @@ class MxQuantizeRoundTrip:
         return rt(keys), rt(values)
 
 
+class Paged:
+    """A setting read through the real paged cache: ``--kv-bits`` and ``--kv-key-scales``."""
+
+    def __init__(self, bits, key_scales: str = "auto", page_size: int = 32):
+        self.bits, self.key_scales, self.page_size = bits, key_scales, page_size
+
+
 # name: (--kv-bits, --kv-group-size, --kv-rotation hadamard, --kv-calibration on)
 SETTINGS = {"full": None, "q8": (8, 64, True, False), "q8_4": ("8,4", 64, True, False),
             "q4": (4, 64, True, False), "q8_calibrated": (8, 64, True, True),
@@ -95,9 +110,13 @@ SETTINGS = {"full": None, "q8": (8, 64, True, False), "q8_4": ("8,4", 64, True, 
             "q4_kivi": KiviSim(32, 4, KVQuant(4)), "q4_kivi_g16": KiviSim(16, 4, KVQuant(4)),
             "q4_kivi_norot": KiviSim(32, 4, KVQuant(4, rotate=False)),
             "kivi4_values_float": KiviSim(32, 4, None),
-            "q4_open_float": KiviSim(32, 4, KVQuant(4), per_channel=False)}
+            "q4_open_float": KiviSim(32, 4, KVQuant(4), per_channel=False),
+            # the real paged cache (pages of 32)
+            "q4_pages": Paged(4), "q4_position_pages": Paged(4, "position"),
+            "q8_pages": Paged(8), "q8_4_pages": Paged("8,4")}
 GREEDY = ("full", "q8", "q8_4", "q4", "q8_calibrated", "q8_4_calibrated",
-          "q4_calibrated", "q4_plain")  # the settings whose answers are compared
+          "q4_calibrated", "q4_plain", "q4_pages", "q4_position_pages", "q8_pages",
+          "q8_4_pages")  # the settings whose answers are compared
 
 
 class Setting:
@@ -107,7 +126,18 @@ class Setting:
         self.by_slot: dict = {}
         self.quant = None
         self.kivi = setting if isinstance(setting, KiviSim) else None
-        if isinstance(setting, tuple):
+        self.manager = None
+        if isinstance(setting, Paged):
+            block = key_block_for(lm.cache_spec, setting.bits, setting.key_scales,
+                                  setting.page_size)
+            spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, setting.bits, 64, True, None,
+                                    block)
+            self.quant = spec.groups[0].quant
+            self.manager = open_cache(spec, fp, page_size=setting.page_size,
+                                      max_ram_bytes=4 << 30, policy="lru", disk_dir=None,
+                                      max_disk_bytes=0, max_resident=0)
+            install(lm.model)
+        elif isinstance(setting, tuple):
             bits, group, rotate, calibrate = setting
             spec, _ = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, group, rotate,
                                    stats if calibrate else None)
@@ -149,19 +179,25 @@ def perplexity(model, tokens: list[int], quant, context: int, chunk: int = 512) 
     nll, scored = 0.0, 0
     for start in range(0, len(tokens) - 2 * context + 1, context):
         window = tokens[start : start + 2 * context]
-        caches = [quant.cache(i) for i in range(len(model.layers))]
+        seq = quant.manager.new_sequence() if quant.manager is not None else None
+        caches = None if seq is not None else [quant.cache(i) for i in range(len(model.layers))]
         for a in range(0, len(window) - 1, chunk):
             ids = window[a : min(a + chunk, len(window) - 1)]
-            logits = model(mx.array([ids]), cache=caches)[0]
+            logits = model(mx.array([ids]), cache=caches or seq.prepare())[0]
+            if seq is not None:  # into pages, as the server's prompt pieces
+                seq.append_tokens(ids)
+                seq.commit()
             first = max(context - 1 - a, 0)  # predicts position a + 1 + i: score from context on
             if first >= len(ids):
-                mx.eval([c.state for c in caches])
+                mx.eval([c.state for c in caches] if caches else logits)
                 continue
             lp = logits[first:].astype(mx.float32)
             lp = lp - mx.logsumexp(lp, axis=-1, keepdims=True)
             targets = mx.array(window[a + 1 + first : a + 1 + len(ids)])
             nll -= mx.take_along_axis(lp, targets[:, None], axis=-1).sum().item()
             scored += len(ids) - first
+        if seq is not None:
+            seq.close()
     return {"perplexity": math.exp(nll / scored), "scored_tokens": scored}
 
 
@@ -171,6 +207,8 @@ def greedy(model, prompts: list[list[int]], quant, n: int) -> list[list[int]]:
     pad = [width - len(p) for p in prompts]
     if quant.kivi is not None:
         raise ValueError("the KIVI simulation has no batched cache: no greedy answers")
+    if quant.manager is not None:
+        return greedy_paged(model, prompts, quant.manager, n)
     caches = [_coding(BatchKVCache, quant, i)(pad) for i in range(len(model.layers))]
     x = mx.array([[0] * k + p for k, p in zip(pad, prompts)])
     out: list[list[int]] = [[] for _ in prompts]
@@ -179,6 +217,30 @@ def greedy(model, prompts: list[list[int]], quant, n: int) -> list[list[int]]:
         for o, t in zip(out, nxt.tolist()):
             o.append(t)
         x = nxt[:, None]
+    return out
+
+
+def greedy_paged(model, prompts: list[list[int]], manager, n: int) -> list[list[int]]:
+    """``greedy`` through the paged cache: each prompt read alone, the answers decoded
+    together (``batch_caches``), as the server's scheduler does."""
+    seqs, nxt = [], []
+    for p in prompts:
+        seq = manager.new_sequence()
+        logits = model(mx.array([p]), cache=seq.prepare())[0, -1]
+        seq.append_tokens(p)
+        seq.commit()
+        seqs.append(seq)
+        nxt.append(mx.argmax(logits).item())
+    out = [[t] for t in nxt]
+    for _ in range(n - 1):
+        logits = model(mx.array(nxt)[:, None], cache=batch_caches(seqs))[:, -1, :]
+        for seq, t in zip(seqs, nxt):
+            seq.append_tokens([t])
+        nxt = mx.argmax(logits, axis=-1).tolist()
+        for o, t in zip(out, nxt):
+            o.append(t)
+    for seq in seqs:
+        seq.close()
     return out
 
 
