@@ -87,9 +87,14 @@ def test_keys_calibrated_or_not_are_two_settings(lm32, tmp_path, caplog):
         with running_server([lm32], config(tmp_path, 4, kv_calibrate=True)) as url:
             shaped, _, _ = ask(url, lm32.name, history)
     assert any("keys calibrated" in r.getMessage() for r in caplog.records)
+    assert any("keys scaled per position" in r.getMessage() for r in caplog.records)
     files = page_files(tmp_path)
-    with running_server([lm32], config(tmp_path, 4, kv_calibrate=False)) as url:
+    caplog.clear()
+    with caplog.at_level("INFO", logger="mlx_kvserver.engine"), \
+            running_server([lm32], config(tmp_path, 4, kv_calibrate=False)) as url:
         _, _, usage = ask(url, lm32.name, history + [{"role": "assistant", "content": shaped},
                                                      {"role": "user", "content": TURNS[1]}])
     assert usage.prompt_tokens_details.cached_tokens == 0
     assert set(files) <= set(page_files(tmp_path))
+    assert any("keys scaled per channel over pages of 8" in r.getMessage()
+               for r in caplog.records)

@@ -95,6 +95,9 @@ class Engine:
                               config.page_size, stats is not None)
         spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
                                          config.kv_group_size, config.kv_rotate, stats, block)
+        if config.kv_bits:
+            log.info("%s: KV pages in %s bits, keys scaled %s", lm.name, config.kv_bits,
+                     f"per channel over pages of {block}" if block else "per position")
         manager = open_cache(
             spec, fingerprint, page_size=config.page_size,
             max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
