@@ -338,3 +338,18 @@ def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows():
     assert not isinstance(seq.layers[0], ChannelKeysCache)
     seq.close()
     m.close()
+
+
+def test_a_fork_reads_the_open_pages_float_keys_as_its_parent(model):
+    tokens = list(range(80, 90))  # page 2 open after them
+    m = manager(model)
+    seq, _ = m.start([], [])
+    run(model, seq, tokens, 1)
+    child = seq.fork()
+    assert child.group_layers[0][0].tail[0] == 8
+    want, first = run(model, seq, [5, 6], 3)
+    got, child_first = run(model, child, [5, 6], 3)
+    assert got == want and mx.allclose(child_first, first, atol=1e-5).item()
+    child.close()
+    seq.close()
+    m.close()
