@@ -33,6 +33,7 @@ block of 32 float as in ``q4_kivi`` (what the float tail alone gives).
 
 THROUGH THE REAL PAGED CACHE (``PagedSequence`` over a page pool, pages of 32, as the server
 runs it: prompt pieces committed to pages, answers decoded together by ``batch_caches``):
+``full_pages``: full precision (the control: what the paged path alone changes);
 ``q4_pages``: ``--kv-bits 4`` as the server holds it by default (``--kv-key-scales auto``: keys
 per channel over a page, ``kv_cache.layout.channel_keys``); ``q4_position_pages``: the same
 with ``--kv-key-scales position``; ``q8_pages``, ``q8_4_pages``: 8 and 8,4 (keys per position
@@ -112,10 +113,11 @@ SETTINGS = {"full": None, "q8": (8, 64, True, False), "q8_4": ("8,4", 64, True, 
             "kivi4_values_float": KiviSim(32, 4, None),
             "q4_open_float": KiviSim(32, 4, KVQuant(4), per_channel=False),
             # the real paged cache (pages of 32)
-            "q4_pages": Paged(4), "q4_position_pages": Paged(4, "position"),
+            "full_pages": Paged(None), "q4_pages": Paged(4),
+            "q4_position_pages": Paged(4, "position"),
             "q8_pages": Paged(8), "q8_4_pages": Paged("8,4")}
 GREEDY = ("full", "q8", "q8_4", "q4", "q8_calibrated", "q8_4_calibrated",
-          "q4_calibrated", "q4_plain", "q4_pages", "q4_position_pages", "q8_pages",
+          "q4_calibrated", "q4_plain", "full_pages", "q4_pages", "q4_position_pages", "q8_pages",
           "q8_4_pages")  # the settings whose answers are compared
 
 

@@ -273,6 +273,8 @@ def test_only_full_attention_of_a_model_without_recurrent_state_takes_it():
     window = GroupSpec(SlidingWindow(8), (1, 3), 2, 32, "float32")
     spec, _ = with_kv_bits(CacheSpec(4, (full, window)), "m", 4, 32, key_block=P)
     assert [g.quant.key_block for g in spec.groups] == [P, 0]
+    assert CacheSpec.from_json(spec.to_json()) == spec  # file headers carry it
+    assert spec.groups[0].quant.describe()["kv_key_scales"] == f"channel-page-{P}"
     hybrid = CacheSpec(3, (full,), (StateSpec(1, ((1, 4),), ("float32",)),))
     with pytest.raises(ValueError, match="recurrent state"):
         with_kv_bits(hybrid, "m", 4, 32, key_block=P)
