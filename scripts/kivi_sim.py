@@ -63,12 +63,16 @@ class KiviCache(KVCache):
     complete blocks, each coded once."""
 
     def __init__(self, block: int = 32, bits: int = 4, values: KVQuant | None = None,
-                 per_channel: bool = True):
+                 per_channel: bool = True, open_values: bool = False):
+        """``open_values``: values too are read as float in their own block (coded when the
+        block is complete), as the pages hold them; else coded as they arrive."""
         super().__init__()
         # NOTE: not `bits`: mlx-lm reads a cache with `bits` as its own quantized cache
         self.block, self.key_bits, self.value_codec = block, bits, values
         self.per_token = None if per_channel else KVQuant(bits)
         self.sealed: mx.array | None = None  # decoded keys of positions [0, n_sealed)
+        self.open_values = open_values
+        self.sealed_v: mx.array | None = None  # with open_values: decoded values, the same
         self.n_sealed = 0
 
     def _start(self, t: int) -> int:
@@ -90,7 +94,7 @@ class KiviCache(KVCache):
 
     def update_and_fetch(self, keys: mx.array, values: mx.array):
         p0 = self.offset
-        if self.value_codec is not None:
+        if self.value_codec is not None and not self.open_values:
             values = self.value_codec.round_trip(values)
         k, v = super().update_and_fetch(keys, values)
         end = self.offset
@@ -101,11 +105,19 @@ class KiviCache(KVCache):
                     else kivi_round_trip(new, self.block, self.key_bits)[0])
             self.sealed = read if self.sealed is None else mx.concatenate(
                 [self.sealed, read], axis=2)
+            if self.open_values:
+                nv = v[..., self.n_sealed:complete, :]
+                nv = self.value_codec.round_trip(nv) if self.value_codec is not None else nv
+                self.sealed_v = nv if self.sealed_v is None else mx.concatenate(
+                    [self.sealed_v, nv], axis=2)
             self.n_sealed = complete
         lo, quantized = self._start(p0), self._start(end - 1)
         kq = self.sealed[..., :quantized, :] if quantized else k[..., :0, :]
+        vq = v[..., :quantized, :]
+        if self.open_values:
+            vq = self.sealed_v[..., :quantized, :] if quantized else v[..., :0, :]
         return (mx.concatenate([kq, k[..., lo:end, :]], axis=2),
-                mx.concatenate([v[..., :quantized, :], v[..., lo:end, :]], axis=2))
+                mx.concatenate([vq, v[..., lo:end, :]], axis=2))
 
     @property
     def state(self):
@@ -124,12 +136,12 @@ class KiviSim:
     simulated = True
 
     def __init__(self, block: int = 32, bits: int = 4, values: KVQuant | None = None,
-                 per_channel: bool = True):
+                 per_channel: bool = True, open_values: bool = False):
         self.block, self.bits, self.values = block, bits, values
-        self.per_channel = per_channel
+        self.per_channel, self.open_values = per_channel, open_values
 
     def make_cache(self) -> KiviCache:
-        return KiviCache(self.block, self.bits, self.values, self.per_channel)
+        return KiviCache(self.block, self.bits, self.values, self.per_channel, self.open_values)
 
     def kv_bytes(self, head_dim: int) -> float:
         """Bytes of one position of one head, key and value, once the block is sealed: codes,

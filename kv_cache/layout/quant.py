@@ -169,17 +169,30 @@ class KVQuant:
         """New keys and values ``[..., kv_heads, n, head_dim]`` of the model's cache slot
         ``slot`` (with shaped keys; None: ``[layers, kv_heads, n, head_dim]`` of the whole
         group): what the model reads of them (the decoded values of their codes, in their dtype)
-        and their stored words (key words, value words), in one compiled call."""
+        and their stored words (key words, value words), in one compiled call. With
+        ``key_block``: they are read as they are until their page is full (``seal``), and have
+        no words yet (zeros)."""
         self.check(keys.shape[-1])
         fns = self._fns(keys.dtype, keys.shape[-1])
-        if self.key_block:  # keys stay float until their page is full (channel_keys.seal)
-            v, vw = fns.fresh_values(values)
-            kw = mx.zeros((*keys.shape[:-1], self.key_words(keys.shape[-1], keys.dtype)),
-                          mx.uint32)
-            return keys, v, kw, vw
+        if self.key_block:  # float until their page is full (seal)
+            lead = keys.shape[:-1]
+            return keys, values, *(mx.zeros((*lead, w), mx.uint32) for w in self._widths(keys))
         if self.keys is None:
             return fns.fresh(keys, values)
         return fns.fresh(keys, values, *self.keys.layer(slot))
+
+    def _widths(self, keys: mx.array) -> tuple[int, int]:
+        d, dt = keys.shape[-1], keys.dtype
+        return self.key_words(d, dt), self.side_words(self.value_bits, d, dt)
+
+    def seal(self, keys: mx.array, values: mx.array) -> tuple[mx.array, ...]:
+        """With ``key_block``: whole pages of float keys and values ``[..., n, head_dim]``
+        coded as a full page holds them (keys per channel over the page, values per position):
+        what the model reads of them, and their words (``(keys, values, key words, value
+        words)``)."""
+        k, kw = channel_keys.seal(keys, self.bits, self.key_block)
+        v, vw = self._fns(values.dtype, values.shape[-1]).fresh_values(values)
+        return k, v, kw, vw
 
     def round_trip_pair(self, keys: mx.array, values: mx.array, slot: int | None = None
                         ) -> tuple[mx.array, mx.array]:
@@ -215,12 +228,13 @@ class KVQuant:
     def encode(self, kv: mx.array) -> mx.array:
         """Values ``[..., 2, heads, n, head_dim]`` quantized as a page stores them (the words
         ``fresh`` gives)."""
-        keys = kv[..., 0, :, :, :]
-        _, _, kw, vw = self.fresh(keys, kv[..., 1, :, :, :])
+        keys, values = kv[..., 0, :, :, :], kv[..., 1, :, :, :]
+        _, _, kw, vw = self.fresh(keys, values)
         whole = keys.shape[-2] // self.key_block * self.key_block if self.key_block else 0
-        if whole:  # keys of the whole pages, coded per channel
-            sealed = channel_keys.seal(keys[..., :whole, :], self.bits, self.key_block)[1]
-            kw = mx.concatenate([sealed, kw[..., whole:, :]], axis=-2)
+        if whole:  # whole pages, coded as sealed (an open page's rows hold no codes)
+            _, _, skw, svw = self.seal(keys[..., :whole, :], values[..., :whole, :])
+            kw = mx.concatenate([skw, kw[..., whole:, :]], axis=-2)
+            vw = mx.concatenate([svw, vw[..., whole:, :]], axis=-2)
         return self.join(kw, vw)
 
     def decode(self, page: mx.array, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:

@@ -237,10 +237,11 @@ KEY_SCALES = ("auto", "page", "position")
 def key_block_for(spec: CacheSpec, bits: int | str | tuple | None, key_scales: str,
                   page_size: int, shaped: bool = False) -> int:
     """``--kv-key-scales``: the page size over which keys get per-channel scales (0: per
-    position). ``page``: per channel (a ``ValueError`` where the model or the setting cannot
-    have it); ``position``: per position; ``auto``: per channel for 4-bit keys where it can be
-    (docs/BENCHMARKS.md section 14: +8.25% perplexity per position, under +3% per channel),
-    per position for 8-bit keys (within 0.05% already)."""
+    position), and a page's keys and values are coded when the page is full
+    (``kv_cache.model.channel_cache``). ``page``: so (a ``ValueError`` where the model or the
+    setting cannot have it); ``position``: keys per position, coded as they come; ``auto``:
+    ``page`` where it can be (no recurrent state, keys not shaped), else ``position``
+    (docs/BENCHMARKS.md section 14)."""
     if key_scales not in KEY_SCALES:
         raise ValueError(f"--kv-key-scales must be one of {KEY_SCALES}, not {key_scales!r}")
     kv = parse_bits(bits)
@@ -254,4 +255,4 @@ def key_block_for(spec: CacheSpec, bits: int | str | tuple | None, key_scales: s
             raise ValueError("keys per channel over a page (--kv-key-scales page) need a "
                              "model without recurrent state: use --kv-key-scales position")
         return page_size
-    return page_size if kv[0] == 4 and not shaped and not spec.has_state else 0
+    return page_size if not shaped and not spec.has_state else 0

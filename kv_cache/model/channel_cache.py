@@ -1,26 +1,27 @@
-"""A full-attention layer whose pages hold keys per channel over a page
-(``kv_cache.layout.channel_keys``): what its queries read, and what its commits write.
+"""A full-attention layer whose pages are coded when full: keys per channel over the page
+(``kv_cache.layout.channel_keys``), values per position (``kv_cache.layout.quant``). What its
+queries read, and what its commits write.
 
-A page's keys are coded when the page is full, from their float values, once. Until then they
-are read as float. So a query at position ``p`` reads the keys of the pages before its own page
-as their codes give them back, and the keys of its own page, up to ``p``, as float: a rule of
-positions alone, so a text read in any pieces (a prompt in chunks, a decode step, a verify pass)
-reads what token-by-token decoding reads, and greedy output with the cache equals output without
-it under the same setting.
+A page's keys and values are coded once, when the page is full, from their float values. Until
+then they are read as float. So a query at position ``p`` reads the keys and values of the
+pages before its own page as their codes give them back, and those of its own page, up to
+``p``, as float: a rule of positions alone, so a text read in any pieces (a prompt in chunks, a
+decode step, a verify pass) reads what token-by-token decoding reads, and greedy output with the
+cache equals output without it under the same setting.
 
-The working buffer holds the decoded keys of the pages sealed so far (``sealed``: the first
-position still float) and the float keys after. A pass that begins on a page is read with keys
+The working buffers hold the decoded keys and values of the pages sealed so far (``sealed``:
+the first position still float) and the floats after. A pass that begins on a page is read with
 ``[buffer; decoded copies of the pages completed inside the pass]`` and a mask that gives each
 query its own view (``make_mask`` for the model's own attention, ``Reads.block`` for the split
-path of ``kv_cache.model.attention``): a key of the query's own page as float, a key of an
-earlier page as decoded. The next pass (or a commit) seals those pages in the buffer.
+path of ``kv_cache.model.attention``): its own page float, earlier pages decoded. The next pass
+(or a commit) seals those pages in the buffers.
 
-Commits write a page's key codes once the page is full (the page is written again whole then,
-``kv_cache.model.page_writes``); the rows of a page still open carry its values' words and no
-key codes. The float keys of the open page are therefore only here: the layer keeps them when
-its buffer is dropped (``tail``), and a cache reused from pages starts at a page boundary
-(``CacheSpec.whole_pages``), so a stored open page is never read. A trim back into the last
-sealed page restores its float keys (``orig``).
+Commits write a page's codes once the page is full (the page is written again whole then,
+``kv_cache.model.page_writes``); the rows of a page still open hold no codes (zeros). The floats
+of the open page are therefore only here: the layer keeps them when its buffers are dropped
+(``tail``), and a cache reused from pages starts at a page boundary (``CacheSpec.whole_pages``),
+so a stored open page is never read. A trim back into the last sealed page restores its floats
+(``orig``).
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kv_cache.layout import channel_keys
 from kv_cache.model.attention import Reads
 from kv_cache.model.layer_cache import PagedLayerCache
+
+Floats = tuple[int, mx.array, mx.array]  # first position, keys, values ([1, heads, n, dim])
 
 
 class ChannelKeysCache(PagedLayerCache):
@@ -39,27 +41,32 @@ class ChannelKeysCache(PagedLayerCache):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.sealed = 0  # buffer positions before it hold decoded keys, from it float keys
-        self.page_words: list[tuple[int, mx.array]] = []  # sealed pages' key words, by start
-        self.orig: tuple[int, mx.array] | None = None  # the last sealed page's float keys
-        self.tail: tuple[int, mx.array] | None = None  # the open page's float keys, no buffer
+        self.sealed = 0  # buffer positions before it hold decoded keys and values, from it floats
+        self.page_words: list[tuple[int, mx.array, mx.array]] = []  # sealed pages' words
+        self.orig: Floats | None = None  # the last sealed page's floats
+        self.tail: Floats | None = None  # the open page's floats while there are no buffers
         self._span: tuple[int, int] = (0, 0)  # the last pass's decoded copies: pages [a, b)
 
     def _page(self, p: int) -> int:
         return p // self.page_size * self.page_size
 
+    def _keep_words(self, kw: mx.array, vw: mx.array) -> None:
+        pass  # nothing is coded before its page is full (``_seal_to``)
+
     def _seal_to(self, end: int) -> None:
-        """Code the full pages of positions ``sealed..end-1`` in the buffer (once each)."""
+        """Code the full pages of positions ``sealed..end-1`` in the buffers (once each)."""
         start = max(self.sealed, self.base)
         if end <= start or self.keys is None:
             self.sealed = max(self.sealed, end)
             return
         a, b = start - self.base, end - self.base
-        floats = self.keys[..., a:b, :]
-        read, words = channel_keys.seal(floats, self.quant.bits, self.page_size)
-        self.keys[..., a:b, :] = read
-        self.page_words.append((start, words))
-        self.orig = (end - self.page_size, floats[..., -self.page_size:, :])
+        fk, fv = self.keys[..., a:b, :], self.values[..., a:b, :]
+        k, v, kw, vw = self.quant.seal(fk, fv)
+        self.keys[..., a:b, :] = k
+        self.values[..., a:b, :] = v
+        self.page_words.append((start, kw, vw))
+        P = self.page_size
+        self.orig = (end - P, fk[..., -P:, :], fv[..., -P:, :])
         self.sealed = end
 
     def update_and_fetch(self, keys: mx.array, values: mx.array,
@@ -76,10 +83,8 @@ class ChannelKeysCache(PagedLayerCache):
         self._span = (first, last)
         if last > first:  # pages completed inside the pass, read decoded by the later queries
             a, b = first - self.base, last - self.base
-            read, _ = channel_keys.seal(self.keys[..., a:b, :], self.quant.bits,
-                                        self.page_size)
-            k = mx.concatenate([k, read], axis=2)
-            v = mx.concatenate([v, self.values[..., a:b, :]], axis=2)
+            ck, cv, _, _ = self.quant.seal(self.keys[..., a:b, :], self.values[..., a:b, :])
+            k, v = mx.concatenate([k, ck], axis=2), mx.concatenate([v, cv], axis=2)
         return self._fetched(k, v, self.base, q_start)
 
     def read(self) -> Reads:
@@ -109,60 +114,49 @@ class ChannelKeysCache(PagedLayerCache):
     # -- commits --------------------------------------------------------------------------------
 
     def stored(self, start: int, end: int) -> mx.array:
-        """Rows of positions ``start..end-1``: key codes where their page is full (zeros in an
-        open page), the values' words as ``fresh`` made them."""
+        """Rows of positions ``start..end-1``: their page's codes where it is full, zeros in
+        an open page."""
         self._seal_to(self._page(self.offset))
         parts, at = [], start
-        for a, w in self.page_words:
-            b = a + w.shape[2]
+        for a, kw, vw in self.page_words:
+            b = a + kw.shape[2]
             if b <= at or a >= end:
                 continue
-            parts.append(w[0, :, at - a : min(b, end) - a])
+            parts.append(self.quant.join(kw[0, :, at - a : min(b, end) - a],
+                                         vw[0, :, at - a : min(b, end) - a]))
             at = min(b, end)
-        vw = self._value_words(start, end)
         if at < end:
-            parts.append(mx.zeros((*vw.shape[:-2], end - at,
-                                   self.quant.key_words(self.keys.shape[-1], self.keys.dtype)),
-                                  mx.uint32))
+            dim, dt = self.keys.shape[-1], self.keys.dtype
+            words = self.quant.words(dim, dt)
+            parts.append(mx.zeros((2, self.keys.shape[1], end - at, words), mx.uint32))
         lo = self._page(start)  # a page completed later is written again from its start
-        self.page_words = [(a, w) for a, w in self.page_words if a + w.shape[2] > lo]
-        self._drop_words(lo)
-        kw = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
-        return self.quant.join(kw, vw)
-
-    def _value_words(self, start: int, end: int) -> mx.array:
-        parts, at = [], start
-        for a, _, v in self.words:
-            b = a + v.shape[2]
-            if b <= at or a >= end:
-                continue
-            assert a <= at, f"positions {at}..{a} have no stored words (layer {self.layer})"
-            parts.append(v[0, :, at - a : min(b, end) - a])
-            at = min(b, end)
-        assert at == end, f"positions {at}..{end} have no stored words (layer {self.layer})"
-        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
+        self.page_words = [w for w in self.page_words if w[0] + w[1].shape[2] > lo]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=2)
 
     # -- buffers, views, trims ------------------------------------------------------------------
 
     def load(self, keys: mx.array, values: mx.array, base: int = 0,
              stored: mx.array | None = None) -> None:
-        """Gathered pages (see ``PagedLayerCache.load``); ``stored``: the rows of the open page
-        (its values' words) when the layer ends inside a page, whose float keys it kept."""
+        """Gathered pages (see ``PagedLayerCache.load``); a layer that ends inside a page puts
+        back the open page's floats it kept."""
         super().load(keys, values, base)
         open_at = self._page(self.offset)
         self.sealed, self.page_words, self.orig = max(open_at, base), [], None
         if self.offset > open_at and open_at >= base:
             assert self.tail is not None and self.tail[0] == open_at, (
-                f"layer {self.layer}: the float keys of positions {open_at}..{self.offset} "
-                f"are not held (a reuse from pages starts at a page boundary)")
-            a = open_at - base
-            self.keys[..., a : a + self.tail[1].shape[2], :] = self.tail[1]
-            kw, vw = self.quant.split(stored, keys.shape[-1], keys.dtype)
-            self.words = [(open_at, kw[None], vw[None])]
+                f"layer {self.layer}: the floats of positions {open_at}..{self.offset} are not "
+                f"held (a reuse from pages starts at a page boundary)")
+            self._put(self.tail)
         self.tail = None
 
-    def float_tail(self) -> tuple[int, mx.array] | None:
-        """The open page's float keys (a copy for a sequence that forks)."""
+    def _put(self, floats: Floats) -> None:
+        at, k, v = floats
+        a = at - self.base
+        self.keys[..., a : a + k.shape[2], :] = k
+        self.values[..., a : a + v.shape[2], :] = v
+
+    def float_tail(self) -> Floats | None:
+        """The open page's floats (a copy for a sequence that forks)."""
         if self.keys is None:
             return self.tail
         open_at = max(self._page(self.offset), self.base)
@@ -170,7 +164,8 @@ class ChannelKeysCache(PagedLayerCache):
             return None
         self._seal_to(self._page(self.offset))
         a, b = open_at - self.base, self.offset - self.base
-        return open_at, mx.contiguous(self.keys[..., a:b, :])
+        return (open_at, mx.contiguous(self.keys[..., a:b, :]),
+                mx.contiguous(self.values[..., a:b, :]))
 
     def drop_buffer(self) -> None:
         self.tail = self.float_tail() if self.offset else None
@@ -180,7 +175,7 @@ class ChannelKeysCache(PagedLayerCache):
     def use_view(self, view, length: int) -> None:
         super().use_view(view, length)
         self.sealed = max(self.sealed, length if self.keys is not None else 0)
-        self.page_words = [(a, w) for a, w in self.page_words if a + w.shape[2] > length]
+        self.page_words = [w for w in self.page_words if w[0] + w[1].shape[2] > length]
 
     def can_trim_to(self, length: int) -> bool:
         if not super().can_trim_to(length):
@@ -194,17 +189,16 @@ class ChannelKeysCache(PagedLayerCache):
         n = super().trim(n)
         if self.keys is not None and self.offset < self.sealed:
             at = self._page(self.offset)
-            if self.offset > at:  # back into a sealed page: its float keys again
-                a = at - self.base
-                self.keys[..., a : a + self.page_size, :] = self.orig[1]
+            if self.offset > at:  # back into a sealed page: its floats again
+                self._put(self.orig)
             self.sealed = at
-            self.page_words = [(a, w) for a, w in self.page_words if a < at]
-            self.page_words = [(a, w[:, :, : at - a]) for a, w in self.page_words]
+            self.page_words = [(a, kw[:, :, : at - a], vw[:, :, : at - a])
+                               for a, kw, vw in self.page_words if a < at]
             self.orig = None
         return n
 
     @property
     def nbytes(self) -> int:
-        extra = sum(w.nbytes for _, w in self.page_words)
-        extra += sum(x[1].nbytes for x in (self.orig, self.tail) if x is not None)
+        extra = sum(kw.nbytes + vw.nbytes for _, kw, vw in self.page_words)
+        extra += sum(x[1].nbytes + x[2].nbytes for x in (self.orig, self.tail) if x is not None)
         return super().nbytes + extra

@@ -199,12 +199,9 @@ class PagedSequence:
             blocks = table.blocks[base // P : -(-end // P)]
             assert None not in blocks, "a page the window reads was released"
             gathered = self.pool.gather_layers(blocks, n, room)
-            # pages in bits: a window that may write a page again after a trim keeps its words;
-            # keys per channel: the open page's rows (written again whole once it is full)
+            # pages in bits: a window that may write a page again after a trim keeps its words
             rows = self.pool.gather(blocks, n) if spec.quant is not None \
                 and not spec.kind.reads_all else None
-            if spec.quant is not None and spec.quant.key_block and end % P:
-                rows = self.pool.gather(blocks[-1:], end % P)
             for i, (layer, (keys, values)) in enumerate(zip(layers, gathered)):
                 layer.load(keys, values, base, None if rows is None else rows[i])
 

@@ -30,7 +30,7 @@ def manager(model, disk: Path | None = None, key_block: int = P, bits=4, max_res
 
 def reference(model, tokens, n, bits=4) -> tuple[list[int], mx.array]:
     """``n`` greedy tokens through the simulation's mlx-lm cache, and the first logits."""
-    cache = [KiviCache(P, bits, KVQuant(bits, 32)) for _ in model.layers]
+    cache = [KiviCache(P, bits, KVQuant(bits, 32), open_values=True) for _ in model.layers]
     x, out, first = mx.array(tokens)[None], [], None
     for _ in range(n):
         logits = model(x, cache=cache)[0, -1]
@@ -144,23 +144,27 @@ def key_rows(m, block) -> mx.array:
     return channel_keys.decode(kw, 4, P, mx.float32, 32)
 
 
-def test_a_page_gets_its_key_codes_once_full_from_its_float_keys(model):
+def test_a_page_gets_its_codes_once_full_from_its_float_keys_and_values(model):
     m = manager(model)
     seq, _ = m.start([], [])
     run(model, seq, list(range(30, 36)), 1)  # 6 positions: page 0 full, page 1 open
     seq.commit()
     layer = seq.group_layers[0][0]
     assert isinstance(layer, ChannelKeysCache) and layer.sealed == P
-    kw, _ = m.pool.groups[0].quant.split(m.pool.data(seq.table.blocks[1]), 32, mx.float32)
-    assert kw.shape[-2] == 2 and not kw.any().item()  # an open page: no key codes yet
+    open_rows = m.pool.data(seq.table.blocks[1])
+    assert open_rows.shape[3] == 2 and not open_rows.any().item()  # an open page: no codes yet
     run(model, seq, [40, 41], 1)  # positions 6, 7: page 1 is full
-    floats = mx.array(layer.keys[0, :, 4:8])  # still float until a commit or the next pass
+    fk, fv = mx.array(layer.keys[0, :, 4:8]), mx.array(layer.values[0, :, 4:8])  # still float
     seq.commit()
     block = seq.table.blocks[1]
     assert m.pool.is_sealed(block) and m.pool.num_tokens(block) == P
-    want = channel_keys.seal(floats, 4, P)[0]
-    assert mx.array_equal(key_rows(m, block)[0], want).item()
-    assert mx.array_equal(layer.keys[0, :, 4:8], want).item()  # the buffer reads the codes
+    quant = m.pool.groups[0].quant
+    k, v, kw, vw = quant.seal(fk, fv)
+    assert mx.array_equal(m.pool.data(block)[0], quant.join(kw, vw)).item()  # layer 0's rows
+    assert mx.array_equal(key_rows(m, block)[0], k).item()
+    assert mx.array_equal(layer.keys[0, :, 4:8], k).item()  # the buffers read the codes
+    assert mx.array_equal(layer.values[0, :, 4:8], v).item()
+    assert not mx.array_equal(v, fv).item()
     seq.close()
     m.close()
 
@@ -282,8 +286,8 @@ def test_only_full_attention_of_a_model_without_recurrent_state_takes_it():
         with_kv_bits(CacheSpec(4, (full, window)), "m", 4, 32, key_stats={}, key_block=P)
 
 
-def test_views_of_keys_per_channel_are_read_decoded_and_auto_picks_them_for_4_bit_keys():
-    from kv_cache.layout.spec import key_block_for
+def test_views_of_keys_per_channel_are_read_decoded_and_auto_picks_them_where_it_can():
+    from kv_cache.layout.spec import StateSpec, key_block_for
     from kv_cache.model.packed_attention import packed_pays
 
     assert not packed_pays("packed", KVQuant(4, 32, key_block=P))
@@ -291,11 +295,13 @@ def test_views_of_keys_per_channel_are_read_decoded_and_auto_picks_them_for_4_bi
     plain = CacheSpec.plain(2, 2, 32)
     assert key_block_for(plain, 4, "auto", 32) == 32
     assert key_block_for(plain, "4,8", "auto", 32) == 32
-    assert key_block_for(plain, 8, "auto", 32) == 0
-    assert key_block_for(plain, "8,4", "auto", 32) == 0
+    assert key_block_for(plain, 8, "auto", 32) == 32
+    assert key_block_for(plain, "8,4", "auto", 32) == 32
     assert key_block_for(plain, 8, "page", 32) == 32 and key_block_for(plain, 4, "position", 32) == 0
     assert key_block_for(plain, None, "page", 32) == 0
     assert key_block_for(plain, 4, "auto", 32, shaped=True) == 0
+    hybrid = CacheSpec(3, plain.groups, (StateSpec(1, ((1, 4),), ("float32",)),))
+    assert key_block_for(hybrid, 4, "auto", 32) == 0
     with pytest.raises(ValueError, match="kv-calibration"):
         key_block_for(plain, 4, "page", 32, shaped=True)
     with pytest.raises(ValueError, match="kv-key-scales"):
@@ -323,7 +329,7 @@ def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows():
         def update_and_fetch(self, keys, values):
             return super().update_and_fetch(*position.round_trip_pair(keys, values))
 
-    ref = [KiviCache(P, 4, position) if type(c).__name__ == "KVCache"
+    ref = [KiviCache(P, 4, position, open_values=True) if type(c).__name__ == "KVCache"
            else CodedWindow(max_size=c.max_size) for c in make_prompt_cache(model)]
     m = open_cache(spec, fp, page_size=P, max_ram_bytes=1 << 24, policy="lru", disk_dir=None,
                    max_disk_bytes=0, max_resident=0)
