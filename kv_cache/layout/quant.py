@@ -219,11 +219,11 @@ class KVQuant:
         """Stored rows ``[..., 2, heads, n, words]`` as (key words, value words)."""
         k, v = page[..., 0, :, :, :], page[..., 1, :, :, :]
         wk = self.key_words(head_dim, dtype)
-        if wk == k.shape[-1]:
+        wv = self.side_words(self.value_bits, head_dim, dtype)
+        if wk == wv == k.shape[-1]:
             return k, v
         both = mx.concatenate([k, v], axis=-1)
-        return both[..., :wk], both[..., wk : wk + self.side_words(self.value_bits, head_dim,
-                                                                   dtype)]
+        return both[..., :wk], both[..., wk : wk + wv]
 
     def encode(self, kv: mx.array) -> mx.array:
         """Values ``[..., 2, heads, n, head_dim]`` quantized as a page stores them (the words
