@@ -342,3 +342,43 @@ def test_a_fork_reads_the_open_pages_float_keys_as_its_parent(model):
     child.close()
     seq.close()
     m.close()
+
+
+def test_the_default_models_shape_restores_bit_for_bit_through_a_view(tmp_path):
+    """head_dim 64 and pages of 32 (the default model's and server's): a key row of 10 words, a
+    value row of 9 and a pad word; a restored turn read through a prefix view equals the warm
+    one."""
+    from kv_cache.model.attention import PrefixViews, install
+    from tests.tiny_model import make_tiny_model
+
+    wide = make_tiny_model(seed=5, hidden=256, heads=4)
+    assert install(wide)
+    a = wide.args
+    spec = CacheSpec.plain(a.num_hidden_layers, a.num_key_value_heads, 64, mx.float32)
+    spec, fp = with_kv_bits(spec, "wide", 4, 64, key_block=32)
+    assert spec.groups[0].quant.words(64, mx.float32) == 10
+
+    def opened():
+        m = open_cache(spec, fp, page_size=32, max_ram_bytes=1 << 26, policy="lru",
+                       disk_dir=tmp_path, max_disk_bytes=1 << 28, max_resident=0)
+        m.views = PrefixViews(m.pool)
+        return m
+
+    tokens = list(range(10, 110))
+    m = opened()
+    seq, _ = m.start(tokens[:75], [])
+    run(wide, seq, tokens[:75], 1)
+    m.save("w", seq)
+    seq.close()
+    seq, match = m.start(tokens, ["w"])
+    assert match.tokens == 64 and seq.view is not None and seq.view.length == 64
+    warm_tokens, warm = run(wide, seq, tokens[64:], 4)
+    seq.close()
+    m.close()
+    m = opened()
+    seq, match = m.start(tokens, ["w"])
+    assert (match.tokens, match.source) == (64, "disk:w")
+    restored_tokens, restored = run(wide, seq, tokens[64:], 4)
+    assert restored_tokens == warm_tokens and mx.array_equal(restored, warm).item()
+    seq.close()
+    m.close()
