@@ -3,7 +3,10 @@
 Keys and values are quantized along ``head_dim`` in groups of ``group_size`` into MLX's affine
 layout (packed ``uint32`` codes, one scale and one bias a group), so ``mx.dequantize`` and
 ``mx.quantized_matmul`` read them as they are. Keys and values may have their own bits
-(``8,4``: keys suffer most from rounding, values least).
+(``8,4``: keys suffer most from rounding, values least). With ``key_block`` (``--kv-key-scales
+page``, the default where it applies) keys are instead coded per channel over a page
+(``kv_cache.layout.channel_keys``), and a page's keys and values are coded when the page is full
+(``seal``; ``kv_cache.model.channel_cache`` reads the open page as float).
 
 Rotation (on by default): each group of a key or value is rotated before it is quantized,
 ``y = H (s * x) / g`` with ``H`` the ``g x g`` Sylvester Hadamard matrix (entries +-1) and ``s``
