@@ -230,7 +230,12 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
     def _take_resident(self, prompt: Sequence[int], match: Match) -> PagedSequence | None:
         best, best_n = None, 0
         for seq in self._resident.values():
-            n = self._whole(min(common_prefix(seq.tokens, prompt), len(prompt) - 1))
+            n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+            if not seq.can_trim_to(n):
+                # NOTE: keys per channel: a resident sequence holds the floats of its open page
+                # and of the last page it sealed (so it goes on mid-page, unlike a reuse from
+                # pages); further back only from a page boundary.
+                n = self._whole(n)
             if n > best_n and seq.has_buffers() and seq.can_trim_to(n):
                 best, best_n = seq, n
         if best is None or best_n < match.tokens:

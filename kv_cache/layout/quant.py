@@ -174,12 +174,11 @@ class KVQuant:
         group): what the model reads of them (the decoded values of their codes, in their dtype)
         and their stored words (key words, value words), in one compiled call. With
         ``key_block``: they are read as they are until their page is full (``seal``), and have
-        no words yet (zeros)."""
+        no words yet (None)."""
         self.check(keys.shape[-1])
         fns = self._fns(keys.dtype, keys.shape[-1])
-        if self.key_block:  # float until their page is full (seal)
-            lead = keys.shape[:-1]
-            return keys, values, *(mx.zeros((*lead, w), mx.uint32) for w in self._widths(keys))
+        if self.key_block:  # float until their page is full (seal): no words yet
+            return keys, values, None, None
         if self.keys is None:
             return fns.fresh(keys, values)
         return fns.fresh(keys, values, *self.keys.layer(slot))
@@ -232,12 +231,17 @@ class KVQuant:
         """Values ``[..., 2, heads, n, head_dim]`` quantized as a page stores them (the words
         ``fresh`` gives)."""
         keys, values = kv[..., 0, :, :, :], kv[..., 1, :, :, :]
-        _, _, kw, vw = self.fresh(keys, values)
-        whole = keys.shape[-2] // self.key_block * self.key_block if self.key_block else 0
-        if whole:  # whole pages, coded as sealed (an open page's rows hold no codes)
+        if not self.key_block:
+            _, _, kw, vw = self.fresh(keys, values)
+            return self.join(kw, vw)
+        n = keys.shape[-2]
+        whole = n // self.key_block * self.key_block
+        wk, wv = self._widths(keys)
+        kw = mx.zeros((*keys.shape[:-2], n - whole, wk), mx.uint32)  # an open page: no codes
+        vw = mx.zeros((*keys.shape[:-2], n - whole, wv), mx.uint32)
+        if whole:  # whole pages, coded as sealed
             _, _, skw, svw = self.seal(keys[..., :whole, :], values[..., :whole, :])
-            kw = mx.concatenate([skw, kw[..., whole:, :]], axis=-2)
-            vw = mx.concatenate([svw, vw[..., whole:, :]], axis=-2)
+            kw, vw = mx.concatenate([skw, kw], axis=-2), mx.concatenate([svw, vw], axis=-2)
         return self.join(kw, vw)
 
     def decode(self, page: mx.array, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:

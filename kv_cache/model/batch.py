@@ -41,7 +41,8 @@ class BatchLayer:
             keys, values, *words = quant.fresh(keys, values, self.members[0].layer)
         for i, m in enumerate(self.members):
             n = keys.shape[2] if self.lengths is None else self.lengths[i]
-            stored = None if words is None else tuple(w[i : i + 1, :, :n] for w in words)
+            stored = None if words is None or words[0] is None \
+                else tuple(w[i : i + 1, :, :n] for w in words)
             if n == keys.shape[2]:
                 m.update_and_fetch(keys[i : i + 1], values[i : i + 1], stored)
             else:

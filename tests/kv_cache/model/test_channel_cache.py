@@ -382,3 +382,25 @@ def test_the_default_models_shape_restores_bit_for_bit_through_a_view(tmp_path):
     assert restored_tokens == warm_tokens and mx.array_equal(restored, warm).item()
     seq.close()
     m.close()
+
+
+def test_a_resident_sequence_goes_on_mid_page_and_from_a_page_boundary_further_back(model):
+    """A finished sequence kept with its buffers holds its open page's floats: the next turn
+    goes on from its last token; a prompt that leaves it pages back starts at a boundary."""
+    tokens = list(range(40, 66))  # 26: page 6 open
+    m = manager(model, max_resident=2)
+    seq, _ = m.start(tokens, [])
+    answer, _ = run(model, seq, tokens, 3)
+    m.keep(seq)
+    prompt = tokens + answer[:2] + [7, 8]  # the sequence holds tokens + answer[:2]
+    seq, match = m.start(prompt, [])
+    assert (match.source, match.tokens) == ("resident", 28)
+    got, _ = run(model, seq, prompt[28:], 3)
+    assert got == reference(model, prompt, 3)[0]
+    m.keep(seq)
+    other = tokens[:19] + [9, 9, 9]  # leaves it at 19: pages back, mid-page
+    seq, match = m.start(other, [])
+    assert (match.source, match.tokens) == ("resident", 16)
+    assert run(model, seq, other[16:], 3)[0] == reference(model, other, 3)[0]
+    seq.close()
+    m.close()
