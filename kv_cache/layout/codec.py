@@ -48,7 +48,8 @@ class Codec:
         self.h = mx.array(_hadamard(g), mx.float32)
         self.e0 = (mx.arange(g) == 0).astype(mx.float32) * g  # sum of each column of H
         # NOTE: evaluated now: the codec is shared by threads, and an unevaluated array belongs
-        # to the stream of the thread that made it (MLX 0.32: "no Stream(cpu, 0) in current thread").
+        # to the stream of the thread that made it (MLX 0.32: "no Stream(cpu, 0) in current
+        # thread").
         mx.eval(self.signs, self.h, self.e0)
 
         def fresh(keys, values, *shape):

@@ -278,7 +278,8 @@ def test_views_of_keys_per_channel_are_read_decoded_and_auto_picks_them_where_it
     assert key_block_for(plain, "4,8", "auto", 32) == 32
     assert key_block_for(plain, 8, "auto", 32) == 32
     assert key_block_for(plain, "8,4", "auto", 32) == 32
-    assert key_block_for(plain, 8, "page", 32) == 32 and key_block_for(plain, 4, "position", 32) == 0
+    assert key_block_for(plain, 8, "page", 32) == 32
+    assert key_block_for(plain, 4, "position", 32) == 0
     assert key_block_for(plain, None, "page", 32) == 0
     assert key_block_for(plain, 4, "auto", 32, shaped=True) == 0
     hybrid = CacheSpec(3, plain.groups, (StateSpec(1, ((1, 4),), ("float32",)),))
