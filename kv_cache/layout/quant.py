@@ -176,9 +176,9 @@ class KVQuant:
         ``key_block``: they are read as they are until their page is full (``seal``), and have
         no words yet (None)."""
         self.check(keys.shape[-1])
-        fns = self._fns(keys.dtype, keys.shape[-1])
         if self.key_block:  # float until their page is full (seal): no words yet
             return keys, values, None, None
+        fns = self._fns(keys.dtype, keys.shape[-1])
         if self.keys is None:
             return fns.fresh(keys, values)
         return fns.fresh(keys, values, *self.keys.layer(slot))
