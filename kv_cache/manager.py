@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from kv_cache.model import state_points as points
-from kv_cache.model.attention import PrefixViews
+from kv_cache.model.views import PrefixViews
 from kv_cache.saving import DiskSaving, DiskWriter
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.pages.holders import ENTRY, RESIDENT, SEQUENCE

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Iterator
 
-from kv_cache.model.attention import PrefixViews
+from kv_cache.model.views import PrefixViews
 from kv_cache.tiers.store.tiered import TieredStore
 
 

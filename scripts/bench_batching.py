@@ -127,7 +127,7 @@ def on_document(lm, doc: str | list[str], n: int, chunk: int = 256):
     ``n`` documents gives each conversation its own."""
     import mlx.core as mx
 
-    from kv_cache.model.attention import PrefixViews
+    from kv_cache.model.views import PrefixViews
     from kv_cache.manager import CacheManager
     from kv_cache.pages.pool import PagePool
     from mlx_kvserver.engine.runner import Runner

@@ -117,7 +117,7 @@ SYSTEM, TURN = 200, (60, 140)  # a 20-turn conversation: system prompt, then use
 def _setup(lm, setting: tuple, root: Path | None):
     """A manager and runner for ``setting`` (``--kv-bits``, ``--kv-key-scales``) as the engine
     sets them up (disk under ``root``)."""
-    from kv_cache.model.attention import PrefixViews
+    from kv_cache.model.views import PrefixViews
     from kv_cache.opening import open_cache
     from kv_cache.layout.spec import key_block_for, with_kv_bits
     from mlx_kvserver.engine.runner import Runner

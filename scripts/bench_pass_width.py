@@ -4,7 +4,8 @@ A verify pass (engine/speculate.py) feeds each sequence its last token and a dra
 speculation pays where such a pass costs little more than a step (engine/pass_cost.py measures
 it as the server runs). This script measures it apart, per backend:
 
-    python scripts/bench_pass_width.py [--widths 1 2 4 9] [--batches 1 8] [--reps 8] [--json out]
+    python scripts/bench_pass_width.py [--widths 1 2 4 9] [--batches 1 8] [--reps 8]
+        [--cases shared distinct mlx_lm] [--attention now|padded] [--json out]
 
 Cases: ``shared``: sequences on one ~2,000-token document (one prefix view for all), ``distinct``:
 each sequence on its own document (a view each), both through the server's runner and pages;
@@ -90,8 +91,17 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=8)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--cases", nargs="+", default=["shared", "distinct", "mlx_lm"],
+                    choices=["shared", "distinct", "mlx_lm"])
+    ap.add_argument("--attention", choices=["now", "padded"], default="now",
+                    help="padded: the split path as before own keys were read where they are "
+                    "(every sequence's padded into one array each layer, MLX's exp)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    if args.attention == "padded":
+        from kv_cache.model import attention
+
+        attention.APART, attention._POW_EXP = 1 << 30, False
     lm = resolve_and_load(args.model)
     n = max(args.batches)
     doc = document()
@@ -99,13 +109,16 @@ def main() -> None:
                  "machine": platform.machine(), "mlx": mx.__version__,
                  "env": {k: os.environ.get(k) for k in ("MLX_USE_CUDA_GRAPHS",
                                                         "MLX_CUDA_USE_CUDNN_SDPA")},
-                 "model": lm.name, "cases": {}}
-    print("shared document", flush=True)
-    res["cases"]["shared"] = paged(lm, [doc] * n, args.widths, args.batches, args.reps)
-    print("a document each", flush=True)
-    docs = [f"Guide {i + 1} of {n}. " + doc for i in range(n)]
-    res["cases"]["distinct"] = paged(lm, docs, args.widths, args.batches, args.reps)
-    res["cases"]["mlx_lm"] = {1: mlx_lm_reference(lm, doc, args.widths, args.reps)}
+                 "model": lm.name, "attention": args.attention, "cases": {}}
+    if "shared" in args.cases:
+        print("shared document", flush=True)
+        res["cases"]["shared"] = paged(lm, [doc] * n, args.widths, args.batches, args.reps)
+    if "distinct" in args.cases:
+        print("a document each", flush=True)
+        docs = [f"Guide {i + 1} of {n}. " + doc for i in range(n)]
+        res["cases"]["distinct"] = paged(lm, docs, args.widths, args.batches, args.reps)
+    if "mlx_lm" in args.cases:
+        res["cases"]["mlx_lm"] = {1: mlx_lm_reference(lm, doc, args.widths, args.reps)}
     res["in_steps"] = {case: {b: {w: round(t / cells[b][args.widths[0]], 3)
                                   for w, t in cells[b].items()} for b in cells}
                        for case, cells in res["cases"].items()}

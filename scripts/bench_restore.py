@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_ttft import QUESTIONS, Server, ask, conversation, document, free_port  # noqa: E402
 
-from kv_cache.model.attention import PrefixViews  # noqa: E402
+from kv_cache.model.views import PrefixViews  # noqa: E402
 from kv_cache.tiers.base import PageRecord  # noqa: E402
 from kv_cache.tiers.disk.store import DiskStore  # noqa: E402
 from kv_cache.pages.hashing import chain_hashes  # noqa: E402

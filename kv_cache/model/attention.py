@@ -1,13 +1,15 @@
 """Attention that reads a shared prefix once: the one place that hooks mlx-lm's attention.
 
 Sequences whose contexts start with the same sealed pages share one ``PrefixView``: the keys and
-values of those pages, one contiguous copy per layer for everyone (``PrefixViews`` owns them;
-each view holds its pages in the pool, so block ids stay meaningful while it lives). A running
+values of those pages, one contiguous copy per layer for everyone (``PrefixViews`` owns them, in
+``kv_cache.model.views``; each view holds its pages in the pool, so block ids stay meaningful
+while it lives). A running
 sequence's layers keep only their *own* positions (after the view) in working buffers. Attention
 for a group of sequences on one view is computed as
 
     scores over the prefix, for every query of the group at once   (one GEMM per layer)
-    scores over each sequence's own positions (padded, masked)     (one batched GEMM)
+    scores over each sequence's own positions (padded, masked)     (one batched GEMM, or one
+                                                                    per sequence: NOTE)
     one row max across both, exp once, sums, and the two weighted sums of values
 
 which is ordinary softmax attention split in two and merged by its log-sum-exp (the shared max
@@ -18,9 +20,14 @@ runs the fused kernel, which computes bit for bit what a sequence holding its wh
 its own buffers does.
 
 NOTE: ``exp`` dominates attention on MLX's CPU backend: computed once per score here (row max,
-exp, sum). The fused kernel returns no log-sum-exp, so the split path is plain MLX ops; a
-sequence alone with no view goes through the fused kernel unchanged. A view of pages in bits may
-be held packed (``packed_attention``).
+exp, sum), and on x86 through ``power`` (``_exp``). The fused kernel returns no log-sum-exp, so
+the split path is plain MLX ops; a sequence alone with no view goes through the fused kernel
+unchanged. A view of pages in bits may be held packed (``packed_attention``). Own keys of
+``APART`` positions or more (sequences that read no view, or read long past it: eight clients
+each on its own file) are never padded into one batch array, which copied every sequence's keys
+and values once a layer and step (on the CPU half of a step of eight 2,000-token sequences):
+each sequence's products run on its own buffers, and a row that reads no view takes its softmax
+alone over its real queries (a verify pass pads drafts to the longest; the padding is skipped).
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -29,150 +36,24 @@ go to mlx-lm's function untouched.
 
 from __future__ import annotations
 
+import math
+import platform
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from kv_cache.model.masks import build_mask as _build_mask
-from kv_cache.model.packed_attention import PackedKV, packed_layers, packed_pays, prefix_length
-from kv_cache.pages.holders import VIEW
-
-if TYPE_CHECKING:
-    from kv_cache.pages.pool import PagePool
+from kv_cache.model.packed_attention import PackedKV, prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
-
-
-# -- prefix views -------------------------------------------------------------------------------
-
-
-class PrefixView:
-    """The keys and values of ``length`` positions held by sealed pages (one table per
-    full-attention group), contiguous per layer: ``[kv_heads, length, head_dim]``, or with
-    ``packed`` (pages in bits) as the pages store them (``kv_cache.model.packed_attention``)."""
-
-    def __init__(self, pool: "PagePool", tables: list[tuple[int, ...]], length: int,
-                 groups: list[int], packed: bool = False):
-        self.pool, self.tables, self.length, self.groups = pool, tables, length, groups
-        self.users = 0
-        self.serial = 0  # its place among the views made (PrefixViews.since)
-        self.kv: dict[int, Any] = {}  # model layer slot -> (K, V) or PackedKV
-        self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
-        for g, blocks in zip(groups, tables):
-            pool.hold_all(blocks, VIEW)
-            layers = pool.groups[g].layers
-            run = None if packed else pool.run_array(list(blocks), length)
-            if packed:
-                kv = packed_layers(pool.groups[g], pool.gather(list(blocks), length))
-                self.copied += sum(p.nbytes for p in kv)
-            elif run is not None:  # pages restored together: their array is already contiguous
-                kv = [(run[i, 0], run[i, 1]) for i in range(len(layers))]
-            else:
-                kv = [(k[0], v[0]) for k, v in pool.gather_layers(list(blocks), length)]
-                self.copied += sum(k.nbytes + v.nbytes for k, v in kv)
-            self.kv.update(zip(layers, kv))
-        mx.eval([a for kv in self.kv.values()
-                 for a in ((*kv.keys, *kv.values) if packed else kv)])
-
-    def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array] | PackedKV:
-        if isinstance(kv := self.kv[slot], PackedKV):
-            return kv.head(n)
-        k, v = kv
-        if n == self.length:
-            return k, v
-        return k[:, :n, :], v[:, :n, :]
-
-    @property
-    def nbytes(self) -> int:
-        """The memory the view takes beyond its pages' own."""
-        return self.copied
-
-    def close(self) -> None:
-        for blocks in self.tables:
-            self.pool.release_all(blocks, VIEW)
-        self.kv.clear()
-        self.tables = []
-
-
-class PrefixViews:
-    """The live prefix views of one pool. A sequence starting from >= ``min_pages`` full pages
-    uses the live view with the longest common run of pages, or a new one over all its full
-    pages; a running sequence takes up a new view of its pages at its next step (``since``), so
-    a shared prefix is kept once however the sharing began. A view goes with its last user."""
-
-    def __init__(self, pool: "PagePool", min_pages: int = 2, mode: str = "auto"):
-        self.pool = pool
-        self.min_pages = min_pages
-        self.groups = [i for i, g in enumerate(pool.groups) if g.kind.reads_all]
-        # pages in bits: views held packed and read by quantized products (packed_attention)
-        self.packed = any(packed_pays(mode, pool.groups[g].quant) for g in self.groups)
-        self.views: list[PrefixView] = []
-        self.made = 0  # views made so far: the newest one's serial
-
-    def _full_pages(self, tables: Sequence[Sequence[int | None]], n: int) -> list[tuple]:
-        P = self.pool.page_size
-        return [tuple(tables[g][: n // P]) for g in self.groups]
-
-    def best(self, tables: Sequence[Sequence[int | None]], n: int) -> tuple[PrefixView | None, int]:
-        """The live view sharing the most leading pages with ``tables`` (first ``n`` tokens),
-        and how many tokens that is."""
-        if not self.groups:
-            return None, 0
-        mine = self._full_pages(tables, n)[0]
-        best, best_pages = None, 0
-        for view in self.views:
-            theirs, k = view.tables[0], 0
-            limit = min(len(theirs), len(mine))
-            while k < limit and theirs[k] == mine[k]:
-                k += 1
-            if k > best_pages:
-                best, best_pages = view, k
-        return best, best_pages * self.pool.page_size
-
-    def acquire(self, tables: Sequence[Sequence[int | None]], n: int) -> tuple[PrefixView | None, int]:
-        """A view for a sequence whose first ``n`` tokens are held by ``tables``, and the number
-        of its tokens the view covers; ``(None, 0)`` when too short to share. A live view that
-        covers at least ``min_pages`` of them is used as far as it goes (the rest goes to the
-        sequence's own buffers); otherwise a new view over all the full pages. The caller owns
-        one use of the view (``release``)."""
-        P = self.pool.page_size
-        if not self.groups or n // P < self.min_pages:
-            return None, 0
-        view, c = self.best(tables, n)
-        if c < self.min_pages * P:
-            full_pages = self._full_pages(tables, n)
-            if not all(self.pool.all_sealed(t) for t in full_pages):
-                return None, 0
-            view = PrefixView(self.pool, full_pages, n // P * P, self.groups, self.packed)
-            c = n // P * P
-            self.made += 1
-            view.serial = self.made
-            self.views.append(view)
-        view.users += 1
-        return view, c
-
-    def since(self, seen: int) -> list[PrefixView]:
-        """The live views made after the ``seen``-th, oldest first."""
-        return [v for v in self.views if v.serial > seen]
-
-    def release(self, view: PrefixView) -> None:
-        view.users -= 1
-        if view.users <= 0:
-            self.views.remove(view)
-            view.close()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(v.nbytes for v in self.views)
-
-    def blocks(self) -> list[int]:
-        """The pages the live views hold (each view is one more holder of its pages)."""
-        return [b for v in self.views for t in v.tables for b in t]
+_LOG2E = math.log2(math.e)
+_POW_EXP = platform.machine().lower() in ("x86_64", "amd64")
+APART = 256  # own keys from this many on: each row's product apart (module docstring: NOTE)
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -294,15 +175,30 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
     for i, r in enumerate(reads):
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
         groups.setdefault(key, []).append(i)
-    if len(groups) == 1:
+    apart = [key for key, rows in groups.items() if key[0] is None and len(rows) > 1
+             and max(reads[i].keys.shape[2] for i in rows) >= APART]
+    if len(groups) == 1 and not apart:
         return _group(queries, reads, scale, sinks)
     out: list[mx.array | None] = [None] * B
-    for rows in groups.values():
+    for key, rows in groups.items():
+        if key in apart:  # long own keys and no prefix: each row alone (module docstring: NOTE)
+            for i in rows:
+                out[i] = _row(queries, i, reads[i], scale, sinks)
+            continue
         o = _group(queries[mx.array(rows)] if len(rows) < B else queries,
                    [reads[i] for i in rows], scale, sinks)
         for j, i in enumerate(rows):
             out[i] = o[j : j + 1]
     return mx.concatenate(out, axis=0)
+
+
+def _row(queries: mx.array, i: int, r: Reads, scale: float,
+         sinks: mx.array | None) -> mx.array:
+    """Row ``i`` alone over its own keys, its real queries only (a padded pass's later ones come
+    back as zeros: nobody reads them)."""
+    T = queries.shape[2]
+    t = min(T, max(1, r.own_start + r.keys.shape[2] - r.copies - r.q_start))
+    return _pad(_group(queries[i : i + 1, :, :t], [r], scale, sinks), T)
 
 
 def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
@@ -326,13 +222,18 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     rep = Hq // Hkv
     q = (queries * scale).reshape(B, Hkv, rep * T, D)
     N = max(r.keys.shape[2] for r in reads)
-    if B == 1:
-        ko, vo = reads[0].keys, reads[0].values
+    apart = B > 1 and N >= APART
+    if apart:  # each row's own keys where they are (module docstring: NOTE)
+        s_own = mx.concatenate([_pad(q[i : i + 1] @ r.keys.swapaxes(-1, -2), N, -1)
+                                for i, r in enumerate(reads)]).astype(mx.float32)
     else:
-        kv = [r.padded(N) for r in reads]
-        ko = mx.concatenate([k for k, _ in kv], axis=0)
-        vo = mx.concatenate([v for _, v in kv], axis=0)
-    s_own = (q @ ko.swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, rep*T, N]
+        if B == 1:
+            ko, vo = reads[0].keys, reads[0].values
+        else:
+            kv = [r.padded(N) for r in reads]
+            ko = mx.concatenate([k for k, _ in kv], axis=0)
+            vo = mx.concatenate([v for _, v in kv], axis=0)
+        s_own = (q @ ko.swapaxes(-1, -2)).astype(mx.float32)  # [B, Hkv, rep*T, N]
     mask = _own_mask(reads, T, N)
     if mask is not None:
         s_own = (s_own.reshape(B, Hkv, rep, T, N) + mask).reshape(B, Hkv, rep * T, N)
@@ -350,12 +251,16 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1),
                                (1, Hkv, rep, T)).reshape(1, Hkv, rep * T, 1)
         m = mx.maximum(m, sink)
-    e_own = mx.exp(s_own - m)
+    e_own = _exp(s_own - m)
     denom = e_own.sum(axis=-1, keepdims=True)
-    out = e_own.astype(vo.dtype) @ vo  # [B, Hkv, rep*T, D]
+    if apart:
+        out = mx.concatenate([e_own[i : i + 1, ..., : r.keys.shape[2]].astype(r.values.dtype)
+                              @ r.values for i, r in enumerate(reads)])
+    else:
+        out = e_own.astype(vo.dtype) @ vo  # [B, Hkv, rep*T, D]
     if prefix is not None:
         m_p = m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1)
-        e_pre = mx.exp(s_pre - m_p)
+        e_pre = _exp(s_pre - m_p)
         denom_p = e_pre.sum(axis=-1, keepdims=True)
         if isinstance(prefix, PackedKV):
             out_p = prefix.weighted_values(e_pre.astype(queries.dtype))
@@ -364,15 +269,29 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
     if sinks is not None:
-        denom = denom + mx.exp(sink - m)
+        denom = denom + _exp(sink - m)
     out = out / denom.astype(out.dtype)
     return out.reshape(B, Hq, T, D).astype(queries.dtype)
 
 
-def _pad(a: mx.array, n: int) -> mx.array:
-    if a.shape[2] == n:
+def _exp(x: mx.array) -> mx.array:
+    """``exp(x)``; on MLX's CPU backend on x86 as ``2 ** (x * log2(e))``: its ``exp`` runs one
+    element at a time there (no SIMD type for x86), ~28 ns each against ~8 for ``power``, with
+    the same error (both scale by log2(e) first: measured up to 28 units in the last place over
+    [-40, 0], mean 1.9, against float64), and attention's ``exp`` is most of a wide pass there
+    (module docstring: NOTE)."""
+    if _POW_EXP and mx.default_device().type == mx.DeviceType.cpu:
+        return mx.power(2.0, x * _LOG2E)
+    return mx.exp(x)
+
+
+def _pad(a: mx.array, n: int, axis: int = 2) -> mx.array:
+    """``a`` stretched to ``n`` along ``axis`` with zeros (positions the mask hides)."""
+    if a.shape[axis] == n:
         return a
-    return mx.pad(a, [(0, 0), (0, 0), (0, n - a.shape[2]), (0, 0)])
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, n - a.shape[axis])
+    return mx.pad(a, widths)
 
 
 # -- the hook -----------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from kv_cache.model.state_points import StatePoints
 from kv_cache.tokens import token_list
 
 if TYPE_CHECKING:
-    from kv_cache.model.attention import PrefixView, PrefixViews
+    from kv_cache.model.views import PrefixView, PrefixViews
 
 Snapshot = list[list[mx.array]]  # per recurrent-state slot, its arrays
 

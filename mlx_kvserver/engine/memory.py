@@ -21,6 +21,8 @@ from typing import Any
 
 import mlx.core as mx
 
+from kv_cache.model.attention import APART
+
 log = logging.getLogger("mlx_kvserver.engine")
 
 GB = 1 << 30
@@ -239,8 +241,11 @@ class MemoryBudget:
         scores = 3 * rows * s.heads * tokens * (context + tokens) * f
         kv = n * s.kv_bytes
         logits = rows * min(tokens, 16) * s.vocab * f
-        padded = rows * (context + tokens) * s.kv_bytes // max(1, s.layers) if rows > 1 else 0
-        return acts + scores + kv + logits + padded  # padded: a batch's own keys, one layer
+        # a batch's own keys padded into one array, one layer: only below APART positions
+        # (from there on each sequence's are read where they are: kv_cache.model.attention)
+        padded = rows * (context + tokens) * s.kv_bytes // max(1, s.layers) \
+            if 1 < rows and context + tokens < APART else 0
+        return acts + scores + kv + logits + padded
 
     def request_floor(self, model: str, prompt: int, answer: int) -> int:
         """The least a request needs alone beyond the weights: its working buffers at the end

@@ -118,7 +118,8 @@ def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, b
 @pytest.mark.parametrize("bits,group", SETTINGS)
 def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, group, views,
                                                         keys):
-    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.attention import install
+    from kv_cache.model.views import PrefixViews
 
     # 26 tokens of history (6 full pages and 2), 50 new: enough for the view to be copied in
     # front of them in float32 on the CPU, so the whole first pass is bit for bit the warm
@@ -252,7 +253,8 @@ def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, grou
     """A batch rounds its new keys and values once for all its members: each member's step is
     what the sequence alone computes (within the batched matmuls' rounding; the same token),
     with the shared view decoded or packed (read by quantized products)."""
-    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.attention import install
+    from kv_cache.model.views import PrefixViews
     from kv_cache.model.batch import batch_caches
 
     assert install(model)

@@ -236,7 +236,8 @@ def test_a_turns_prompt_and_answer_share_pages_on_disk_and_restore_exactly(model
 def restored_with_views(model, root, tokens, key):
     """A restart: a new pool (with prefix views and the attention that reads them, as the
     engine sets up) restoring ``key``."""
-    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.attention import install
+    from kv_cache.model.views import PrefixViews
 
     assert install(model)
     pool = pool_for(model)

@@ -1,6 +1,5 @@
 """The split attention (shared prefix + own positions) against MLX's fused kernel, the
-bookkeeping that lets KV-shared layers find their reads only inside a forward pass, and when
-sequences take up shared prefix views."""
+bookkeeping that lets KV-shared layers find their reads only inside a forward pass."""
 
 from __future__ import annotations
 
@@ -8,9 +7,7 @@ import mlx.core as mx
 import pytest
 
 from kv_cache.model import attention
-from kv_cache.model.attention import PrefixViews, Reads, split_attention
-from kv_cache.model.sequence import PagedSequence
-from tests.kv_cache.model.sequence_helpers import TOKS, Run, make_pool
+from kv_cache.model.attention import Reads, split_attention
 
 
 def fused(q, k, v, mask=None, sinks=None):
@@ -38,6 +35,57 @@ def test_prefix_and_own_positions_merge_to_ordinary_attention(with_sinks):
         want.append(fused(q[i : i + 1], K, V, mask=mask, sinks=sinks))
     got = split_attention(q, reads, 0.3, sinks)
     assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
+
+
+@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_long_own_keys_are_read_where_they_are(view, with_sinks):
+    """Rows owning ``APART`` positions or more (no view: eight clients each on its own file; or
+    a view and long own parts) are computed on each row's own keys, never padded into one batch
+    array. A pass padded to its longest piece (real queries 3, 1 and 2 of 3): each row's real
+    queries equal attention over its whole context, and with no view equal the row computed
+    alone bit for bit, its padded queries coming back as zeros (skipped, nobody reads them)."""
+    mx.random.seed(2)
+    H, Hkv, D, C, T = 4, 2, 16, 40, 3
+    n0 = attention.APART + 20
+    kp, vp = mx.random.normal((Hkv, C, D)), mx.random.normal((Hkv, C, D))
+    sinks = mx.random.normal((H,)) if with_sinks else None
+    own, real = [n0, n0 - 30, n0 + 7], [3, 1, 2]
+    q = mx.random.normal((len(own), H, T, D))
+    start = C if view else 0
+    reads, want, alone = [], [], []
+    for i, (n, t) in enumerate(zip(own, real)):
+        k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
+        r = Reads((kp, vp) if view else None, "view" if view else None, k, v, start,
+                  start + n - t, 0)
+        reads.append(r)
+        K = mx.concatenate([kp[None], k], axis=2) if view else k
+        V = mx.concatenate([vp[None], v], axis=2) if view else v
+        pos = mx.arange(start + n)
+        mask = pos[None] <= (start + n - t + mx.arange(t))[:, None]
+        want.append(fused(q[i : i + 1, :, :t], K, V, mask=mask, sinks=sinks))
+        alone.append(split_attention(q[i : i + 1, :, :t], [r], 0.3, sinks))
+    got = split_attention(q, reads, 0.3, sinks)
+    for i, t in enumerate(real):
+        assert mx.allclose(got[i : i + 1, :, :t], want[i], atol=2e-5).item()
+        if not view:
+            assert mx.array_equal(got[i : i + 1, :, :t], alone[i]).item()
+            assert not mx.any(got[i, :, t:]).item()
+
+
+def test_exp_is_exp_to_a_few_units_in_the_last_place():
+    """``_exp`` (``power`` on x86's CPU backend, where MLX's ``exp`` is scalar) against float64:
+    within MLX's own ``exp``'s error, and exactly 0 and 1 where those are the answer."""
+    import numpy as np
+
+    x = mx.concatenate([mx.linspace(-40, 0, 200_001), mx.array([-mx.inf, 0.0])])
+    got = np.array(attention._exp(x)).astype(np.float64)
+    ref = np.exp(np.array(x).astype(np.float64))
+    ulps = np.abs(got - ref)[:-2] / np.spacing(ref[:-2].astype(np.float32))
+    mine = np.abs(np.array(mx.exp(x)).astype(np.float64) - ref)[:-2] / np.spacing(
+        ref[:-2].astype(np.float32))
+    assert ulps.max() <= max(32.0, mine.max()) and ulps.mean() <= mine.mean() + 0.5
+    assert got[-2] == 0.0 and got[-1] == 1.0
 
 
 def test_a_window_reads_only_its_last_positions():
@@ -100,29 +148,3 @@ def test_one_sequence_over_a_view_is_the_fused_kernel_where_a_copy_pays(T, dtype
     else:
         tol = 2e-5 if dtype == mx.float32 else 3e-2
         assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol).item()
-
-
-def test_a_new_view_leaves_running_sequences_alone_until_their_own_next_step():
-    """Starting a sequence that makes a view over another's pages does not touch the other's
-    buffers; the other takes the view up when it prepares its next forward pass (its buffers then
-    hold only the positions after the view), and reads what it fed."""
-    pool = make_pool()
-    views = PrefixViews(pool)
-    a = Run(PagedSequence(pool, views=views))
-    a.feed(TOKS)
-    a.seq.commit()  # pages of 4, 4 and 2: the first two sealed
-    before = [(layer.keys, layer.base) for layer in a.seq.paged_layers]
-    b = PagedSequence(pool, TOKS[:8], a.seq.table.blocks[:2], views=views)
-    assert b.view is views.views[0] and b.view_len == 8
-    assert a.seq.view is None
-    assert [(layer.keys, layer.base) for layer in a.seq.paged_layers] == before
-    a.feed([7])  # a's next step
-    assert a.seq.view is b.view and b.view.users == 2
-    for i, layer in enumerate(a.seq.paged_layers):
-        assert layer.base == 8 and layer.view is b.view
-        assert a.fetched[i].shape[2] == 3  # positions 8, 9 and the new 10
-        assert mx.array_equal(mx.array(a.fetched[i]), mx.array(a.kv[i, :, :, 8:])).item()
-    b.close()
-    assert views.views == [a.seq.view]
-    a.seq.close()
-    assert views.views == []

@@ -89,7 +89,8 @@ def test_the_layout_changes_what_is_read(model):
 
 @pytest.mark.parametrize("views", [False, True], ids=["buffers", "prefix-views"])
 def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, views):
-    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.attention import install
+    from kv_cache.model.views import PrefixViews
 
     tokens = list(range(40, 116))
     m = manager(model, tmp_path)
@@ -193,7 +194,8 @@ def test_dropped_buffers_keep_the_open_pages_float_keys(model):
 def test_sequences_read_together_read_what_each_reads_alone(model):
     """A prompt batch whose members cross page boundaries (decoded copies, own masks), then a
     decode step together, each against the same sequence alone."""
-    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.attention import install
+    from kv_cache.model.views import PrefixViews
     from kv_cache.model.batch import batch_caches
 
     assert install(model)
@@ -349,7 +351,8 @@ def test_the_default_models_shape_restores_bit_for_bit_through_a_view(tmp_path):
     """head_dim 64 and pages of 32 (the default model's and server's): a key row of 10 words, a
     value row of 9 and a pad word; a restored turn read through a prefix view equals the warm
     one."""
-    from kv_cache.model.attention import PrefixViews, install
+    from kv_cache.model.attention import install
+    from kv_cache.model.views import PrefixViews
     from tests.tiny_model import make_tiny_model
 
     wide = make_tiny_model(seed=5, hidden=256, heads=4)

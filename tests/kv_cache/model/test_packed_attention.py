@@ -9,8 +9,9 @@ import mlx.core as mx
 import pytest
 
 from kv_cache.layout.quant import KVQuant
-from kv_cache.model.attention import PrefixViews, install
+from kv_cache.model.attention import install
 from kv_cache.model.packed_attention import PackedKV, packed_layers, packed_pays
+from kv_cache.model.views import PrefixViews
 from tests.kv_cache.test_kv_bits import greedy_on, manager
 from tests.tiny_model import make_tiny_model
 
