@@ -26,8 +26,10 @@ unchanged. A view of pages in bits may be held packed (``packed_attention``). Ow
 ``APART`` positions or more (sequences that read no view, or read long past it: eight clients
 each on its own file) are never padded into one batch array, which copied every sequence's keys
 and values once a layer and step (on the CPU half of a step of eight 2,000-token sequences):
-each sequence's products run on its own buffers, and a row that reads no view takes its softmax
-alone over its real queries (a verify pass pads drafts to the longest; the padding is skipped).
+each sequence's products run on its own buffers, and on the CPU a row that reads no view takes
+its softmax alone over its real queries (a verify pass pads drafts to the longest; the padding is
+skipped). Measured on the CPU only (docs/BENCHMARKS.md section 17); on a GPU a row alone is a
+dozen more kernel launches a layer, so there only the products go apart.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -176,7 +178,7 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
         groups.setdefault(key, []).append(i)
     apart = [key for key, rows in groups.items() if key[0] is None and len(rows) > 1
-             and max(reads[i].keys.shape[2] for i in rows) >= APART]
+             and max(reads[i].keys.shape[2] for i in rows) >= APART] if _rows_alone() else []
     if len(groups) == 1 and not apart:
         return _group(queries, reads, scale, sinks)
     out: list[mx.array | None] = [None] * B
@@ -190,6 +192,11 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
         for j, i in enumerate(rows):
             out[i] = o[j : j + 1]
     return mx.concatenate(out, axis=0)
+
+
+def _rows_alone() -> bool:
+    """Whether rows reading no view take their softmax one by one (module docstring: NOTE)."""
+    return mx.default_device().type == mx.DeviceType.cpu
 
 
 def _row(queries: mx.array, i: int, r: Reads, scale: float,

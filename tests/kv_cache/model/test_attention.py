@@ -37,14 +37,16 @@ def test_prefix_and_own_positions_merge_to_ordinary_attention(with_sinks):
     assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
 
 
-@pytest.mark.parametrize("view", [False, True])
+@pytest.mark.parametrize("view,alone", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("with_sinks", [False, True])
-def test_long_own_keys_are_read_where_they_are(view, with_sinks):
+def test_long_own_keys_are_read_where_they_are(view, alone, with_sinks, monkeypatch):
     """Rows owning ``APART`` positions or more (no view: eight clients each on its own file; or
     a view and long own parts) are computed on each row's own keys, never padded into one batch
     array. A pass padded to its longest piece (real queries 3, 1 and 2 of 3): each row's real
-    queries equal attention over its whole context, and with no view equal the row computed
-    alone bit for bit, its padded queries coming back as zeros (skipped, nobody reads them)."""
+    queries equal attention over its whole context; with no view where rows go alone (the CPU)
+    they equal the row computed alone bit for bit, its padded queries coming back as zeros
+    (skipped, nobody reads them); where they do not (a GPU), only the products go apart."""
+    monkeypatch.setattr(attention, "_rows_alone", lambda: alone)
     mx.random.seed(2)
     H, Hkv, D, C, T = 4, 2, 16, 40, 3
     n0 = attention.APART + 20
@@ -53,7 +55,7 @@ def test_long_own_keys_are_read_where_they_are(view, with_sinks):
     own, real = [n0, n0 - 30, n0 + 7], [3, 1, 2]
     q = mx.random.normal((len(own), H, T, D))
     start = C if view else 0
-    reads, want, alone = [], [], []
+    reads, want, single = [], [], []
     for i, (n, t) in enumerate(zip(own, real)):
         k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
         r = Reads((kp, vp) if view else None, "view" if view else None, k, v, start,
@@ -64,12 +66,12 @@ def test_long_own_keys_are_read_where_they_are(view, with_sinks):
         pos = mx.arange(start + n)
         mask = pos[None] <= (start + n - t + mx.arange(t))[:, None]
         want.append(fused(q[i : i + 1, :, :t], K, V, mask=mask, sinks=sinks))
-        alone.append(split_attention(q[i : i + 1, :, :t], [r], 0.3, sinks))
+        single.append(split_attention(q[i : i + 1, :, :t], [r], 0.3, sinks))
     got = split_attention(q, reads, 0.3, sinks)
     for i, t in enumerate(real):
         assert mx.allclose(got[i : i + 1, :, :t], want[i], atol=2e-5).item()
-        if not view:
-            assert mx.array_equal(got[i : i + 1, :, :t], alone[i]).item()
+        if not view and alone:
+            assert mx.array_equal(got[i : i + 1, :, :t], single[i]).item()
             assert not mx.any(got[i, :, t:]).item()
 
 
