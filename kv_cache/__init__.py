@@ -11,7 +11,7 @@ forward pass; ``with_kv_bits`` for pages in bits, ``key_block_for`` for their ke
 
 from kv_cache.errors import FormatError, OutOfBlocksError
 from kv_cache.manager import CacheManager, Match
-from kv_cache.model.attention import forward, install
+from kv_cache.model.attention import OWN_KEYS_APART, forward, install
 from kv_cache.model.batch import batch_caches, finish_batch
 from kv_cache.model.calibrate import key_stats
 from kv_cache.model.sequence import PagedSequence
@@ -24,8 +24,8 @@ from kv_cache.tiers.disk import atomic_fs
 from kv_cache.tokens import common_prefix
 from kv_cache.transfer import TransferError, export_entry, export_key, import_entry
 
-__all__ = ["CacheManager", "CacheSpec", "FormatError", "Match", "OutOfBlocksError",
-           "PagedSequence", "TransferError", "atomic_fs", "batch_caches", "boundaries",
-           "check_store_url", "common_prefix", "export_entry", "export_key", "finish_batch",
-           "forward", "import_entry", "install", "key_block_for", "key_stats", "open_cache",
-           "parse_kv_bits", "spec_of_model", "with_kv_bits"]
+__all__ = ["CacheManager", "CacheSpec", "FormatError", "Match", "OWN_KEYS_APART",
+           "OutOfBlocksError", "PagedSequence", "TransferError", "atomic_fs", "batch_caches",
+           "boundaries", "check_store_url", "common_prefix", "export_entry", "export_key",
+           "finish_batch", "forward", "import_entry", "install", "key_block_for", "key_stats",
+           "open_cache", "parse_kv_bits", "spec_of_model", "with_kv_bits"]

@@ -101,7 +101,7 @@ def main() -> None:
     if args.attention == "padded":
         from kv_cache.model import attention
 
-        attention.APART, attention._POW_EXP = 1 << 30, False
+        attention.OWN_KEYS_APART, attention._POW_EXP = 1 << 30, False
     lm = resolve_and_load(args.model)
     n = max(args.batches)
     doc = document()

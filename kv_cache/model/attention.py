@@ -23,13 +23,14 @@ NOTE: ``exp`` dominates attention on MLX's CPU backend: computed once per score 
 exp, sum), and on x86 through ``power`` (``_exp``). The fused kernel returns no log-sum-exp, so
 the split path is plain MLX ops; a sequence alone with no view goes through the fused kernel
 unchanged. A view of pages in bits may be held packed (``packed_attention``). Own keys of
-``APART`` positions or more (sequences that read no view, or read long past it: eight clients
-each on its own file) are never padded into one batch array, which copied every sequence's keys
-and values once a layer and step (on the CPU half of a step of eight 2,000-token sequences):
-each sequence's products run on its own buffers, and on the CPU a row that reads no view takes
-its softmax alone over its real queries (a verify pass pads drafts to the longest; the padding is
-skipped). Measured on the CPU only (docs/BENCHMARKS.md section 17); on a GPU a row alone is a
-dozen more kernel launches a layer, so there only the products go apart.
+``OWN_KEYS_APART`` positions or more (sequences that read no view, or read long past it: eight
+clients each on its own file) are never padded into one batch array, which copied every
+sequence's keys and values once a layer and step (on the CPU half of a step of eight
+2,000-token sequences): each sequence's products run on its own buffers, and on the CPU a row
+that reads no view takes its softmax alone over its real queries (a verify pass pads drafts to
+the longest; the padding is skipped). Measured on the CPU only (docs/BENCHMARKS.md section
+17); on a GPU a row alone is a dozen more kernel launches a layer, so there only the products go
+apart.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -55,7 +56,7 @@ from kv_cache.model.packed_attention import PackedKV, prefix_length
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 _LOG2E = math.log2(math.e)
 _POW_EXP = platform.machine().lower() in ("x86_64", "amd64")
-APART = 256  # own keys from this many on: each row's product apart (module docstring: NOTE)
+OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -178,7 +179,8 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
         groups.setdefault(key, []).append(i)
     apart = [key for key, rows in groups.items() if key[0] is None and len(rows) > 1
-             and max(reads[i].keys.shape[2] for i in rows) >= APART] if _rows_alone() else []
+             and max(reads[i].keys.shape[2] for i in rows) >= OWN_KEYS_APART] \
+        if _rows_alone() else []
     if len(groups) == 1 and not apart:
         return _group(queries, reads, scale, sinks)
     out: list[mx.array | None] = [None] * B
@@ -229,7 +231,7 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     rep = Hq // Hkv
     q = (queries * scale).reshape(B, Hkv, rep * T, D)
     N = max(r.keys.shape[2] for r in reads)
-    apart = B > 1 and N >= APART
+    apart = B > 1 and N >= OWN_KEYS_APART
     if apart:  # each row's own keys where they are (module docstring: NOTE)
         s_own = mx.concatenate([_pad(q[i : i + 1] @ r.keys.swapaxes(-1, -2), N, -1)
                                 for i, r in enumerate(reads)]).astype(mx.float32)

@@ -99,7 +99,8 @@ class PrefixViews:
                 best, best_pages = view, k
         return best, best_pages * self.pool.page_size
 
-    def acquire(self, tables: Sequence[Sequence[int | None]], n: int) -> tuple[PrefixView | None, int]:
+    def acquire(self, tables: Sequence[Sequence[int | None]],
+                n: int) -> tuple[PrefixView | None, int]:
         """A view for a sequence whose first ``n`` tokens are held by ``tables``, and the number
         of its tokens the view covers; ``(None, 0)`` when too short to share. A live view that
         covers at least ``min_pages`` of them is used as far as it goes (the rest goes to the

@@ -21,7 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kv_cache.model.attention import APART
+from kv_cache import OWN_KEYS_APART
 
 log = logging.getLogger("mlx_kvserver.engine")
 
@@ -241,10 +241,10 @@ class MemoryBudget:
         scores = 3 * rows * s.heads * tokens * (context + tokens) * f
         kv = n * s.kv_bytes
         logits = rows * min(tokens, 16) * s.vocab * f
-        # a batch's own keys padded into one array, one layer: only below APART positions
+        # a batch's own keys padded into one array, one layer: below OWN_KEYS_APART positions
         # (from there on each sequence's are read where they are: kv_cache.model.attention)
         padded = rows * (context + tokens) * s.kv_bytes // max(1, s.layers) \
-            if 1 < rows and context + tokens < APART else 0
+            if 1 < rows and context + tokens < OWN_KEYS_APART else 0
         return acts + scores + kv + logits + padded
 
     def request_floor(self, model: str, prompt: int, answer: int) -> int:

@@ -40,16 +40,16 @@ def test_prefix_and_own_positions_merge_to_ordinary_attention(with_sinks):
 @pytest.mark.parametrize("view,alone", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_long_own_keys_are_read_where_they_are(view, alone, with_sinks, monkeypatch):
-    """Rows owning ``APART`` positions or more (no view: eight clients each on its own file; or
-    a view and long own parts) are computed on each row's own keys, never padded into one batch
-    array. A pass padded to its longest piece (real queries 3, 1 and 2 of 3): each row's real
+    """Rows owning ``OWN_KEYS_APART`` positions or more (no view: eight clients each on its own
+    file; or a view and long own parts) are computed on each row's own keys, never padded into
+    one batch array. A pass padded to its longest piece (real queries 3, 1 and 2 of 3): each row's real
     queries equal attention over its whole context; with no view where rows go alone (the CPU)
     they equal the row computed alone bit for bit, its padded queries coming back as zeros
     (skipped, nobody reads them); where they do not (a GPU), only the products go apart."""
     monkeypatch.setattr(attention, "_rows_alone", lambda: alone)
     mx.random.seed(2)
     H, Hkv, D, C, T = 4, 2, 16, 40, 3
-    n0 = attention.APART + 20
+    n0 = attention.OWN_KEYS_APART + 20
     kp, vp = mx.random.normal((Hkv, C, D)), mx.random.normal((Hkv, C, D))
     sinks = mx.random.normal((H,)) if with_sinks else None
     own, real = [n0, n0 - 30, n0 + 7], [3, 1, 2]
