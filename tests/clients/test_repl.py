@@ -334,8 +334,12 @@ def test_stats_falls_back_to_health_or_shows_the_error():
 # -- the real REPL in a pseudo-terminal ---------------------------------------------------------
 
 ANSI = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|[()][0-9A-Za-z]|[=>])")
-# Make the pty the child's controlling terminal (so Ctrl-C there sends SIGINT), then exec.
-CTTY = ("import fcntl, os, sys, termios; os.setsid(); fcntl.ioctl(0, termios.TIOCSCTTY, 0); "
+# Make the pty the child's controlling terminal (so Ctrl-C there sends SIGINT), then exec, with
+# SIGINT's default action as a terminal gives it: a suite started in the background (`.ci/run &`
+# from a script) has SIGINT ignored, and an ignored SIGINT survives exec (Python then never
+# raises KeyboardInterrupt).
+CTTY = ("import fcntl, os, signal, sys, termios; os.setsid(); "
+        "fcntl.ioctl(0, termios.TIOCSCTTY, 0); signal.signal(signal.SIGINT, signal.SIG_DFL); "
         "os.execv(sys.argv[1], sys.argv[1:])")
 
 
@@ -487,9 +491,7 @@ def test_ctrl_c_in_a_pty_stops_the_answer_and_cancels_generation(tiny_lm, tmp_pa
         try:
             pty.expect(">>>")
             pty.type("hello there")
-            # the answer is streaming: some of its text is out (the first bytes after the line
-            # can be the line editor handing the terminal back, when a Ctrl-C may be lost)
-            pty.expect(r">>> hello there\n(?s:.){64}")
+            pty.expect(r">>> hello there\n(?s:.)")  # the answer is streaming
             os.write(pty.master, b"\x03")
             pty.expect(r"\[stopped\]\n")
             pty.expect(">>>")
