@@ -180,16 +180,29 @@ class Drafter:
                 self.copy = (self.prediction, hit[0], "prediction")
         if self.copy is not None:  # the answer is copying a source: go on with it
             src, pos, source = self.copy
-            d = src[pos:min(pos + k, len(self.context) if src is self.context else len(src))]
+            d = self._slice(src, pos, k)
             if d:
                 self.source = source
                 return d
         for source, src, pos in self._found():
-            d = src[pos:min(pos + k, len(self.context) if src is self.context else len(src))]
+            d = self._slice(src, pos, k)
             if d:
                 self.copy, self.source = (src, pos, source), source
                 return d
         return []
+
+    def _slice(self, src: list[int], pos: int, k: int) -> list[int]:
+        """``k`` tokens of ``src`` from ``pos``. In the answer's own context a copy that
+        reaches its end overlaps itself (LZ77's overlapping copy): the answer is repeating the
+        last ``end - pos`` tokens, so the draft repeats them too (a run of one digit, a rule
+        line of dashes, a phrase a small model loops on), where the plain slice would stop at
+        the end: a draft no longer than the period."""
+        if src is not self.context:
+            return src[pos:pos + k]
+        period = len(src) - pos
+        if period <= 0 or period >= k:
+            return src[pos:pos + k]
+        return [src[pos + i % period] for i in range(k)]
 
     def _follow(self) -> None:
         """Take in the tokens the answer got since the last draft: a copy it was following

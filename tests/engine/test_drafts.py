@@ -249,3 +249,20 @@ def test_a_draft_is_never_longer_than_the_room_or_max_len(room, max_len, tokens)
               Drafter(list(tokens), max_len, pred, start=len(tokens) // 2)):
         d.length = max_len
         assert len(d.propose(room)) <= min(room, max_len)
+
+
+def test_a_copy_that_reaches_the_end_of_the_answer_repeats_its_period():
+    ctx = [7, 1, 0, 0, 0, 0]  # a run of one token: "0 0 0" last ended one token back
+    d = Drafter(ctx, 8, start=2)
+    assert d.propose(100) == [0, 0, 0, 0] and d.source == "context"
+    ctx += [0, 0, 0, 0, 0]
+    d.taken(4, 4)
+    assert d.propose(100) == [0] * 8  # the whole length, not one token
+    assert d.propose(3) == [0] * 3
+    loop = [5, 6, 7, 8, 9, 5, 6, 7]  # a phrase of five the answer loops on
+    d2 = Drafter(list(loop), 8)
+    d2.length = 8
+    assert d2.propose(100) == [8, 9, 5, 6, 7, 8, 9, 5]
+    far = [5, 6, 7, 8, 9, 1, 2, 3, 4, 10, 11, 12, 13, 5, 6, 7]  # the period is longer than k
+    d3 = Drafter(far, 4)
+    assert d3.propose(100) == [8, 9, 1, 2]
