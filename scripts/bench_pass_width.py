@@ -5,7 +5,7 @@ speculation pays where such a pass costs little more than a step (engine/pass_co
 it as the server runs). This script measures it apart, per backend:
 
     python scripts/bench_pass_width.py [--widths 1 2 4 9] [--batches 1 8] [--reps 8]
-        [--cases shared distinct mlx_lm] [--attention now|padded] [--json out]
+        [--cases shared distinct mlx_lm] [--attention now|padded|fused] [--json out]
 
 Cases: ``shared``: sequences on one ~2,000-token document (one prefix view for all), ``distinct``:
 each sequence on its own document (a view each), both through the server's runner and pages;
@@ -13,7 +13,8 @@ each sequence on its own document (a view each), both through the server's runne
 reference. Width 1 is the plain decode step (``Runner.decode``); a wider pass is
 ``Runner.verify`` with its argmax read, then the draft's positions trimmed (a verify step that
 takes nothing, so every pass sees the same context). Milliseconds per pass (median of
-``--reps``) and each width's cost in plain steps. On a GPU, MLX compiles kernels at first use:
+``--reps``) and each width's cost in plain steps; and the seconds the case's prompts took
+(``prefill_s``: one sequence alone on its document reads it through ``_alone``). On a GPU, MLX compiles kernels at first use:
 the first pass of each shape is left out (two warm-up passes per cell).
 """
 
@@ -24,6 +25,7 @@ import json
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,8 +54,10 @@ def _pass(runner, seqs, nxt: list[int], w: int) -> None:
 
 
 def paged(lm, docs: list[str], widths, batches, reps: int) -> dict:
+    t0 = time.perf_counter()
     _, _, runner, seqs, nxt = on_document(lm, docs, max(batches), chunk=512)
-    out = {}
+    out: dict = {"prefill_s": round(time.perf_counter() - t0, 2)}
+    print("prompts read in", out["prefill_s"], "s", flush=True)
     for b in batches:
         out[b] = {w: _median_ms(lambda: _pass(runner, seqs[:b], nxt[:b], w), reps)
                   for w in widths}
@@ -93,15 +97,21 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--cases", nargs="+", default=["shared", "distinct", "mlx_lm"],
                     choices=["shared", "distinct", "mlx_lm"])
-    ap.add_argument("--attention", choices=["now", "padded"], default="now",
+    ap.add_argument("--attention", choices=["now", "padded", "fused"], default="now",
                     help="padded: the split path as before own keys were read where they are "
-                    "(every sequence's padded into one array each layer, MLX's exp)")
+                    "(every sequence's padded into one array each layer, MLX's exp); fused: "
+                    "now, but one sequence alone through mlx-lm's fused kernel, as before "
+                    "_alone")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.attention == "padded":
         from kv_cache.model import attention
 
         attention.OWN_KEYS_APART, attention._POW_EXP = 1 << 30, False
+    if args.attention == "fused":
+        from kv_cache.model import attention
+
+        attention._alone_mask = lambda *a: False
     lm = resolve_and_load(args.model)
     n = max(args.batches)
     doc = document()
@@ -120,7 +130,8 @@ def main() -> None:
     if "mlx_lm" in args.cases:
         res["cases"]["mlx_lm"] = {1: mlx_lm_reference(lm, doc, args.widths, args.reps)}
     res["in_steps"] = {case: {b: {w: round(t / cells[b][args.widths[0]], 3)
-                                  for w, t in cells[b].items()} for b in cells}
+                                  for w, t in cells[b].items()} for b in cells
+                              if b != "prefill_s"}
                        for case, cells in res["cases"].items()}
     print(json.dumps(res["in_steps"]), flush=True)
     if args.json:

@@ -105,15 +105,74 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
     if reads is None:
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     rs = reads()
-    if rs is None:  # one sequence, nothing shared: the fused kernel, the model's mask
-        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    if rs is None:  # one sequence, nothing shared: the model's mask over its keys
+        return _alone(queries, keys, values, cache, scale, mask, sinks)
     if len(rs) == 1 and _copy_pays(queries, rs[0], mask):
         # one sequence reading a view: its keys and values after the view's, one copy
         k, v = rs[0].prefix
         k = mx.concatenate([k[None], rs[0].keys], axis=2)
         v = mx.concatenate([v[None], rs[0].values], axis=2)
-        return _ORIGINAL(queries, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
+        return _alone(queries, k, v, cache, scale, mask, sinks)
     return split_attention(queries, rs, scale, sinks)
+
+
+def _alone(queries, keys, values, cache, scale: float, mask, sinks) -> mx.array:
+    """Attention of one sequence over all its keys with the model's mask: mlx-lm's function
+    (the fused kernel), except on the CPU on x86, where that kernel's softmax is MLX's scalar
+    ``exp`` (~26 ns an element: a 512-token prompt piece over 3,000 keys spent 458 ms a layer
+    in it) and the same softmax through ``_exp`` takes 298 (docs/BENCHMARKS.md section 17):
+    there, plain ops, scores in float32, for the masks mlx-lm passes (none, ``"causal"``, an
+    array of ``[T, N]`` or ``[B, 1, T, N]``); any other mask goes to the fused kernel."""
+    B, Hq, T, D = queries.shape
+    N = keys.shape[2]
+    add = _alone_mask(mask, T, N) if _POW_EXP and _rows_alone() else False
+    if add is False:
+        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+    Hkv = keys.shape[1]
+    rep = Hq // Hkv
+    q = (queries * scale).reshape(B, Hkv, rep * T, D)
+    s = (q @ keys.swapaxes(-1, -2)).astype(mx.float32).reshape(B, Hkv, rep, T, N)
+    if add is not None:
+        s = mx.where(add, s, -mx.inf) if add.dtype == mx.bool_ else s + add
+    m = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        sink = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
+        m = mx.maximum(m, sink)
+    e = _exp(s - m)
+    denom = e.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        denom = denom + _exp(sink - m)
+    out = e.reshape(B, Hkv, rep * T, N).astype(values.dtype) @ values
+    out = out / denom.reshape(B, Hkv, rep * T, 1).astype(out.dtype)
+    return out.reshape(B, Hq, T, D).astype(queries.dtype)
+
+
+def _alone_mask(mask, T: int, N: int):
+    """The model's ``mask`` for ``_alone``'s scores ``[B, kv_heads, repeats, T, N]``: None (no
+    mask), a bool or additive array that broadcasts there, or False for a mask it leaves to the
+    fused kernel."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "causal":
+            return False
+        if T == 1:
+            return None
+        p = _PASS.get()
+        key = ("causal", T, N)
+        if p is not None and key in p.masks:
+            return p.masks[key]
+        made = mx.arange(N)[None] <= mx.arange(N - T, N)[:, None]
+        if p is not None:
+            p.masks[key] = made
+        return made
+    if not isinstance(mask, mx.array) or mask.shape[-2:] != (T, N):
+        return False
+    if mask.ndim == 2:
+        return mask
+    if mask.ndim == 4 and mask.shape[1] == 1:
+        return mask[:, :, None]
+    return False
 
 
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:

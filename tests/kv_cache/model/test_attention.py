@@ -128,12 +128,20 @@ class _OneRead:
         return [self.read]
 
 
+class _NoView:
+    """A cache of one sequence holding its whole context in its own buffers."""
+
+    def reads(self) -> None:
+        return None
+
+
 @pytest.mark.parametrize("T, dtype, copied", [(32, mx.float32, True), (1, mx.float32, False),
                                               (4, mx.float32, False), (32, mx.bfloat16, False)])
 def test_one_sequence_over_a_view_is_the_fused_kernel_where_a_copy_pays(T, dtype, copied):
     """One sequence's prompt piece over a view: in float32 with many queries, the view's keys
-    and values are copied once and the fused kernel runs (bit for bit what a sequence with its
-    whole context in its own buffer computes); otherwise the split path, equal within rounding."""
+    and values are copied once and attention runs as for one sequence alone (bit for bit what a
+    sequence with its whole context in its own buffer computes); otherwise the split path, equal
+    within rounding."""
     mx.random.seed(2)
     H, Hkv, D, C, n = 4, 2, 16, 64, T + 3  # own: 3 earlier positions, then the T queries
     kp, vp = mx.random.normal((Hkv, C, D)).astype(dtype), mx.random.normal((Hkv, C, D)).astype(dtype)
@@ -143,10 +151,74 @@ def test_one_sequence_over_a_view_is_the_fused_kernel_where_a_copy_pays(T, dtype
     assert attention._copy_pays(q, read, "causal" if T > 1 else None) == copied
     K, V = mx.concatenate([kp[None], k], axis=2), mx.concatenate([vp[None], v], axis=2)
     mask = "causal" if T > 1 else None
-    want = fused(q, K, V, mask=mask)
+    want = attention.attention(q, K, V, _NoView(), 0.3, mask)
+    assert mx.allclose(want.astype(mx.float32), fused(q, K, V, mask=mask).astype(mx.float32),
+                       atol=2e-5 if dtype == mx.float32 else 3e-2).item()
     got = attention.attention(q, k, v, _OneRead(read), 0.3, mask)
     if copied:
         assert mx.array_equal(got, want).item()
     else:
         tol = 2e-5 if dtype == mx.float32 else 3e-2
         assert mx.allclose(got.astype(mx.float32), want.astype(mx.float32), atol=tol).item()
+
+
+def _masks(T: int, N: int) -> dict:
+    visible = mx.arange(N)[None] <= mx.arange(N - T, N)[:, None]
+    window = visible & (mx.arange(N)[None] > mx.arange(N - T, N)[:, None] - 5)
+    return {"none": None, "causal": "causal", "bool [T, N]": window,
+            "bool [1, 1, T, N]": window[None, None],
+            "additive [T, N]": mx.where(window, 0.0, -1e9).astype(mx.float32)}
+
+
+@pytest.mark.parametrize("mask_name", ["none", "causal", "bool [T, N]", "bool [1, 1, T, N]",
+                                       "additive [T, N]"])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("T", [1, 6])
+def test_one_sequence_alone_on_an_x86_cpu_skips_the_fused_kernel(mask_name, with_sinks, T,
+                                                                 monkeypatch):
+    """One sequence with nothing shared: on the CPU on x86 its attention is plain ops with
+    ``_exp`` (the fused kernel's softmax is MLX's scalar ``exp`` there), equal to the fused
+    kernel within rounding for every mask mlx-lm passes; elsewhere the fused kernel itself."""
+    mx.random.seed(4)
+    H, Hkv, D, N = 6, 2, 16, 40
+    q = mx.random.normal((1, H, T, D))
+    k, v = mx.random.normal((1, Hkv, N, D)), mx.random.normal((1, Hkv, N, D))
+    sinks = mx.random.normal((H,)) if with_sinks else None
+    mask = _masks(T, N)[mask_name]
+    if T == 1 and mask_name == "causal":
+        mask = None
+    want = fused(q, k, v, mask=mask, sinks=sinks)
+    calls = _count_fused(monkeypatch)
+    for x86, cpu, plain_ops in [(True, True, True), (False, True, False), (True, False, False)]:
+        monkeypatch.setattr(attention, "_POW_EXP", x86)
+        monkeypatch.setattr(attention, "_rows_alone", lambda: cpu)
+        calls.clear()
+        with attention.forward():
+            got = attention.attention(q, k, v, _NoView(), 0.3, mask, sinks=sinks)
+        assert calls == ([] if plain_ops else [1])
+        assert mx.allclose(got, want, atol=2e-5).item()
+
+
+def _count_fused(monkeypatch) -> list:
+    calls: list = []
+    original = attention._ORIGINAL
+    monkeypatch.setattr(attention, "_ORIGINAL",
+                        lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
+def test_a_mask_alone_cannot_read_goes_to_the_fused_kernel(monkeypatch):
+    """A per-head mask, one of other lengths, or a mask name other than ``"causal"`` is left to
+    mlx-lm's function."""
+    monkeypatch.setattr(attention, "_POW_EXP", True)
+    monkeypatch.setattr(attention, "_rows_alone", lambda: True)
+    assert attention._alone_mask(mx.ones((3, 9), dtype=mx.bool_), 3, 10) is False
+    assert attention._alone_mask("sliding", 3, 10) is False
+    mx.random.seed(5)
+    q, k, v = (mx.random.normal(s) for s in ((1, 4, 3, 8), (1, 2, 10, 8), (1, 2, 10, 8)))
+    per_head = mx.arange(10)[None, None, None] <= mx.arange(4)[None, :, None, None] + 6
+    per_head = mx.broadcast_to(per_head, (1, 4, 3, 10))
+    calls = _count_fused(monkeypatch)
+    got = attention.attention(q, k, v, _NoView(), 0.3, per_head)
+    assert calls == [1]
+    assert mx.allclose(got, fused(q, k, v, mask=per_head), atol=1e-6).item()
