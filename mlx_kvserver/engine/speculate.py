@@ -110,6 +110,9 @@ class Speculation:
                 out[i] = d[:m.valid_prefix(d)] if d and m is not None else d
                 c.draft_source = "model" if out[i] else ""
         width = self._width(group, out)
+        if log.isEnabledFor(logging.DEBUG) and any(out):
+            log.debug("drafts offered %s (rates %s), width %d", [len(d) for d in out],
+                      [round(c.drafter.rate, 2) if c.drafter else None for c in group], width)
         # NOTE: a draft declined by cost gets no verify pass, so its drafter would learn
         # nothing and keep a draft too short or a rate too low to pay (seen: 16 steps on a
         # one-token draft until the next probe); its first token is checked against the plain
@@ -193,9 +196,9 @@ class Speculation:
         plain = [c.sampler.temperature == 0 and c.sampler.matcher is None for c in group]
         argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
         mx.eval([a for a in argmax if a is not None] or rows)
-        self.cost.add(len(group), len(group) * max(len(p) for p in pieces),
-                      time.perf_counter() - t0)
-        out = []
+        seconds = time.perf_counter() - t0
+        self.cost.add(len(group), len(group) * max(len(p) for p in pieces), seconds)
+        out, made = [], 0
         self.stats.steps += 1
         self.stats.verify_steps += 1
         for c, d, lg, am in zip(group, drafts, rows, argmax):
@@ -216,7 +219,12 @@ class Speculation:
             if len(d) > j:  # the rejected draft's positions, off the private tail
                 c.seq.trim(len(d) - j)
             self._count(c, d, taken, len(c.tokens) - before)
+            made += len(c.tokens) - before
             out.append(deltas)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("verify pass: %d sequences, drafts %s, %.0f ms, %d tokens",
+                      len(group), [len(d) for d in drafts], seconds * 1e3,
+                      made)
         return out
 
     def decoded(self, group: Sequence[Choice], seconds: float,
@@ -224,6 +232,7 @@ class Speculation:
         """A plain decode step of ``group`` (one token each, ``tokens``) that took ``seconds``;
         a draft declined for it is scored by its first token (``drafts``)."""
         self.cost.add(len(group), len(group), seconds)
+        log.debug("plain step: %d sequences, %.0f ms", len(group), seconds * 1e3)
         declined, self._declined = self._declined, {}
         for c, t in zip(group, tokens):
             first = declined.get(id(c))
