@@ -15,13 +15,15 @@ which is ordinary softmax attention split in two and merged by its log-sum-exp (
 and the two sums), so no sequence needs a contiguous copy of the shared prefix. One sequence
 alone on a view with a long prompt piece is the exception where it pays (``_copy_pays``: the
 CPU backend in float32): its layer copies the view's keys and values once before its own and
-runs the fused kernel, which computes bit for bit what a sequence holding its whole context in
-its own buffers does.
+runs attention as for one sequence alone (``_alone``), which computes bit for bit what a
+sequence holding its whole context in its own buffers does.
 
 NOTE: ``exp`` dominates attention on MLX's CPU backend: computed once per score here (row max,
 exp, sum), and on x86 through ``power`` (``_exp``). The fused kernel returns no log-sum-exp, so
-the split path is plain MLX ops; a sequence alone with no view goes through the fused kernel
-unchanged. A view of pages in bits may be held packed (``packed_attention``). Own keys of
+the split path is plain MLX ops. A sequence alone with no view goes through mlx-lm's function
+(the fused kernel) except on the CPU on x86, where that kernel's softmax is the slow ``exp`` and
+``_alone`` computes the same with ``_exp`` (a prompt's attention a third faster there). A view
+of pages in bits may be held packed (``packed_attention``). Own keys of
 ``OWN_KEYS_APART`` positions or more (sequences that read no view, or read long past it: eight
 clients each on its own file) are never padded into one batch array, which copied every
 sequence's keys and values once a layer and step (on the CPU half of a step of eight
@@ -176,11 +178,12 @@ def _alone_mask(mask, T: int, N: int):
 
 
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
-    """Whether one sequence's prompt piece costs less through the fused kernel over one copy of
-    the view's keys and values than through the split path (CPU, measured per layer:
-    docs/BENCHMARKS.md section 9): in float32 once the scores outnumber the keys and values
-    about 1.5 to 1 (repeats of a key's head x queries >= 3 x head_dim); in float16 and bfloat16
-    and for one query the split path wins. Metal, CUDA: the split path (not measured there)."""
+    """Whether one sequence's prompt piece costs less as one sequence alone (``_alone``) over
+    one copy of the view's keys and values than through the split path (CPU, measured per
+    layer with the fused kernel: docs/BENCHMARKS.md section 9): in float32 once the scores
+    outnumber the keys and values about 1.5 to 1 (repeats of a key's head x queries >= 3 x
+    head_dim); in float16 and bfloat16 and for one query the split path wins. Metal, CUDA: the
+    split path (not measured there)."""
     _, Hq, T, D = queries.shape
     rep = Hq // r.keys.shape[1]
     return (T > 1 and isinstance(r.prefix, tuple) and r.own_start == r.prefix[0].shape[1]
