@@ -98,15 +98,18 @@ class Reads:
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
     """mlx-lm's ``scaled_dot_product_attention`` with our caches: a batch of sequences, or one
     sequence with a shared prefix, takes the split path; everything else is mlx-lm's."""
-    reads = getattr(cache, "reads", None)
-    if reads is None:
+    owner = cache if getattr(cache, "reads", None) is not None else None
+    if owner is None:
         # a layer that reuses another layer's keys (KV sharing): found by the keys themselves
         p = _PASS.get()
         entry = p.fetched.get(id(keys)) if p is not None else None
-        reads = entry[1].reads if entry is not None and entry[0] is keys else None
-    if reads is None:
+        owner = entry[1] if entry is not None and entry[0] is keys else None
+    if owner is None:
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    rs = reads()
+    rs = owner.reads()
+    ragged = getattr(owner, "ragged", None)
+    if ragged is not None:
+        return _ragged(queries, rs, ragged, scale, sinks)
     if rs is None:  # one sequence, nothing shared: the model's mask over its keys
         return _alone(queries, keys, values, cache, scale, mask, sinks)
     if len(rs) == 1 and _copy_pays(queries, rs[0], mask):
@@ -116,6 +119,22 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
         v = mx.concatenate([v[None], rs[0].values], axis=2)
         return _alone(queries, k, v, cache, scale, mask, sinks)
     return split_attention(queries, rs, scale, sinks)
+
+
+def _ragged(queries: mx.array, reads: list[Reads], lengths: list[int], scale: float,
+            sinks: mx.array | None) -> mx.array:
+    """A ragged pass (``kv_cache.model.batch.ragged_caches``): ``queries [R, heads, 1, dim]``,
+    ``lengths[i]`` rows of sequence ``i`` one after the other. Each sequence's rows become its
+    queries ``[1, heads, n, dim]`` (stacked to the longest, as a padded pass's: the split path
+    reads each row's real queries), and its outputs go back to its rows."""
+    S, T = len(lengths), max(lengths)
+    _, H, _, D = queries.shape
+    starts = [sum(lengths[:i]) for i in range(S)]
+    idx = mx.array([a + min(j, n - 1) for a, n in zip(starts, lengths) for j in range(T)])
+    q = queries[idx].reshape(S, T, H, D).transpose(0, 2, 1, 3)
+    out = split_attention(q, reads, scale, sinks).transpose(0, 2, 1, 3).reshape(S * T, H, D)
+    back = mx.array([i * T + j for i, n in enumerate(lengths) for j in range(n)])
+    return out[back][:, :, None, :]
 
 
 def _alone(queries, keys, values, cache, scale: float, mask, sinks) -> mx.array:

@@ -23,18 +23,33 @@ from kv_cache.model.sequence import PagedSequence
 class BatchLayer:
     """One paged layer of every sequence in the batch (one new position each per step)."""
 
-    def __init__(self, members: Sequence[PagedLayerCache], lengths: Sequence[int] | None = None):
+    def __init__(self, members: Sequence[PagedLayerCache], lengths: Sequence[int] | None = None,
+                 ragged: bool = False):
         """``lengths``: new positions per member this step (default one each; a prompt batch
-        pads shorter members on the right, and their padding is not stored)."""
+        pads shorter members on the right, and their padding is not stored). ``ragged``: the
+        pass has one row per new position instead, ``lengths[i]`` rows of member ``i`` one
+        after the other, each row one token (``ragged_caches``)."""
         self.members = list(members)
         self.lengths = list(lengths) if lengths is not None else None
+        self.ragged = self.lengths if ragged else None
         self.window = self.members[0].window
 
     @property
     def offset(self) -> mx.array:
+        if self.ragged is not None:  # each row's own position
+            return mx.array([m.offset + j for m, n in zip(self.members, self.ragged)
+                             for j in range(n)])
         return mx.array([m.offset for m in self.members])
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.ragged is not None:  # rows [n, heads, 1, dim] of a member -> [1, heads, n, dim]
+            at = 0
+            for m, n in zip(self.members, self.ragged):
+                m.update_and_fetch(keys[at : at + n].swapaxes(0, 2),
+                                   values[at : at + n].swapaxes(0, 2))
+                at += n
+            fetched(keys, self)
+            return keys, values
         quant = self.members[0].quant  # pages in bits: code the whole batch in one call
         words = None
         if quant is not None:
@@ -88,6 +103,24 @@ def batch_caches(seqs: Sequence[PagedSequence], lengths: Sequence[int] | None = 
                              for j in range(len(layer.cache))]
             out.append(stacked)
     return out
+
+
+def can_go_ragged(pool) -> bool:
+    """Whether passes over the sequences of ``pool`` (a ``PagePool``) can be ragged
+    (``ragged_caches``): no recurrent state and no pages in bits (their fresh positions are
+    coded for a whole batch array at once)."""
+    return not pool.spec.has_state and all(g.quant is None for g in pool.groups)
+
+
+def ragged_caches(seqs: Sequence[PagedSequence], lengths: Sequence[int]) -> list:
+    """The model's cache list for a ragged pass: one row per new position, ``lengths[i]`` rows
+    of ``seqs[i]`` one after the other, each row one token at its own position (the offsets a
+    batched decode step already gives per row). No row is padding, so the model's matrix
+    products and output head run over real positions only; attention regroups each
+    sequence's rows (``kv_cache.model.attention``). Only where ``can_go_ragged``."""
+    caches = [s.prepare() for s in seqs]
+    return [BatchLayer([c[slot] for c in caches], lengths, ragged=True)
+            for slot in range(len(caches[0]))]
 
 
 def finish_batch(seqs: Sequence[PagedSequence], caches: list) -> None:

@@ -9,7 +9,8 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from kv_cache import CacheManager, PagedSequence, batch_caches, finish_batch, forward, install
+from kv_cache import (CacheManager, PagedSequence, batch_caches, can_go_ragged, finish_batch,
+                      forward, install, ragged_caches)
 
 log = logging.getLogger("mlx_kvserver.runner")
 
@@ -37,6 +38,8 @@ class Runner:
         self.batched = install(model) and self._probe(manager)
         # several short prompts in one forward pass (right-padded): attention layers only
         self.batched_prompts = self.batched and not manager.pool.spec.has_state
+        # verify passes of several sequences: one row per token (``verify``)
+        self.ragged = self.batched and can_go_ragged(manager.pool)
         if self.batched:
             manager.share_prefixes(kv_attention)
         else:
@@ -90,17 +93,29 @@ class Runner:
 
     def verify(self, seqs: Sequence[PagedSequence],
                pieces: Sequence[Sequence[int]]) -> list[mx.array]:
-        """Each sequence's piece (its last token and a draft) in one forward pass (right-padded
-        to the longest); every position's logits, ``[len(piece), vocab]`` each (lazy). The
-        caller trims the positions of rejected draft tokens (``PagedSequence.trim``)."""
+        """Each sequence's piece (its last token and a draft) in one forward pass; every
+        position's logits, ``[len(piece), vocab]`` each (lazy). The caller trims the positions
+        of rejected draft tokens (``PagedSequence.trim``).
+
+        Several sequences go in one ragged pass where the cache allows (``ragged_caches``: one
+        row per token, so pieces of different lengths cost their own rows, never the longest's:
+        ``self.ragged``), else right-padded to the longest."""
         if len(seqs) == 1:
             with forward():
                 out = self.model(mx.array(list(pieces[0]))[None], cache=seqs[0].prepare())[0]
             seqs[0].append_tokens(pieces[0])
             return [out]
+        lengths = [len(p) for p in pieces]
+        if self.ragged:
+            with forward():
+                flat = mx.array([t for p in pieces for t in p])[:, None]
+                logits = self.model(flat, cache=ragged_caches(seqs, lengths))[:, 0]
+            for seq, p in zip(seqs, pieces):
+                seq.append_tokens(p)
+            starts = [sum(lengths[:i]) for i in range(len(seqs))]
+            return [logits[a : a + n] for a, n in zip(starts, lengths)]
         T = max(len(p) for p in pieces)
         padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
-        lengths = [len(p) for p in pieces]
         with forward():
             logits = self.model(padded, cache=batch_caches(seqs, lengths))
         for seq, p in zip(seqs, pieces):

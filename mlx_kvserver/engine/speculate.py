@@ -109,18 +109,49 @@ class Speculation:
                 m = c.sampler.matcher
                 out[i] = d[:m.valid_prefix(d)] if d and m is not None else d
                 c.draft_source = "model" if out[i] else ""
-        width = self._width(group, out)
+        lengths = self._lengths(group, out)
         if log.isEnabledFor(logging.DEBUG) and any(out):
-            log.debug("drafts offered %s (rates %s), width %d", [len(d) for d in out],
-                      [round(c.drafter.rate, 2) if c.drafter else None for c in group], width)
+            log.debug("drafts offered %s (rates %s), verified %s", [len(d) for d in out],
+                      [round(c.drafter.rate, 2) if c.drafter else None for c in group], lengths)
         # NOTE: a draft declined by cost gets no verify pass, so its drafter would learn
         # nothing and keep a draft too short or a rate too low to pay (seen: 16 steps on a
-        # one-token draft until the next probe); its first token is checked against the plain
-        # step's token instead (``decoded``): free, and for sampled answers the chance of a match
-        # is the chance the draft token would have been kept
-        self._declined = {id(c): d[0] for c, d in zip(group, out)
-                          if d and width == 1 and c.draft_source not in ("", "grammar")}
-        return [d[:width - 1] for d in out]
+        # one-token draft until the next probe); its first token is checked against the token
+        # the step gives it instead (``_score_declined``): free, and for sampled answers the
+        # chance of a match is the chance the draft token would have been kept
+        self._declined = {id(c): d[0] for c, d, n in zip(group, out, lengths)
+                          if d and n == 0 and c.draft_source not in ("", "grammar")}
+        return [d[:n] for d, n in zip(out, lengths)]
+
+    def _lengths(self, group: Sequence[Choice], drafts: list[list[int]]) -> list[int]:
+        """How many of each choice's draft tokens this step verifies (all 0: a plain decode
+        step). A padded pass costs its longest piece in every row (``_width``: one length for
+        all); a ragged one (``Runner.ragged``) costs its rows, so each choice gets its own:
+        draft tokens are taken in the order of what each is expected to give (a forced one 1,
+        the k-th of a choice whose tokens are taken at rate r, r^k) for as long as tokens per
+        second grow by what a pass over that many rows costs (``PassCost.of_rows``). Where no
+        length pays, a pass is still tried now and then (``PassCost.probe_due``)."""
+        if not getattr(self.runner, "ragged", False) or len(group) == 1:
+            w = self._width(group, drafts)
+            return [min(len(d), w - 1) for d in drafts]
+        B = len(group)
+        gains = sorted(((1.0 if c.draft_source == "grammar" else min(c.drafter.rate, 0.999) ** k,
+                         i) for i, (c, d) in enumerate(zip(group, drafts))
+                        for k in range(1, len(d) + 1)), key=lambda g: -g[0])
+        if not gains:
+            return [0] * B
+        total, wide, wide_rate = float(B), 0, 0.0
+        for m, (g, _) in enumerate(gains, 1):
+            total += g
+            rate = total / self.cost.of_rows(B, B + m)
+            if rate > wide_rate * 1.02:
+                wide, wide_rate = m, rate
+        best = wide if wide_rate > B * 1.02 else 0
+        if self.cost.probe_due(B, declined=best == 0):
+            best = wide
+        counts = [0] * B
+        for _, i in gains[:best]:
+            counts[i] += 1
+        return counts
 
     def _width(self, group: Sequence[Choice], drafts: list[list[int]]) -> int:
         """The step's width (1: a plain decode step): the one that gives the most tokens per
@@ -197,7 +228,9 @@ class Speculation:
         argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
         mx.eval([a for a in argmax if a is not None] or rows)
         seconds = time.perf_counter() - t0
-        self.cost.add(len(group), len(group) * max(len(p) for p in pieces), seconds)
+        ragged = getattr(self.runner, "ragged", False) and len(group) > 1
+        self.cost.add(len(group), sum(map(len, pieces)) if ragged
+                      else len(group) * max(len(p) for p in pieces), seconds)
         out, made = [], 0
         self.stats.steps += 1
         self.stats.verify_steps += 1
@@ -218,6 +251,8 @@ class Speculation:
                 taken += 1
             if len(d) > j:  # the rejected draft's positions, off the private tail
                 c.seq.trim(len(d) - j)
+            if not d and len(c.tokens) > before:
+                self._score_declined(c, c.tokens[before])
             self._count(c, d, taken, len(c.tokens) - before)
             made += len(c.tokens) - before
             out.append(deltas)
@@ -233,15 +268,19 @@ class Speculation:
         a draft declined for it is scored by its first token (``drafts``)."""
         self.cost.add(len(group), len(group), seconds)
         log.debug("plain step: %d sequences, %.0f ms", len(group), seconds * 1e3)
-        declined, self._declined = self._declined, {}
         for c, t in zip(group, tokens):
-            first = declined.get(id(c))
-            if first is not None and c.drafter is not None:
-                c.drafter.taken(1, int(t == first))
+            self._score_declined(c, t)
         self.stats.steps += 1
         self.stats.tokens += len(group)
         for c in group:
             c.steps += 1
+
+    def _score_declined(self, c: Choice, token: int) -> None:
+        """The token this step gave ``c``, against the first of a draft declined for it
+        (``drafts``: NOTE)."""
+        first = self._declined.pop(id(c), None)
+        if first is not None and c.drafter is not None:
+            c.drafter.taken(1, int(token == first))
 
     def _count(self, c: Choice, draft: list[int], taken: int, produced: int) -> None:
         s = self.stats

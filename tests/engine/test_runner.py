@@ -91,3 +91,46 @@ def test_the_scheduler_asks_for_logits_only_at_a_prompts_end(tiny_lm):
     assert job.finished and not job.errors()
     assert len(asked) >= 3, asked  # the prompt ran in several pieces
     assert [flag for _, flag in asked] == [False] * (len(asked) - 1) + [True]
+
+
+def _prefilled(manager, runner, prompts):
+    seqs = [manager.new_sequence() for _ in prompts]
+    for s, p in zip(seqs, prompts):
+        runner.prefill(s, p)
+    return seqs
+
+
+def test_a_ragged_verify_pass_gives_each_piece_the_padded_pass_logits(tiny_lm):
+    """Pieces of 1, 5 and 3 tokens in one verify pass: ragged (one row per token, 9 rows, no
+    padding) as the runner does it, and right-padded to 5 (15 rows) as it did; each piece's
+    logits and each sequence's keys and values agree, and trimming a rejected tail leaves the
+    same sequence either way."""
+    manager, runner = _runner(tiny_lm)
+    assert runner.ragged  # attention layers only, no pages in bits
+    prompts = [PROMPT[:9], PROMPT[3:20], PROMPT[7:12]]
+    pieces = [[5], [6, 7, 8, 9, 10], [11, 12, 13]]
+    shapes = []
+    model = runner.model
+    runner.model = lambda x, cache: shapes.append(x.shape) or model(x, cache=cache)
+    ragged = _prefilled(manager, runner, prompts)
+    padded = _prefilled(manager, runner, prompts)
+    try:
+        shapes.clear()
+        got = runner.verify(ragged, pieces)
+        mx.eval(got)
+        runner.ragged = False
+        want = runner.verify(padded, pieces)
+        assert shapes == [(9, 1), (3, 5)]
+        for g, w, p in zip(got, want, pieces):
+            assert g.shape == w.shape == (len(p), w.shape[-1])
+            assert mx.allclose(g, w, atol=1e-4).item()
+            assert mx.array_equal(mx.argmax(g, axis=-1), mx.argmax(w, axis=-1)).item()
+        for s in (ragged[1], padded[1]):  # two of its four draft tokens rejected
+            s.trim(2)
+        for a, b in zip(ragged, padded):
+            assert a.tokens == b.tokens
+            for x, y in zip(_kv(a), _kv(b), strict=True):
+                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
+    finally:
+        for s in ragged + padded:
+            s.close()

@@ -354,8 +354,16 @@ def test_a_json_schema_answer_forced_tokens_and_cut_drafts(tiny_lm, monkeypatch)
         return self.proposed
 
     monkeypatch.setattr(Drafter, "propose", record)
-    s, seen = make_scheduler(tiny_lm), []
+    s, seen, offered = make_scheduler(tiny_lm), [], []
     watch(s, seen)
+    lengths = s.speculation._lengths
+
+    def cut_by_cost(group, drafts):  # the drafts as the grammar left them, before the cost cut
+        offered.extend((c.draft_source, list(d), getattr(c.drafter, "proposed", None))
+                       for c, d in zip(group, drafts))
+        return lengths(group, drafts)
+
+    s.speculation._lengths = cut_by_cost
     jobs = [Collect(dict(body, speculate=i != 2), tiny_lm) for i in range(3)]
     digits = [i for i, t in enumerate(ids) if tiny_lm.tokenizer.decode([t]).isdigit()]
     at, x = digits[len(digits) // 2], tiny_lm.tokenizer.encode("x")
@@ -364,8 +372,7 @@ def test_a_json_schema_answer_forced_tokens_and_cut_drafts(tiny_lm, monkeypatch)
     assert [j.answers()[0] for j in jobs] == [(want, "stop")] * 3
     sources = {src for step in seen for _, d, src, _, _ in step if d}
     assert {"grammar", "prediction"} <= sources, sources
-    cut = [(d, p) for step in seen for _, d, src, _, p in step
-           if src == "prediction" and len(d) < len(p)]
+    cut = [(d, p) for src, d, p in offered if src == "prediction" and len(d) < len(p)]
     assert any(p[len(d)] == x[0] for d, p in cut), "no draft was cut at the letter"
     u = [usage(j) for j in jobs]
     assert u[0].draft_accepted >= 10 and u[1].draft_accepted >= 10
