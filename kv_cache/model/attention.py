@@ -252,25 +252,22 @@ def forward() -> Iterator[Pass]:
 def split_attention(queries: mx.array, reads: list[Reads], scale: float,
                     sinks: mx.array | None = None) -> mx.array:
     """Attention for ``queries [B, heads, T, head_dim]``; ``reads[i]`` says what row ``i``
-    reads. Rows sharing a prefix view are computed together."""
-    B, Hq, T, D = queries.shape
+    reads. Rows sharing a prefix view are computed together, over their real queries only (a
+    padded or ragged pass's later ones come back as zeros: nobody reads them)."""
     groups: dict[tuple, list[int]] = {}
     for i, r in enumerate(reads):
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
         groups.setdefault(key, []).append(i)
-    apart = [key for key, rows in groups.items() if key[0] is None and len(rows) > 1
-             and max(reads[i].keys.shape[2] for i in rows) >= OWN_KEYS_APART] \
-        if _rows_alone() else []
-    if len(groups) == 1 and not apart:
-        return _group(queries, reads, scale, sinks)
-    out: list[mx.array | None] = [None] * B
-    for key, rows in groups.items():
-        if key in apart:  # long own keys and no prefix: each row alone (module docstring: NOTE)
-            for i in rows:
-                out[i] = _row(queries, i, reads[i], scale, sinks)
-            continue
-        o = _group(queries[mx.array(rows)] if len(rows) < B else queries,
-                   [reads[i] for i in rows], scale, sinks)
+    parts = []
+    for key, rows in groups.items():  # long own keys and no prefix: each row alone (NOTE)
+        alone = key[0] is None and len(rows) > 1 and _rows_alone() \
+            and max(reads[i].keys.shape[2] for i in rows) >= OWN_KEYS_APART
+        parts += [[i] for i in rows] if alone else [rows]
+    if len(parts) == 1:
+        return _rows(queries, parts[0], reads, scale, sinks)
+    out: list[mx.array | None] = [None] * queries.shape[0]
+    for rows in parts:
+        o = _rows(queries, rows, reads, scale, sinks)
         for j, i in enumerate(rows):
             out[i] = o[j : j + 1]
     return mx.concatenate(out, axis=0)
@@ -281,13 +278,15 @@ def _rows_alone() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def _row(queries: mx.array, i: int, r: Reads, scale: float,
-         sinks: mx.array | None) -> mx.array:
-    """Row ``i`` alone over its own keys, its real queries only (a padded pass's later ones come
-    back as zeros: nobody reads them)."""
+def _rows(queries: mx.array, rows: list[int], reads: list[Reads], scale: float,
+          sinks: mx.array | None) -> mx.array:
+    """``rows`` of ``queries`` together over the most real queries any of them has."""
     T = queries.shape[2]
-    t = min(T, max(1, r.own_start + r.keys.shape[2] - r.copies - r.q_start))
-    return _pad(_group(queries[i : i + 1, :, :t], [r], scale, sinks), T)
+    rs = [reads[i] for i in rows]
+    t = max(min(T, max(1, r.own_start + r.keys.shape[2] - r.copies - r.q_start)) for r in rs)
+    q = queries if len(rows) == queries.shape[0] else queries[rows[0] : rows[0] + 1] \
+        if len(rows) == 1 else queries[mx.array(rows)]
+    return _pad(_group(q[:, :, :t] if t < T else q, rs, scale, sinks), T)
 
 
 def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:

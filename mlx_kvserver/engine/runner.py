@@ -35,11 +35,10 @@ class Runner:
     def __init__(self, model, manager: CacheManager, name: str = "model",
                  kv_attention: str = "auto"):
         self.model = model
+        self.ragged = False  # verify passes of several sequences: one row per token (``verify``)
         self.batched = install(model) and self._probe(manager)
         # several short prompts in one forward pass (right-padded): attention layers only
         self.batched_prompts = self.batched and not manager.pool.spec.has_state
-        # verify passes of several sequences: one row per token (``verify``)
-        self.ragged = self.batched and can_go_ragged(manager.pool)
         if self.batched:
             manager.share_prefixes(kv_attention)
         else:
@@ -137,20 +136,39 @@ class Runner:
 
     def _probe(self, manager: CacheManager) -> bool:
         """Two sequences of different lengths, decoded alone and then in one batch: the model
-        batches when the logits agree."""
+        batches when the logits agree. Then pieces of 3 and 1 tokens verified alone and in one
+        ragged pass: verify passes are ragged (``self.ragged``) when those agree too."""
         seqs = [manager.new_sequence() for _ in range(4)]
         try:
             prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
             for s, p in zip(seqs, prompts + prompts):
                 self.prefill(s, p)
             alone = mx.concatenate([self.decode([seqs[0]], [9]), self.decode([seqs[1]], [10])])
-            together = self.decode(seqs[2:], [9, 10])
-            diff = mx.abs(alone.astype(mx.float32) - together.astype(mx.float32)).max().item()
-            scale = mx.abs(alone.astype(mx.float32)).max().item() or 1.0
-            return diff <= 1e-2 * scale
+            if not _agree(alone, self.decode(seqs[2:], [9, 10])):
+                return False
         except Exception as e:  # a model that indexes its cache in ways a batch cannot serve
             log.info("batched decode probe failed: %s", e)
+            for s in seqs:
+                s.close()
             return False
+        try:
+            self.ragged = can_go_ragged(manager.pool)
+            if self.ragged:
+                pieces = [[11, 12, 13], [14]]
+                alone = mx.concatenate([self.verify([s], [p])[0] for s, p in zip(seqs, pieces)])
+                self.ragged = _agree(alone, mx.concatenate(self.verify(seqs[2:], pieces)))
+                if not self.ragged:
+                    log.info("verify passes are padded: a ragged one disagreed with each alone")
+        except Exception as e:
+            log.info("verify passes are padded: a ragged one failed: %s", e)
+            self.ragged = False
         finally:
             for s in seqs:
                 s.close()
+        return True
+
+
+def _agree(a: mx.array, b: mx.array) -> bool:
+    """Logits the same but for rounding (a hundredth of their largest)."""
+    a, b = a.astype(mx.float32), b.astype(mx.float32)
+    return mx.abs(a - b).max().item() <= 1e-2 * (mx.abs(a).max().item() or 1.0)

@@ -134,3 +134,22 @@ def test_a_ragged_verify_pass_gives_each_piece_the_padded_pass_logits(tiny_lm):
     finally:
         for s in ragged + padded:
             s.close()
+
+
+def test_a_model_whose_ragged_pass_disagrees_verifies_padded(tiny_lm, monkeypatch):
+    """The start-up probe verifies pieces of 3 and 1 tokens alone and in one ragged pass: where
+    they disagree (here every row of a sequence given its first position, as a model that
+    reads positions some other way would), verify passes stay padded and the model still
+    batches."""
+    from kv_cache.model.batch import BatchLayer
+
+    def first_positions(self):
+        lengths = self.ragged or [1] * len(self.members)
+        return mx.array([m.offset for m, n in zip(self.members, lengths) for _ in range(n)])
+
+    monkeypatch.setattr(BatchLayer, "offset", property(first_positions))
+    manager, runner = _runner(tiny_lm)
+    assert runner.batched and not runner.ragged
+    monkeypatch.undo()
+    manager, runner = _runner(tiny_lm)
+    assert runner.batched and runner.ragged

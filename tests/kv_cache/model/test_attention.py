@@ -222,3 +222,25 @@ def test_a_mask_alone_cannot_read_goes_to_the_fused_kernel(monkeypatch):
     got = attention.attention(q, k, v, _NoView(), 0.3, per_head)
     assert calls == [1]
     assert mx.allclose(got, fused(q, k, v, mask=per_head), atol=1e-6).item()
+
+
+def test_rows_on_views_compute_their_real_queries_only():
+    """Two rows, each alone on its own view (four of eight clients restored from their own
+    entries), in a pass padded to 4 queries where row 0 has 1 real query and row 1 has 3: each
+    row's real queries equal attention over its whole context; the padding is never computed
+    (zeros), as a verify pass of one long draft beside short ones needs on a long prefix."""
+    mx.random.seed(6)
+    H, Hkv, D, C, T = 4, 2, 16, 50, 4
+    q = mx.random.normal((2, H, T, D))
+    reads, want = [], []
+    for i, real in enumerate([1, 3]):
+        kp, vp = mx.random.normal((Hkv, C, D)), mx.random.normal((Hkv, C, D))
+        k, v = mx.random.normal((1, Hkv, 2 + real, D)), mx.random.normal((1, Hkv, 2 + real, D))
+        reads.append(Reads((kp, vp), f"view {i}", k, v, C, C + 2, 0))
+        K, V = mx.concatenate([kp[None], k], axis=2), mx.concatenate([vp[None], v], axis=2)
+        mask = mx.arange(C + 2 + real)[None] <= (C + 2 + mx.arange(real))[:, None]
+        want.append(fused(q[i : i + 1, :, :real], K, V, mask=mask))
+    got = split_attention(q, reads, 0.3)
+    for i, real in enumerate([1, 3]):
+        assert mx.allclose(got[i : i + 1, :, :real], want[i], atol=2e-5).item()
+        assert mx.array_equal(got[i, :, real:], mx.zeros_like(got[i, :, real:])).item()
