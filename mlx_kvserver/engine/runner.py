@@ -96,16 +96,17 @@ class Runner:
         position's logits, ``[len(piece), vocab]`` each (lazy). The caller trims the positions
         of rejected draft tokens (``PagedSequence.trim``).
 
-        Several sequences go in one ragged pass where the cache allows (``ragged_caches``: one
-        row per token, so pieces of different lengths cost their own rows, never the longest's:
-        ``self.ragged``), else right-padded to the longest."""
+        Several sequences go in one ragged pass where the cache allows it (``self.ragged``) and
+        it saves rows (``pass_rows``): ``ragged_caches``, one row per token, so pieces of
+        different lengths cost their own rows, never the longest's; else right-padded to the
+        longest."""
         if len(seqs) == 1:
             with forward():
                 out = self.model(mx.array(list(pieces[0]))[None], cache=seqs[0].prepare())[0]
             seqs[0].append_tokens(pieces[0])
             return [out]
         lengths = [len(p) for p in pieces]
-        if self.ragged:
+        if self.pass_rows(lengths) < len(seqs) * max(lengths):
             with forward():
                 flat = mx.array([t for p in pieces for t in p])[:, None]
                 logits = self.model(flat, cache=ragged_caches(seqs, lengths))[:, 0]
@@ -120,6 +121,14 @@ class Runner:
         for seq, p in zip(seqs, pieces):
             seq.append_tokens(p)
         return [logits[i, : len(p)] for i, p in enumerate(pieces)]
+
+    def pass_rows(self, lengths: Sequence[int]) -> int:
+        """The token rows of a verify pass over pieces of ``lengths``: ragged where that saves a
+        quarter of the padded rows or more (a ragged pass of equal pieces measured 5-10% slower
+        than a padded one: its rows regrouped at every layer; docs/BENCHMARKS.md section 17)."""
+        padded = len(lengths) * max(lengths)
+        real = sum(lengths)
+        return real if self.ragged and len(lengths) > 1 and 4 * real <= 3 * padded else padded
 
     def decode(self, seqs: Sequence[PagedSequence], tokens: Sequence[int]) -> mx.array:
         """One new token per sequence; logits ``[len(seqs), vocab]`` (lazy)."""

@@ -124,34 +124,12 @@ class Speculation:
 
     def _lengths(self, group: Sequence[Choice], drafts: list[list[int]]) -> list[int]:
         """How many of each choice's draft tokens this step verifies (all 0: a plain decode
-        step). A padded pass costs its longest piece in every row (``_width``: one length for
-        all); a ragged one (``Runner.ragged``) costs its rows, so each choice gets its own:
-        draft tokens are taken in the order of what each is expected to give (a forced one 1,
-        the k-th of a choice whose tokens are taken at rate r, r^k) for as long as tokens per
-        second grow by what a pass over that many rows costs (``PassCost.of_rows``). Where no
-        length pays, a pass is still tried now and then (``PassCost.probe_due``)."""
-        if not getattr(self.runner, "ragged", False) or len(group) == 1:
-            w = self._width(group, drafts)
-            return [min(len(d), w - 1) for d in drafts]
-        B = len(group)
-        gains = sorted(((1.0 if c.draft_source == "grammar" else min(c.drafter.rate, 0.999) ** k,
-                         i) for i, (c, d) in enumerate(zip(group, drafts))
-                        for k in range(1, len(d) + 1)), key=lambda g: -g[0])
-        if not gains:
-            return [0] * B
-        total, wide, wide_rate = float(B), 0, 0.0
-        for m, (g, _) in enumerate(gains, 1):
-            total += g
-            rate = total / self.cost.of_rows(B, B + m)
-            if rate > wide_rate * 1.02:
-                wide, wide_rate = m, rate
-        best = wide if wide_rate > B * 1.02 else 0
-        if self.cost.probe_due(B, declined=best == 0):
-            best = wide
-        counts = [0] * B
-        for _, i in gains[:best]:
-            counts[i] += 1
-        return counts
+        step): its draft up to the step's width (``_width``). Measured on this CPU, one width
+        for all did better than each answer its own length by its expected gain: eight `edit`
+        clients 1.51x against 1.30x (docs/BENCHMARKS.md section 17); a ragged pass
+        (``Runner.pass_rows``) still costs only the rows of the drafts that are shorter."""
+        w = self._width(group, drafts)
+        return [min(len(d), w - 1) for d in drafts]
 
     def _width(self, group: Sequence[Choice], drafts: list[list[int]]) -> int:
         """The step's width (1: a plain decode step): the one that gives the most tokens per
@@ -228,9 +206,7 @@ class Speculation:
         argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
         mx.eval([a for a in argmax if a is not None] or rows)
         seconds = time.perf_counter() - t0
-        ragged = getattr(self.runner, "ragged", False) and len(group) > 1
-        self.cost.add(len(group), sum(map(len, pieces)) if ragged
-                      else len(group) * max(len(p) for p in pieces), seconds)
+        self.cost.add(len(group), self.runner.pass_rows([len(p) for p in pieces]), seconds)
         out, made = [], 0
         self.stats.steps += 1
         self.stats.verify_steps += 1

@@ -153,3 +153,12 @@ def test_a_model_whose_ragged_pass_disagrees_verifies_padded(tiny_lm, monkeypatc
     monkeypatch.undo()
     manager, runner = _runner(tiny_lm)
     assert runner.batched and runner.ragged
+
+
+def test_a_verify_pass_is_ragged_where_that_saves_a_quarter_of_its_rows(tiny_lm):
+    manager, runner = _runner(tiny_lm)
+    assert runner.pass_rows([8, 1, 1, 1]) == 11  # ragged: 11 rows, not 32
+    assert runner.pass_rows([4, 4, 3, 4]) == 16  # padding one row: padded (its layout is faster)
+    assert runner.pass_rows([1, 1, 1]) == 3 and runner.pass_rows([6]) == 6
+    runner.ragged = False  # pages in bits, or a model whose ragged probe disagreed
+    assert runner.pass_rows([8, 1, 1, 1]) == 32

@@ -153,38 +153,3 @@ def test_a_draft_declined_by_cost_is_scored_by_the_plain_steps_token():
     step, c = run(7)  # never the draft's token: declined throughout, and drafting pauses
     assert step is None and c.drafter.rate < 0.2 and c.drafter.pause > 0
 
-
-def ragged_spec(ratio: float) -> Speculation:
-    """A runner whose verify passes are ragged: a pass costs what its rows do."""
-    s = spec(ratio)
-    s.runner = SimpleNamespace(ragged=True)
-    s.cost.of_rows = lambda seqs, rows: (1 + ratio * rows) / (1 + ratio * seqs)
-    return s
-
-
-def test_a_ragged_pass_gives_each_answer_its_own_length():
-    """Four answers copying their context and four writing anew (the 8-client rewrite rows):
-    padded, one width for all, the weak drafts' rows cost as much as the strong ones', so the
-    width stays short; ragged, the strong answers verify long drafts and the weak ones none."""
-    group = [choice(0.95) for _ in range(4)] + [choice(0.1) for _ in range(4)]
-    drafts = [[1] * 8] * 8
-    s = ragged_spec(0.1)
-    lengths = s._lengths(group, drafts)
-    assert lengths[4:] == [0] * 4
-    assert min(lengths[:4]) >= 4
-    padded = spec(0.1)
-    w = padded._width(group, drafts)
-    assert padded._lengths(group, drafts) == [w - 1] * 8
-    assert max(lengths) > w - 1
-
-
-def test_a_ragged_pass_takes_forced_tokens_first_and_none_where_nothing_pays():
-    s = ragged_spec(0.3)
-    forced = [choice(0.0, "grammar"), choice(0.5), choice(0.5)]
-    lengths = s._lengths(forced, [[1] * 6, [1] * 6, [1] * 6])
-    assert lengths[0] == 6 and lengths[0] > max(lengths[1:])
-    weak = [choice(0.1) for _ in range(4)]
-    assert s._lengths(weak, [[1] * 8] * 4) == [0] * 4  # a plain decode step
-    assert s._lengths(weak, [[]] * 4) == [0] * 4
-    alone = s._lengths([choice(0.9)], [[1] * 8])  # one answer: the padded rule, the same here
-    assert alone == [s._width([choice(0.9)], [[1] * 8]) - 1]
