@@ -14,8 +14,9 @@ reference. Width 1 is the plain decode step (``Runner.decode``); a wider pass is
 ``Runner.verify`` with its argmax read, then the draft's positions trimmed (a verify step that
 takes nothing, so every pass sees the same context). Milliseconds per pass (median of
 ``--reps``) and each width's cost in plain steps; and the seconds the case's prompts took
-(``prefill_s``: one sequence alone on its document reads it through ``_alone``). On a GPU, MLX compiles kernels at first use:
-the first pass of each shape is left out (two warm-up passes per cell).
+(``prefill_s``: one sequence alone on its document reads it through ``_alone``). On a GPU,
+MLX compiles kernels at first use: the first pass of each shape is left out (two warm-up passes
+per cell).
 """
 
 from __future__ import annotations

@@ -152,4 +152,3 @@ def test_a_draft_declined_by_cost_is_scored_by_the_plain_steps_token():
     assert step is not None and step <= 2 and c.drafter.rate > 0.2  # long before a probe (16)
     step, c = run(7)  # never the draft's token: declined throughout, and drafting pauses
     assert step is None and c.drafter.rate < 0.2 and c.drafter.pause > 0
-
