@@ -51,7 +51,7 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from kv_cache.model.masks import build_mask as _build_mask
+from kv_cache.model.masks import build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import PackedKV, prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
@@ -129,11 +129,12 @@ def _ragged(queries: mx.array, reads: list[Reads], lengths: list[int], scale: fl
     reads each row's real queries), and its outputs go back to its rows."""
     S, T = len(lengths), max(lengths)
     _, H, _, D = queries.shape
-    starts = [sum(lengths[:i]) for i in range(S)]
-    idx = mx.array([a + min(j, n - 1) for a, n in zip(starts, lengths) for j in range(T)])
+    p, key = _PASS.get(), ("ragged", tuple(lengths))  # the same for every layer of the pass
+    idx, back = p.masks[key] if p is not None and key in p.masks else ragged_index(lengths)
+    if p is not None:
+        p.masks[key] = idx, back
     q = queries[idx].reshape(S, T, H, D).transpose(0, 2, 1, 3)
     out = split_attention(q, reads, scale, sinks).transpose(0, 2, 1, 3).reshape(S * T, H, D)
-    back = mx.array([i * T + j for i, n in enumerate(lengths) for j in range(n)])
     return out[back][:, :, None, :]
 
 

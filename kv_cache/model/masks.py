@@ -1,7 +1,9 @@
-"""The mask of a group's own keys in the split attention path (``kv_cache.model.attention``)."""
+"""The mask of a group's own keys in the split attention path (``kv_cache.model.attention``),
+and the row index of a ragged pass."""
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -36,3 +38,13 @@ def build_mask(reads: list["Reads"], lens: list[int], T: int, N: int) -> mx.arra
         same = (kpos[:, None, :] // block) == (qpos[:, :, None] // block)
         visible = visible & (is_float[:, None, :] == same)
     return mx.where(visible, 0.0, -mx.inf)[:, None, None].astype(mx.float32)
+
+
+def ragged_index(lengths: list[int]) -> tuple[mx.array, mx.array]:
+    """For a ragged pass (``lengths[i]`` rows of sequence ``i`` one after the other): where each
+    sequence's ``max(lengths)`` queries come from among the rows (its last row again past its
+    own), and where each row's output lies among theirs."""
+    T = max(lengths)
+    starts = accumulate(lengths, initial=0)
+    return (mx.array([a + min(j, n - 1) for a, n in zip(starts, lengths) for j in range(T)]),
+            mx.array([i * T + j for i, n in enumerate(lengths) for j in range(n)]))

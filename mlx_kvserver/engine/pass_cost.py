@@ -52,13 +52,7 @@ class PassCost:
     def relative(self, seqs: int, width: int) -> float:
         """What a pass of ``seqs`` sequences ``width`` tokens wide costs, in plain steps of
         ``seqs`` (1.0 for ``width`` 1; never below 1)."""
-        return self.of_rows(seqs, seqs * width)
-
-    def of_rows(self, seqs: int, rows: int) -> float:
-        """What a pass of ``seqs`` sequences over ``rows`` token rows in all costs, in plain
-        steps of ``seqs`` (1.0 for one row a sequence; never below 1): a ragged pass (each
-        sequence its own number of rows) costs what its rows do."""
-        if rows <= seqs:
+        if width <= 1:
             return 1.0
         if seqs not in self._fits:  # fitted once a step, not once a width tried
             self._fits[seqs] = (statistics.median(self.plain[seqs]) if self.plain.get(seqs)
@@ -68,9 +62,10 @@ class PassCost:
             if line is not None:  # no plain step of this size yet: the line at one row a sequence
                 plain = line[0] + line[1] * seqs
             else:
-                return (1 + self.PRIOR * rows) / (1 + self.PRIOR * seqs)
+                r = self.PRIOR * seqs
+                return (1 + r * width) / (1 + r)
         a, b = line
-        return max(1.0, (a + b * rows) / plain) if plain > 0 else 1.0
+        return max(1.0, (a + b * seqs * width) / plain) if plain > 0 else 1.0
 
     def _line(self, seqs: int) -> tuple[float, float] | None:
         """``(fixed, b)`` for wide passes of ``seqs`` sequences: fitted where they were of two

@@ -5,6 +5,7 @@ every decoding sequence at once. Pure model-and-cache work: no threads, no reque
 from __future__ import annotations
 
 import logging
+from itertools import accumulate
 from typing import Sequence
 
 import mlx.core as mx
@@ -112,7 +113,7 @@ class Runner:
                 logits = self.model(flat, cache=ragged_caches(seqs, lengths))[:, 0]
             for seq, p in zip(seqs, pieces):
                 seq.append_tokens(p)
-            starts = [sum(lengths[:i]) for i in range(len(seqs))]
+            starts = accumulate(lengths, initial=0)
             return [logits[a : a + n] for a, n in zip(starts, lengths)]
         T = max(len(p) for p in pieces)
         padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
@@ -155,26 +156,28 @@ class Runner:
             alone = mx.concatenate([self.decode([seqs[0]], [9]), self.decode([seqs[1]], [10])])
             if not _agree(alone, self.decode(seqs[2:], [9, 10])):
                 return False
+            self.ragged = can_go_ragged(manager.pool) and self._ragged_agrees(seqs)
+            return True
         except Exception as e:  # a model that indexes its cache in ways a batch cannot serve
             log.info("batched decode probe failed: %s", e)
-            for s in seqs:
-                s.close()
             return False
-        try:
-            self.ragged = can_go_ragged(manager.pool)
-            if self.ragged:
-                pieces = [[11, 12, 13], [14]]
-                alone = mx.concatenate([self.verify([s], [p])[0] for s, p in zip(seqs, pieces)])
-                self.ragged = _agree(alone, mx.concatenate(self.verify(seqs[2:], pieces)))
-                if not self.ragged:
-                    log.info("verify passes are padded: a ragged one disagreed with each alone")
-        except Exception as e:
-            log.info("verify passes are padded: a ragged one failed: %s", e)
-            self.ragged = False
         finally:
             for s in seqs:
                 s.close()
-        return True
+
+    def _ragged_agrees(self, seqs: list[PagedSequence]) -> bool:
+        """Pieces of 3 and 1 tokens on ``seqs[:2]`` alone and on ``seqs[2:]`` (the same
+        contexts) in one ragged pass: whether the logits agree."""
+        self.ragged = True
+        try:
+            pieces = [[11, 12, 13], [14]]
+            alone = mx.concatenate([self.verify([s], [p])[0] for s, p in zip(seqs, pieces)])
+            if _agree(alone, mx.concatenate(self.verify(seqs[2:], pieces))):
+                return True
+            log.info("verify passes are padded: a ragged one disagreed with each alone")
+        except Exception as e:
+            log.info("verify passes are padded: a ragged one failed: %s", e)
+        return False
 
 
 def _agree(a: mx.array, b: mx.array) -> bool:

@@ -227,8 +227,6 @@ class Speculation:
                 taken += 1
             if len(d) > j:  # the rejected draft's positions, off the private tail
                 c.seq.trim(len(d) - j)
-            if not d and len(c.tokens) > before:
-                self._score_declined(c, c.tokens[before])
             self._count(c, d, taken, len(c.tokens) - before)
             made += len(c.tokens) - before
             out.append(deltas)
