@@ -15,6 +15,7 @@ tokens after its first over the time from its first to its last token):
 - ``json``: an answer under a JSON schema (``response_format``).
 
     python scripts/bench_speculation.py --json docs/bench_speculation.json [--peer-mlx-lm]
+        [--debug-log DIR]   (each row's server log with every step's drafts, rows and ms)
 
 Each server runs as its own process with the same BLAS. Every row (a workload at 1 or 8
 clients) runs on fresh servers, so no answer of an earlier row is there to draft from; ours with
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import sysconfig
@@ -237,6 +239,9 @@ def main() -> None:
                     help="also mlx-lm's server on the same model, converted to an MLX folder "
                          "(each workload as OpenAI chat completions: it has no Messages API, "
                          "no assistant prefill, no grammars)")
+    ap.add_argument("--debug-log", type=Path, metavar="DIR",
+                    help="run our servers with --log-level debug (each step's drafts, rows and "
+                         "ms) and keep each row's server log in DIR")
     args = ap.parse_args()
     out = result_path(args.json)
     results: dict = {"argv": sys.argv[1:], "runs": []}
@@ -264,14 +269,18 @@ def main() -> None:
 
 def _row(tmp: Path, args, rnd: int, w: str, n: int, mode: str) -> dict:
     """One workload at ``n`` clients on a fresh server with ``--speculate mode``."""
+    debug = ["--log-level", "debug"] if args.debug_log else []
     srv = Server(tmp / f"kv-{mode}-{rnd}-{w}-{n}", free_port(),
                  ["--model", args.model, "--speculate", mode, "--no-disk-cache",
-                  "--max-batch", "16"])
+                  "--max-batch", "16", *debug])
     try:
         name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
         r = run(srv.url.removesuffix("/v1"), name, w, n, args.max_tokens, {})
     finally:
         srv.stop()
+        if args.debug_log:
+            args.debug_log.mkdir(parents=True, exist_ok=True)
+            shutil.copy(srv.log.name, args.debug_log / f"{mode}-{rnd}-{w}-x{n}.log")
     r.update(mode=mode, round=rnd, workload=w)
     print(f"{mode:5s} {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s median, "
           f"{r['aggregate_tok_s']:.2f} in all, {r['tokens_per_step']} tok/step, "
