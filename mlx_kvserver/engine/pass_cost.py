@@ -9,14 +9,9 @@ query) and a pass of two rows or more other ones, so a wide pass can cost severa
 however few its rows (measured on an H100: ~8x for the default model alone, section 17). So:
 
 - a plain step of ``B`` sequences costs the median of that batch size's recent plain steps;
-- a wide pass of ``rows`` costs what that batch size's recent wide passes of as many rows took
-  (the median), or between two row counts measured the segment joining them, beyond them the
-  nearest one plus a line's slope (least squares over them all, ``fixed + b * rows``); with
-  fewer than two row counts measured the line through them with the prior ``b / fixed =
-  PRIOR``, and before any the prior with the fixed part taken from the plain steps. On a CPU
-  the first draft row of each sequence costs more than the next ones (measured: section 17,
-  "the whole benchmark on the AMD EPYC box"), so one line through all widths made a width of
-  3-4 look dearer than it was and a width of 2 won steps it should not;
+- a wide pass of ``rows`` costs a line fitted (least squares) to that batch size's recent wide
+  passes, ``fixed + b * rows``, or, before they say anything, the prior ``b / fixed = PRIOR``
+  with the fixed part taken from the plain steps;
 - each kind keeps its own recent window, so a long run of plain steps never pushes the wide
   passes out (which made a machine where drafts do not pay try them again and again).
 
@@ -27,7 +22,6 @@ batch, and a probe costs one wide pass.
 
 from __future__ import annotations
 
-import bisect
 import statistics
 
 
@@ -55,40 +49,23 @@ class PassCost:
         del got[:-self.WINDOW]
         self._fits.pop(seqs, None)
 
-    def relative(self, seqs: int, width: int, rows: int | None = None) -> float:
+    def relative(self, seqs: int, width: int) -> float:
         """What a pass of ``seqs`` sequences ``width`` tokens wide costs, in plain steps of
-        ``seqs`` (1.0 for ``width`` 1; never below 1): a pass of ``rows`` token rows (fewer
-        than ``seqs * width`` where it is ragged), ``seqs * width`` unless given."""
-        rows = seqs * width if rows is None else rows
+        ``seqs`` (1.0 for ``width`` 1; never below 1)."""
         if width <= 1:
             return 1.0
         if seqs not in self._fits:  # fitted once a step, not once a width tried
             self._fits[seqs] = (statistics.median(self.plain[seqs]) if self.plain.get(seqs)
-                                else None, self._line(seqs), self._measured(seqs))
-        plain, line, measured = self._fits[seqs]
+                                else None, self._line(seqs))
+        plain, line = self._fits[seqs]
         if line is None or plain is None:
             if line is not None:  # no plain step of this size yet: the line at one row a sequence
                 plain = line[0] + line[1] * seqs
             else:
-                return (1 + self.PRIOR * rows) / (1 + self.PRIOR * seqs)
-        cost = _along(measured, rows, line)
-        return max(1.0, cost / plain) if plain > 0 else 1.0
-
-    def _measured(self, seqs: int) -> list[tuple[int, float]]:
-        """``(rows, seconds)`` for each row count of the recent wide passes of ``seqs``, by
-        rows: the median of each, then made non-decreasing (pooled where a count cost less than
-        a smaller one: a pass of more rows never costs less)."""
-        by_rows: dict[int, list[float]] = {}
-        for rows, t in self.wide.get(seqs, []):
-            by_rows.setdefault(rows, []).append(t)
-        blocks: list[list[float]] = []  # [first rows, last rows, weight, mean], pooled
-        for rows in sorted(by_rows):
-            blocks.append([rows, rows, len(by_rows[rows]), statistics.median(by_rows[rows])])
-            while len(blocks) > 1 and blocks[-2][3] > blocks[-1][3]:
-                lo, hi = blocks[-2], blocks.pop()
-                w = lo[2] + hi[2]
-                lo[1:] = [hi[1], w, (lo[3] * lo[2] + hi[3] * hi[2]) / w]
-        return [(r, t) for first, last, _, t in blocks for r in sorted({first, last})]
+                r = self.PRIOR * seqs
+                return (1 + r * width) / (1 + r)
+        a, b = line
+        return max(1.0, (a + b * seqs * width) / plain) if plain > 0 else 1.0
 
     def _line(self, seqs: int) -> tuple[float, float] | None:
         """``(fixed, b)`` for wide passes of ``seqs`` sequences: fitted where they were of two
@@ -125,21 +102,3 @@ class PassCost:
         self._declined[seqs] = 0
         self._gap[seqs] = min(gap * 2, self.LAST_PROBE)
         return True
-
-
-def _along(measured: list[tuple[int, float]], rows: int, line: tuple[float, float]) -> float:
-    """Seconds for a pass of ``rows`` (module docstring): on ``measured`` where it spans
-    ``rows``, from its nearest end along the line's slope beyond it, the line itself where it
-    holds fewer than two row counts."""
-    a, b = line
-    if len(measured) < 2:
-        return a + b * rows
-    xs = [r for r, _ in measured]
-    i = bisect.bisect_left(xs, rows)
-    if i < len(xs) and xs[i] == rows:
-        return measured[i][1]
-    if i == 0 or i == len(xs):
-        r0, t0 = measured[0] if i == 0 else measured[-1]
-        return max(t0 + b * (rows - r0), t0 * 0.05)
-    (r0, t0), (r1, t1) = measured[i - 1], measured[i]
-    return t0 + (t1 - t0) * (rows - r0) / (r1 - r0)

@@ -136,8 +136,7 @@ class Speculation:
         second, by each choice's recent acceptance and what a pass that wide costs against a
         plain step here (``PassCost``). A choice whose draft is forced (a grammar) counts every
         token as taken. Where no width pays, a wide pass is still tried now and then
-        (``PassCost.probe_due``), so a cost measured once is measured again. A pass is costed
-        by the rows it will have (ragged where drafts differ: ``_rows``)."""
+        (``PassCost.probe_due``), so a cost measured once is measured again."""
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 1
@@ -147,7 +146,7 @@ class Speculation:
             gain = sum(min(len(d), w - 1) + 1 if c.draft_source == "grammar"
                        else c.drafter.expected(min(len(d), w - 1)) if d else 1.0
                        for c, d in zip(group, drafts))
-            rate = gain / self.cost.relative(B, w, self._rows(drafts, w))
+            rate = gain / self.cost.relative(B, w)
             if rate > wide_rate * 1.02:
                 wide, wide_rate = w, rate
         if wide_rate > best_rate * 1.02:
@@ -155,13 +154,6 @@ class Speculation:
         if self.cost.probe_due(B, declined=best == 1):
             best = wide
         return best
-
-    def _rows(self, drafts: list[list[int]], w: int) -> int:
-        """The token rows of a pass ``w`` wide over ``drafts`` (each cut to ``w - 1``): as the
-        runner will run it (``Runner.pass_rows``), else padded."""
-        pieces = [1 + min(len(d), w - 1) for d in drafts]
-        rows = getattr(self.runner, "pass_rows", None)
-        return rows(pieces) if rows is not None else len(pieces) * max(pieces)
 
     def _draft(self, c: Choice) -> tuple[list[int], int]:
         """(a draft from what the server holds, the room for one)."""

@@ -22,7 +22,7 @@ from tests.tiny_model import make_tiny_model_dir
 @pytest.fixture(autouse=True)
 def whole_drafts(monkeypatch):
     # every draft verified whole
-    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width, rows=None: 1.0)
+    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width: 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def wide_passes_cost_nothing(monkeypatch):
     """Every draft verified whole, as where a wider pass costs what a step does (a GPU): the
     width a step picks on this CPU (``Speculation._width``, tested in test_speculation_width.py)
     would otherwise cut the drafts these tests make to check every path."""
-    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width, rows=None: 1.0)
+    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width: 1.0)
 
 
 @pytest.fixture(scope="module")

@@ -22,8 +22,7 @@ def choice(rate: float, source: str = "context"):
 
 def on_a_line(ratio: float):
     """A machine where a pass costs ``fixed * (1 + ratio * rows)`` whatever its width."""
-    return lambda seqs, w, rows=None: (1 + ratio * (seqs * w if rows is None else rows)) \
-        / (1 + ratio * seqs)
+    return lambda seqs, w: (1 + ratio * seqs * w) / (1 + ratio * seqs)
 
 
 def spec(ratio: float) -> Speculation:
@@ -55,45 +54,6 @@ def test_the_fit_of_what_rows_cost():
     for rows in (1, 2, 3, 4) * 3:
         c.add(1, rows, 0.01 * rows)  # no fixed part at all
     assert c.relative(1, 4) > 3.5  # rows are nearly all a pass costs
-
-
-def test_widths_between_those_measured_cost_what_was_measured_around_them():
-    """Eight sequences on a 2-core CPU at ~3,400 positions (docs/BENCHMARKS.md section 17,
-    "the whole benchmark on the AMD EPYC box"): a plain step ~0.32 s, a pass of one draft token
-    each (16 rows) ~0.50, of two ~0.60, of three ~0.74, and one of eight 2.2 s. One line through
-    them made two and three draft tokens look dearer than they were (2.2-2.3 and 2.8-3.0 plain
-    steps), and a width of 2 won steps where 3-4 give more tokens a second. Now each width
-    costs what its rows cost when measured, the segment between two row counts measured, and
-    never less for more rows."""
-    c = PassCost()
-    for _ in range(6):
-        c.add(8, 8, 0.32)
-    for rows, t in [(72, 2.2), (16, 0.50), (24, 0.60), (16, 0.51), (32, 0.74), (24, 0.59),
-                    (16, 0.49), (40, 0.70)]:  # the 40-row pass ran fast: pooled with 32
-        c.add(8, rows, t)
-    assert c.relative(8, 2) == pytest.approx(0.50 / 0.32)
-    assert c.relative(8, 3) == pytest.approx(0.595 / 0.32)
-    assert c.relative(8, 4) == pytest.approx(0.72 / 0.32) == pytest.approx(c.relative(8, 5))
-    assert c.relative(8, 7) == pytest.approx((0.72 + (2.2 - 0.72) * 16 / 32) / 0.32)
-    assert c.relative(8, 9) == pytest.approx(2.2 / 0.32)
-    assert c.relative(8, 12) > c.relative(8, 9)  # beyond: the line's slope on from the last
-    s = Speculation(runner=None, mode="ngram", max_draft=8)
-    s.cost = c
-    assert s._width([choice(0.88) for _ in range(8)], [[1] * 8] * 8) in (3, 4, 5)
-
-
-def test_a_pass_is_costed_by_the_rows_it_will_have():
-    """One answer copying its file (a long draft, nearly always taken) among seven without
-    drafts, on a machine where rows are most of a pass: padded, its draft would make the seven
-    pay for its rows, and a plain step wins; the runner runs such a pass ragged (one row per
-    token: ``Runner.pass_rows``), so the chooser costs the rows it will have and verifies."""
-    group = [choice(0.95)] + [choice(0.2) for _ in range(7)]
-    drafts = [[1] * 8] + [[] for _ in range(7)]
-    s = spec(0.3)
-    assert s._width(group, drafts) == 1  # no runner: padded
-    s.runner = SimpleNamespace(pass_rows=lambda pieces: sum(pieces))
-    assert s._width(group, drafts) > 2
-    assert s._rows(drafts, 5) == 5 + 7
 
 
 def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
