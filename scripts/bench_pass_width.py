@@ -37,7 +37,7 @@ import mlx.core as mx  # noqa: E402
 
 from bench_batching import on_document, question  # noqa: E402
 from bench_kv_bits import _median_ms  # noqa: E402
-from bench_results import result_path, write_result  # noqa: E402
+from bench_results import write_result  # noqa: E402
 from bench_ttft import document  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
@@ -136,7 +136,7 @@ def main() -> None:
                        for case, cells in res["cases"].items()}
     print(json.dumps(res["in_steps"]), flush=True)
     if args.json:
-        write_result(result_path(args.json), json.dumps(res, indent=1))
+        write_result(args.json, json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import mlx.core as mx  # noqa: E402
 
 from bench_batching import on_document  # noqa: E402
-from bench_results import result_path, write_result  # noqa: E402
+from bench_results import write_result  # noqa: E402
 from bench_ttft import document  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
@@ -59,7 +59,7 @@ def main() -> None:
         print(row, flush=True)
         res["passes"].append(row)
     if args.json:
-        write_result(result_path(args.json), json.dumps(res, indent=1))
+        write_result(args.json, json.dumps(res, indent=1))
 
 
 if __name__ == "__main__":

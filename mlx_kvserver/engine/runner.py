@@ -107,7 +107,8 @@ class Runner:
             seqs[0].append_tokens(pieces[0])
             return [out]
         lengths = [len(p) for p in pieces]
-        if self.pass_rows(lengths) < len(seqs) * max(lengths):
+        T = max(lengths)
+        if self.pass_rows(lengths) < len(seqs) * T:
             with forward():
                 flat = mx.array([t for p in pieces for t in p])[:, None]
                 logits = self.model(flat, cache=ragged_caches(seqs, lengths))[:, 0]
@@ -115,7 +116,6 @@ class Runner:
                 seq.append_tokens(p)
             starts = accumulate(lengths, initial=0)
             return [logits[a : a + n] for a, n in zip(starts, lengths)]
-        T = max(len(p) for p in pieces)
         padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
         with forward():
             logits = self.model(padded, cache=batch_caches(seqs, lengths))
