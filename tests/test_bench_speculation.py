@@ -31,3 +31,41 @@ def test_rewrite_loses_its_assistant_prefill_and_the_others_stay():
     assert r2 == route and b2["messages"] == body["messages"][:-1]
     for w in ("free", "json"):
         assert as_openai(*WORKLOADS[w](1, 32)) == WORKLOADS[w](1, 32)
+
+
+def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, monkeypatch):
+    """``--debug-log DIR``: each row's server gets ``--log-level debug`` and its log is copied
+    to DIR under the row's name; without it, neither."""
+    from types import SimpleNamespace
+
+    import scripts.bench_speculation as bench
+
+    started = []
+
+    class FakeServer:
+        def __init__(self, cache_dir, port, extra):
+            started.append(extra)
+            self.url = "http://127.0.0.1:1/v1"
+            self.log = open(tmp_path / f"server-{len(started)}.log", "w")
+            self.log.write("DEBUG plain step: 8 sequences, 300 ms\n")
+            self.log.flush()
+
+        def stop(self):
+            self.log.close()
+
+    monkeypatch.setattr(bench, "Server", FakeServer)
+    monkeypatch.setattr(bench, "free_port", lambda: 1)
+    monkeypatch.setattr(bench.httpx, "get", lambda url: SimpleNamespace(
+        json=lambda: {"data": [{"id": "m"}]}))
+    monkeypatch.setattr(bench, "run", lambda *a: {
+        "decode_tok_s_median": 1.0, "aggregate_tok_s": 1.0, "tokens_per_step": 1.0,
+        "accepted": 0, "drafted": 0})
+    logs = tmp_path / "logs"
+    args = SimpleNamespace(model="default", max_tokens=8, debug_log=logs)
+    bench._row(tmp_path, args, 0, "edit", 8, "ngram")
+    assert started[-1][-2:] == ["--log-level", "debug"]
+    assert (logs / "ngram-0-edit-x8.log").read_text() == "DEBUG plain step: 8 sequences, 300 ms\n"
+    bench._row(tmp_path, SimpleNamespace(model="default", max_tokens=8, debug_log=None),
+               0, "free", 1, "off")
+    assert "--log-level" not in started[-1]
+    assert sorted(p.name for p in logs.iterdir()) == ["ngram-0-edit-x8.log"]
