@@ -76,57 +76,55 @@ class Runner:
 
     def prefill_many(self, seqs: Sequence[PagedSequence], pieces: Sequence[Sequence[int]],
                      logits: Sequence[bool] | None = None) -> list[mx.array | None]:
-        """Prompt pieces of several sequences in one forward pass; each one's last logits (for
-        one sequence, None where ``logits`` says nobody reads them)."""
+        """Prompt pieces of several sequences in one forward pass (``_pass``: ragged where that
+        saves rows, e.g. the next turns of cached conversations, 1-31 new tokens each); each
+        one's last logits (for one sequence, None where ``logits`` says nobody reads them)."""
         if len(seqs) == 1:
             return [self.prefill(seqs[0], pieces[0], logits[0] if logits else True)]
-        T = max(len(p) for p in pieces)
-        padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
-        lengths = [len(p) for p in pieces]
-        with forward():
-            logits = self.model(padded, cache=batch_caches(seqs, lengths))
-            rows = logits[mx.arange(len(seqs)), mx.array(lengths) - 1]
-            mx.eval(rows)
-        for seq, p in zip(seqs, pieces):
-            seq.append_tokens(p)
-        return [rows[i] for i in range(len(seqs))]
+        rows = [out[-1] for out in self._pass(seqs, pieces)]
+        mx.eval(rows)
+        return rows
 
     def verify(self, seqs: Sequence[PagedSequence],
                pieces: Sequence[Sequence[int]]) -> list[mx.array]:
         """Each sequence's piece (its last token and a draft) in one forward pass; every
         position's logits, ``[len(piece), vocab]`` each (lazy). The caller trims the positions
-        of rejected draft tokens (``PagedSequence.trim``).
-
-        Several sequences go in one ragged pass where the cache allows it (``self.ragged``) and
-        it saves rows (``pass_rows``): ``ragged_caches``, one row per token, so pieces of
-        different lengths cost their own rows, never the longest's; else right-padded to the
-        longest."""
+        of rejected draft tokens (``PagedSequence.trim``)."""
         if len(seqs) == 1:
             with forward():
                 out = self.model(mx.array(list(pieces[0]))[None], cache=seqs[0].prepare())[0]
             seqs[0].append_tokens(pieces[0])
             return [out]
+        return self._pass(seqs, pieces)
+
+    def _pass(self, seqs: Sequence[PagedSequence],
+              pieces: Sequence[Sequence[int]]) -> list[mx.array]:
+        """Several sequences' pieces in one forward pass: every position's logits, ``[len(piece),
+        vocab]`` each (lazy). Ragged where the cache allows it (``self.ragged``) and it saves rows
+        (``pass_rows``): ``ragged_caches``, one row per token, so pieces of different lengths
+        cost their own rows, never the longest's; else right-padded to the longest."""
         lengths = [len(p) for p in pieces]
         T = max(lengths)
         if self.pass_rows(lengths) < len(seqs) * T:
             with forward():
                 flat = mx.array([t for p in pieces for t in p])[:, None]
                 logits = self.model(flat, cache=ragged_caches(seqs, lengths))[:, 0]
-            for seq, p in zip(seqs, pieces):
-                seq.append_tokens(p)
             starts = accumulate(lengths, initial=0)
-            return [logits[a : a + n] for a, n in zip(starts, lengths)]
-        padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
-        with forward():
-            logits = self.model(padded, cache=batch_caches(seqs, lengths))
+            out = [logits[a : a + n] for a, n in zip(starts, lengths)]
+        else:
+            padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
+            with forward():
+                logits = self.model(padded, cache=batch_caches(seqs, lengths))
+            out = [logits[i, :n] for i, n in enumerate(lengths)]
         for seq, p in zip(seqs, pieces):
             seq.append_tokens(p)
-        return [logits[i, : len(p)] for i, p in enumerate(pieces)]
+        return out
 
     def pass_rows(self, lengths: Sequence[int]) -> int:
-        """The token rows of a verify pass over pieces of ``lengths``: ragged where that saves a
-        quarter of the padded rows or more (a ragged pass of equal pieces measured 5-10% slower
-        than a padded one: its rows regrouped at every layer; docs/BENCHMARKS.md section 17)."""
+        """The token rows of a pass over pieces of ``lengths`` (``_pass``): ragged where that
+        saves a quarter of the padded rows or more (a ragged pass of equal pieces measured 5-10%
+        slower than a padded one: its rows regrouped at every layer; docs/BENCHMARKS.md section
+        17)."""
         padded = len(lengths) * max(lengths)
         real = sum(lengths)
         return real if self.ragged and len(lengths) > 1 and 4 * real <= 3 * padded else padded

@@ -136,6 +136,38 @@ def test_a_ragged_verify_pass_gives_each_piece_the_padded_pass_logits(tiny_lm):
             s.close()
 
 
+def test_prompt_pieces_of_several_sequences_go_ragged_and_give_each_alones_logits(tiny_lm):
+    """The next turns of three cached conversations, 1, 12 and 3 new tokens, in one prompt
+    pass: ragged (16 rows, not 3 x 12 = 36 padded), and each one's last logits, keys and values
+    are those of its piece run alone."""
+    manager, runner = _runner(tiny_lm)
+    prompts = [PROMPT[:9], PROMPT[3:20], PROMPT[7:12]]
+    pieces = [[5], list(range(20, 32)), [11, 12, 13]]
+    together = _prefilled(manager, runner, prompts)
+    alone = _prefilled(manager, runner, prompts)
+    shapes = []
+    model = runner.model
+    runner.model = lambda x, cache: shapes.append(x.shape) or model(x, cache=cache)
+    try:
+        got = runner.prefill_many(together, pieces, [True] * 3)
+        assert shapes == [(16, 1)]
+        for s, p, g in zip(alone, pieces, got, strict=True):
+            want = runner.prefill(s, p)
+            assert g.shape == want.shape and mx.allclose(g, want, atol=1e-4).item()
+            assert mx.argmax(g).item() == mx.argmax(want).item()
+        for a, b in zip(together, alone):
+            assert a.tokens == b.tokens
+            for x, y in zip(_kv(a), _kv(b), strict=True):
+                assert x.shape == y.shape and mx.allclose(x, y, atol=1e-5).item()
+        shapes.clear()
+        runner.ragged = False  # pages in bits, or a model whose ragged probe disagreed: padded
+        more = runner.prefill_many(together[:2], [[1], [2, 3, 4, 5]], [True] * 2)
+        assert shapes == [(2, 4)] and len(more) == 2
+    finally:
+        for s in together + alone:
+            s.close()
+
+
 def test_a_model_whose_ragged_pass_disagrees_verifies_padded(tiny_lm, monkeypatch):
     """The start-up probe verifies pieces of 3 and 1 tokens alone and in one ragged pass: where
     they disagree (here every row of a sequence given its first position, as a model that
