@@ -49,10 +49,11 @@ class PassCost:
         del got[:-self.WINDOW]
         self._fits.pop(seqs, None)
 
-    def relative(self, seqs: int, width: int) -> float:
-        """What a pass of ``seqs`` sequences ``width`` tokens wide costs, in plain steps of
-        ``seqs`` (1.0 for ``width`` 1; never below 1)."""
-        if width <= 1:
+    def relative(self, seqs: int, rows: int) -> float:
+        """What a pass of ``seqs`` sequences over ``rows`` token rows costs, in plain steps of
+        ``seqs`` (1.0 for a plain step, ``rows <= seqs``; never below 1). ``rows`` are the rows
+        the pass will have, as ``add`` is told them (a ragged pass: the drafts' own)."""
+        if rows <= seqs:
             return 1.0
         if seqs not in self._fits:  # fitted once a step, not once a width tried
             self._fits[seqs] = (statistics.median(self.plain[seqs]) if self.plain.get(seqs)
@@ -62,10 +63,9 @@ class PassCost:
             if line is not None:  # no plain step of this size yet: the line at one row a sequence
                 plain = line[0] + line[1] * seqs
             else:
-                r = self.PRIOR * seqs
-                return (1 + r * width) / (1 + r)
+                return (1 + self.PRIOR * rows) / (1 + self.PRIOR * seqs)
         a, b = line
-        return max(1.0, (a + b * seqs * width) / plain) if plain > 0 else 1.0
+        return max(1.0, (a + b * rows) / plain) if plain > 0 else 1.0
 
     def _line(self, seqs: int) -> tuple[float, float] | None:
         """``(fixed, b)`` for wide passes of ``seqs`` sequences: fitted where they were of two

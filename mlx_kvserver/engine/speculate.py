@@ -134,9 +134,10 @@ class Speculation:
     def _width(self, group: Sequence[Choice], drafts: list[list[int]]) -> int:
         """The step's width (1: a plain decode step): the one that gives the most tokens per
         second, by each choice's recent acceptance and what a pass that wide costs against a
-        plain step here (``PassCost``). A choice whose draft is forced (a grammar) counts every
-        token as taken. Where no width pays, a wide pass is still tried now and then
-        (``PassCost.probe_due``), so a cost measured once is measured again."""
+        plain step here (``PassCost``), at the rows it will have (``_rows``: ragged, a choice
+        without a draft is one row however wide the step). A choice whose draft is forced (a
+        grammar) counts every token as taken. Where no width pays, a wide pass is still tried
+        now and then (``PassCost.probe_due``), so a cost measured once is measured again."""
         longest = max((len(d) for d in drafts), default=0)
         if longest == 0:
             return 1
@@ -146,7 +147,8 @@ class Speculation:
             gain = sum(min(len(d), w - 1) + 1 if c.draft_source == "grammar"
                        else c.drafter.expected(min(len(d), w - 1)) if d else 1.0
                        for c, d in zip(group, drafts))
-            rate = gain / self.cost.relative(B, w)
+            rows = self._rows([1 + min(len(d), w - 1) for d in drafts])
+            rate = gain / self.cost.relative(B, rows)
             if rate > wide_rate * 1.02:
                 wide, wide_rate = w, rate
         if wide_rate > best_rate * 1.02:
@@ -154,6 +156,13 @@ class Speculation:
         if self.cost.probe_due(B, declined=best == 1):
             best = wide
         return best
+
+    def _rows(self, lengths: list[int]) -> int:
+        """The token rows of a pass over pieces of ``lengths``, as the runner will run it
+        (ragged or padded: ``Runner.pass_rows``) and as ``verify`` tells ``self.cost`` after."""
+        if self.runner is None:
+            return len(lengths) * max(lengths)
+        return self.runner.pass_rows(lengths)
 
     def _draft(self, c: Choice) -> tuple[list[int], int]:
         """(a draft from what the server holds, the room for one)."""
@@ -206,7 +215,7 @@ class Speculation:
         argmax = [mx.argmax(lg, axis=-1) if p else None for lg, p in zip(rows, plain)]
         mx.eval([a for a in argmax if a is not None] or rows)
         seconds = time.perf_counter() - t0
-        self.cost.add(len(group), self.runner.pass_rows([len(p) for p in pieces]), seconds)
+        self.cost.add(len(group), self._rows([len(p) for p in pieces]), seconds)
         out, made = [], 0
         self.stats.steps += 1
         self.stats.verify_steps += 1
