@@ -19,19 +19,20 @@ runs attention as for one sequence alone (``_alone``), which computes bit for bi
 sequence holding its whole context in its own buffers does.
 
 NOTE: ``exp`` dominates attention on MLX's CPU backend: computed once per score here (row max,
-exp, sum), and on x86 through ``power`` (``_exp``). The fused kernel returns no log-sum-exp, so
-the split path is plain MLX ops. A sequence alone with no view goes through mlx-lm's function
-(the fused kernel) except on the CPU on x86, where that kernel's softmax is the slow ``exp`` and
-``_alone`` computes the same with ``_exp`` (a prompt's attention a third faster there). A view
-of pages in bits may be held packed (``packed_attention``). Own keys of
-``OWN_KEYS_APART`` positions or more (sequences that read no view, or read long past it: eight
-clients each on its own file) are never padded into one batch array, which copied every
-sequence's keys and values once a layer and step (on the CPU half of a step of eight
-2,000-token sequences): each sequence's products run on its own buffers, and on the CPU a row
-that reads no view takes its softmax alone over its real queries (a verify pass pads drafts to
-the longest; the padding is skipped). Measured on the CPU only (docs/BENCHMARKS.md section
-17); on a GPU a row alone is a dozen more kernel launches a layer, so there only the products go
-apart.
+exp, sum), and on x86 through ``power`` (``_exp``); there the prefix's two products take the
+forms OpenBLAS runs fastest for a few rows against thousands of keys (``cpu_forms``: ``scores``
+and ``weighted``). The fused kernel returns no log-sum-exp, so the split path is plain MLX ops.
+A sequence alone with no view goes through mlx-lm's function (the fused kernel) except on the
+CPU on x86, where that kernel's softmax is the slow ``exp`` and ``_alone`` computes the same
+with ``_exp`` (a prompt's attention a third faster there). A view of pages in bits may be held
+packed (``packed_attention``). Own keys of ``OWN_KEYS_APART`` positions or more (sequences
+that read no view, or read long past it: eight clients each on its own file) are never padded
+into one batch array, which copied every sequence's keys and values once a layer and step (on
+the CPU half of a step of eight 2,000-token sequences): each sequence's products run on its own
+buffers, and on the CPU a row that reads no view takes its softmax alone over its real queries
+(a verify pass pads drafts to the longest; the padding is skipped). Measured on the CPU only
+(docs/BENCHMARKS.md section 17); on a GPU a row alone is a dozen more kernel launches a layer,
+so there only the products go apart.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -40,7 +41,6 @@ go to mlx-lm's function untouched.
 
 from __future__ import annotations
 
-import math
 import platform
 import sys
 from contextlib import contextmanager
@@ -51,11 +51,11 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
+from kv_cache.model.cpu_forms import exp as _exp, scores, weighted
 from kv_cache.model.masks import build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import PackedKV, prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
-_LOG2E = math.log2(math.e)
 _POW_EXP = platform.machine().lower() in ("x86_64", "amd64")
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
 
@@ -333,7 +333,7 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         if isinstance(prefix, PackedKV):
             s_pre = prefix.scores(qp).astype(mx.float32)
         else:
-            s_pre = (qp @ prefix[0].swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, B*rep*T, c]
+            s_pre = scores(qp, prefix[0]).astype(mx.float32)  # [Hkv, B*rep*T, c]
         m_pre = s_pre.max(axis=-1, keepdims=True).reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
         m = mx.maximum(m, m_pre)
     if sinks is not None:
@@ -354,24 +354,13 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         if isinstance(prefix, PackedKV):
             out_p = prefix.weighted_values(e_pre.astype(queries.dtype))
         else:
-            out_p = e_pre.astype(prefix[1].dtype) @ prefix[1]  # [Hkv, B*rep*T, D]
+            out_p = weighted(e_pre.astype(prefix[1].dtype), prefix[1])  # [Hkv, B*rep*T, D]
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
     if sinks is not None:
         denom = denom + _exp(sink - m)
     out = out / denom.astype(out.dtype)
     return out.reshape(B, Hq, T, D).astype(queries.dtype)
-
-
-def _exp(x: mx.array) -> mx.array:
-    """``exp(x)``; on MLX's CPU backend on x86 as ``2 ** (x * log2(e))``: its ``exp`` runs one
-    element at a time there (no SIMD type for x86), ~28 ns each against ~8 for ``power``, with
-    the same error (both scale by log2(e) first: up to 31 units in the last place over [-40, 0]
-    against float64, mean 5.6, for both), and attention's ``exp`` is most of a wide pass there
-    (module docstring: NOTE)."""
-    if _POW_EXP and mx.default_device().type == mx.DeviceType.cpu:
-        return mx.power(2.0, x * _LOG2E)
-    return mx.exp(x)
 
 
 def _pad(a: mx.array, n: int, axis: int = 2) -> mx.array:

@@ -1,0 +1,76 @@
+"""Attention's products and ``exp`` in the forms MLX's CPU backend on x86 runs fastest: its BLAS
+there is OpenBLAS, and it has no SIMD type for x86, so its transcendental functions run one
+element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the plain op.
+
+- ``exp``: ``2 ** (x * log2(e))`` (``power``, ~8 ns an element) where MLX's ``exp`` takes ~28,
+  with the same error (both scale by log2(e) first: up to 31 units in the last place over
+  [-40, 0] against float64, mean 5.6, for both); attention's ``exp`` is a large part of a wide
+  pass there.
+- ``scores(q, keys)``: ``q @ keys^T`` for a few query rows against a shared prefix's thousands
+  of keys, computed as ``keys @ q^T`` and returned as the transposed view: OpenBLAS's kernel for
+  a few rows against a transposed matrix of thousands is slow.
+- ``weighted(e, values)``: ``e @ values`` as a sum over pieces of keys small enough for
+  OpenBLAS's small-matrix kernel (``rows x keys x head_dim <= SMALL_GEMM``), which a verify
+  pass's 6-12 rows a head leave; one product where it fits, or where pieces would be short.
+
+Measured in whole passes of the default model, eight sequences each reading its own ~3,700-
+position prefix view (the next turns of eight agents), every form taking turns in one process
+(docs/BENCHMARKS.md section 17): a plain step 386 -> 330 ms, passes two, three and four tokens
+wide 597 -> 480, 693 -> 604, 946 -> 807. The same forms for sequences that read no view (their
+keys their own) measured within the spread there, and are not used for them.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+
+import mlx.core as mx
+
+_LOG2E = math.log2(math.e)
+_X86 = platform.machine().lower() in ("x86_64", "amd64")
+SCORES_ROWS = 48  # query rows a head up to which ``scores`` multiplies the other way round
+SMALL_GEMM = 1_000_000  # OpenBLAS's small-matrix kernel on x86: m * n * k at most this
+PIECE_MIN = 1024  # ``weighted`` never cuts pieces of fewer keys than this
+PRODUCTS = True  # ``scores`` and ``weighted`` in their forms (scripts/bench_cpu_forms.py: off)
+
+
+def on_x86_cpu() -> bool:
+    """Whether arrays are computed by MLX's CPU backend on x86 (where these forms pay)."""
+    return _X86 and mx.default_device().type == mx.DeviceType.cpu
+
+
+def exp(x: mx.array) -> mx.array:
+    """``exp(x)``; on the CPU on x86 as ``2 ** (x * log2(e))`` (module docstring)."""
+    if on_x86_cpu():
+        return mx.power(2.0, x * _LOG2E)
+    return mx.exp(x)
+
+
+def scores(q: mx.array, keys: mx.array) -> mx.array:
+    """``q @ keys^T`` (``q [..., rows, dim]``, ``keys [..., n, dim]``); on the CPU on x86, for
+    up to ``SCORES_ROWS`` rows, as ``keys @ q^T`` returned transposed (a view)."""
+    if PRODUCTS and q.shape[-2] <= SCORES_ROWS and on_x86_cpu():
+        return (keys @ q.swapaxes(-1, -2)).swapaxes(-1, -2)
+    return q @ keys.swapaxes(-1, -2)
+
+
+def piece(rows: int, keys: int, dim: int) -> int:
+    """The keys of each piece ``weighted`` sums over (``keys``: one product)."""
+    if rows * keys * dim <= SMALL_GEMM:
+        return keys
+    p = 1 << max(0, (SMALL_GEMM // max(1, rows * dim)).bit_length() - 1)
+    return p if PIECE_MIN <= p < keys else keys
+
+
+def weighted(e: mx.array, values: mx.array) -> mx.array:
+    """``e @ values`` (``e [..., rows, n]``, ``values [..., n, dim]``); on the CPU on x86 a sum
+    over pieces of ``piece(rows, n, dim)`` keys (module docstring)."""
+    n = values.shape[-2]
+    p = piece(e.shape[-2], n, values.shape[-1]) if PRODUCTS and on_x86_cpu() else n
+    if p >= n:
+        return e @ values
+    out = e[..., :p] @ values[..., :p, :]
+    for a in range(p, n, p):
+        out = out + e[..., a : a + p] @ values[..., a : a + p, :]
+    return out

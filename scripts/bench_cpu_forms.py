@@ -1,0 +1,101 @@
+"""Attention's prefix products in the forms of ``kv_cache/model/cpu_forms.py`` against the plain
+products, in whole passes of the default model (MLX's CPU backend on x86).
+
+Eight conversations each on its own document (eight agents on eight files), cached in pages and
+closed; each then starts from its pages (one prefix view each, as an agent's next turn does)
+with one new token. Each rep runs a plain step and verify passes 2, 3 and 4 tokens wide, with the
+forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``), so a drift in the machine's
+speed falls on both:
+
+    python scripts/bench_cpu_forms.py [--sentences 190] [--reps 6] [--json FILE]
+
+Prints the milliseconds of each pass (medians) and each width's cost in plain steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+import mlx.core as mx  # noqa: E402
+
+from bench_batching import on_document  # noqa: E402
+from bench_pass_width import _pass  # noqa: E402
+from bench_results import write_result  # noqa: E402
+from bench_ttft import document  # noqa: E402
+from kv_cache.model import cpu_forms  # noqa: E402
+from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
+
+
+def on_views(lm, n: int, sentences: int):
+    """``n`` sequences, each started from the cached pages of its own document plus one new
+    token: (runner, sequences, each one's next token)."""
+    docs = [f"Guide {i + 1} of {n}. " + document(sentences) for i in range(n)]
+    _, manager, runner, seqs, _ = on_document(lm, docs, n, chunk=512)
+    page = manager.pool.page_size
+    prompts = []
+    for s in seqs:
+        prompts.append(list(s.tokens)[: page * (len(s.tokens) // page)] + [100])
+        s.commit()
+        s.close()
+    started = [manager.start(p, []) for p in prompts]
+    seqs = [s for s, _ in started]
+    rows = runner.prefill_many(seqs, [p[m.tokens:] for p, (_, m) in zip(prompts, started)],
+                               [True] * n)
+    return runner, seqs, [int(mx.argmax(r.reshape(-1, r.shape[-1])[-1]).item()) for r in rows]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sequences", type=int, default=8)
+    ap.add_argument("--sentences", type=int, default=190, help="document length (190: ~3,700 "
+                    "tokens)")
+    ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
+    ap.add_argument("--reps", type=int, default=6)
+    ap.add_argument("--model", default="default")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    if not cpu_forms.on_x86_cpu():
+        sys.exit("the forms are used on MLX's CPU backend on x86 only")
+    lm = resolve_and_load(args.model)
+    t0 = time.perf_counter()
+    runner, seqs, nxt = on_views(lm, args.sequences, args.sentences)
+    print(f"{len(seqs)} conversations read and started from their pages in "
+          f"{time.perf_counter() - t0:.0f} s", flush=True)
+    modes = {"plain products": False, "forms": True}
+    times: dict[str, dict[int, list[float]]] = {m: {w: [] for w in args.widths} for m in modes}
+    for rep in range(args.reps + 1):  # the first rep warms up, unrecorded
+        for w in args.widths:
+            for mode, on in (modes.items() if rep % 2 else reversed(modes.items())):
+                cpu_forms.PRODUCTS = on
+                t = time.perf_counter()
+                _pass(runner, seqs, nxt, w)
+                if rep:
+                    times[mode][w].append((time.perf_counter() - t) * 1e3)
+    cpu_forms.PRODUCTS = True
+    res = {"argv": sys.argv[1:], "device": str(mx.default_device()),
+           "machine": platform.machine(), "processor": platform.processor(),
+           "mlx": mx.__version__, "model": lm.name, "context": [len(s.tokens) for s in seqs]}
+    for mode, by_w in times.items():
+        med = {w: round(statistics.median(t), 1) for w, t in by_w.items()}
+        res[mode] = {"pass_ms": med, "in_plain_steps": {
+            w: round(m / med[args.widths[0]], 2) for w, m in med.items()},
+            "pass_ms_all": {w: [round(x, 1) for x in t] for w, t in by_w.items()}}
+        print(f"{mode:15s}", " ".join(f"w{w} {m:.0f} ms" for w, m in med.items()), "| in plain "
+              "steps", " ".join(f"{v:.2f}" for v in res[mode]["in_plain_steps"].values()),
+              flush=True)
+    if args.json:
+        write_result(args.json, json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""Attention's products and ``exp`` in the forms MLX's CPU backend on x86 runs fastest
+(kv_cache/model/cpu_forms.py): the same values as the plain ops, and pieces only where a product
+leaves OpenBLAS's small-matrix kernel."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from kv_cache.model import cpu_forms
+from kv_cache.model.attention import Reads, split_attention
+
+
+def test_exp_is_exp_to_a_few_units_in_the_last_place():
+    """``exp`` (``power`` on x86's CPU backend, where MLX's ``exp`` is scalar) against float64:
+    within MLX's own ``exp``'s error, and exactly 0 and 1 where those are the answer."""
+    x = mx.concatenate([mx.linspace(-40, 0, 200_001), mx.array([-mx.inf, 0.0])])
+    got = np.array(cpu_forms.exp(x)).astype(np.float64)
+    ref = np.exp(np.array(x).astype(np.float64))
+    ulps = np.abs(got - ref)[:-2] / np.spacing(ref[:-2].astype(np.float32))
+    mine = np.abs(np.array(mx.exp(x)).astype(np.float64) - ref)[:-2] / np.spacing(
+        ref[:-2].astype(np.float32))
+    assert ulps.max() <= max(32.0, mine.max()) and ulps.mean() <= mine.mean() + 0.5
+    assert got[-2] == 0.0 and got[-1] == 1.0
+
+
+def test_pieces_only_where_one_product_leaves_the_small_kernel():
+    """The default model's shapes (64 dimensions a head, ~3,700 keys of a prefix): a plain step
+    (3 rows a head) is one product; verify passes of 6, 9 and 12 rows go in pieces that stay
+    within ``SMALL_GEMM``; pieces shorter than ``PIECE_MIN`` keys are not cut (one product)."""
+    assert cpu_forms.piece(3, 3745, 64) == 3745
+    assert cpu_forms.piece(6, 3745, 64) == 2048
+    assert cpu_forms.piece(9, 3745, 64) == 1024
+    assert cpu_forms.piece(12, 3745, 64) == 1024
+    assert cpu_forms.piece(18, 3745, 64) == 3745  # 512-key pieces lose
+    assert cpu_forms.piece(6, 2000, 64) == 2000  # fits
+    assert cpu_forms.piece(15, 1100, 64) == 1024  # 15 x 1,100 x 64 does not
+    for rows in (6, 9, 12, 15):
+        p = cpu_forms.piece(rows, 3745, 64)
+        assert rows * p * 64 <= cpu_forms.SMALL_GEMM
+
+
+@pytest.mark.parametrize("rows", [3, 6, 12, 48, 96])
+def test_the_forms_give_the_plain_products(rows):
+    mx.random.seed(rows)
+    q = mx.random.normal((3, rows, 64))
+    k, v = mx.random.normal((3, 3745, 64)), mx.random.normal((3, 3745, 64))
+    e = mx.random.uniform(shape=(3, rows, 3745))
+    assert mx.allclose(cpu_forms.scores(q, k), q @ k.swapaxes(-1, -2), atol=1e-4).item()
+    assert mx.allclose(cpu_forms.weighted(e, v), e @ v, rtol=1e-5, atol=1e-3).item()
+
+
+def test_a_verify_pass_over_long_prefixes_is_ordinary_attention():
+    """Two rows, each on its own 3,000-position prefix view, three queries each (12 rows a key
+    head: the prefix's weighted sum goes in pieces on x86's CPU backend): equal to attention
+    over each row's whole context."""
+    mx.random.seed(3)
+    H, Hkv, D, C, T = 8, 2, 64, 3000, 3
+    assert cpu_forms.piece(H // Hkv * T, C, D) < C
+    q = mx.random.normal((2, H, T, D))
+    reads, want = [], []
+    for i, n in enumerate((6, 4)):
+        kp, vp = mx.random.normal((Hkv, C, D)), mx.random.normal((Hkv, C, D))
+        k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
+        reads.append(Reads((kp, vp), f"view {i}", k, v, C, C + n - T, 0))
+        K = mx.concatenate([kp[None], k], axis=2)
+        V = mx.concatenate([vp[None], v], axis=2)
+        mask = mx.arange(C + n)[None] <= (C + n - T + mx.arange(T))[:, None]
+        want.append(mx.fast.scaled_dot_product_attention(q[i : i + 1], K, V, scale=0.125,
+                                                         mask=mask))
+    got = split_attention(q, reads, 0.125)
+    assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
