@@ -14,10 +14,11 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
   pass's 6-12 rows a head leave; one product where it fits, or where pieces would be short.
 
 Measured in whole passes of the default model, eight sequences each reading its own ~3,700-
-position prefix view (the next turns of eight agents), every form taking turns in one process
-(docs/BENCHMARKS.md section 17): a plain step 386 -> 330 ms, passes two, three and four tokens
-wide 597 -> 480, 693 -> 604, 946 -> 807. The same forms for sequences that read no view (their
-keys their own) measured within the spread there, and are not used for them.
+position prefix view (the next turns of eight agents), the forms on and off taking turns in one
+process (``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 405 -> 336
+ms, passes two, three and four tokens wide 633 -> 498, 752 -> 649, 868 -> 821. The same forms
+for sequences that read no view (their keys their own) measured within the spread there, and
+are not used for them.
 """
 
 from __future__ import annotations
