@@ -18,19 +18,19 @@ CPU backend in float32): its layer copies the view's keys and values once before
 runs attention as for one sequence alone (``_alone``), which computes bit for bit what a
 sequence holding its whole context in its own buffers does.
 
-NOTE: ``exp`` dominates attention on MLX's CPU backend: computed once per score here (row max,
-exp, sum), and on x86 through ``power`` (``_exp``); there the prefix's two products take the
-forms OpenBLAS runs fastest for a few rows against thousands of keys (``cpu_forms``: ``scores``
-and ``weighted``). The fused kernel returns no log-sum-exp, so the split path is plain MLX ops.
-A sequence alone with no view goes through mlx-lm's function (the fused kernel) except on the
-CPU on x86, where that kernel's softmax is the slow ``exp`` and ``_alone`` computes the same
-with ``_exp`` (a prompt's attention a third faster there). A view of pages in bits may be held
-packed (``packed_attention``). Own keys of ``OWN_KEYS_APART`` positions or more (sequences
-that read no view, or read long past it: eight clients each on its own file) are never padded
-into one batch array, which copied every sequence's keys and values once a layer and step (on
-the CPU half of a step of eight 2,000-token sequences): each sequence's products run on its own
-buffers, and on the CPU a row that reads no view takes its softmax alone over its real queries
-(a verify pass pads drafts to the longest; the padding is skipped). Measured on the CPU only
+NOTE: on MLX's CPU backend on x86 attention is most of a decode step (``cpu_forms``): ``exp``
+goes through ``power`` there (``_exp``), and a prefix's scores for a few query rows are kept
+keys first, their products in the forms OpenBLAS runs fastest (``cpu_forms.keys_first``). The
+fused kernel returns no log-sum-exp, so the split path is plain MLX ops. A sequence alone with
+no view goes through mlx-lm's function (the fused kernel) except on the CPU on x86, where that
+kernel's softmax is the slow ``exp`` and ``_alone`` computes the same with ``_exp`` (a prompt's
+attention a third faster there). A view of pages in bits may be held packed
+(``packed_attention``). Own keys of ``OWN_KEYS_APART`` positions or more (sequences that read no
+view, or read long past it: eight clients each on its own file) are never padded into one batch
+array, which copied every sequence's keys and values once a layer and step (on the CPU half of a
+step of eight 2,000-token sequences): each sequence's products run on its own buffers, and on
+the CPU a row that reads no view takes its softmax alone over its real queries (a verify pass
+pads drafts to the longest; the padding is skipped). Measured on the CPU only
 (docs/BENCHMARKS.md section 17); on a GPU a row alone is a dozen more kernel launches a layer,
 so there only the products go apart.
 
@@ -51,7 +51,8 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from kv_cache.model.cpu_forms import exp as _exp, scores, weighted
+from kv_cache.model.cpu_forms import exp as _exp, keys_first, keys_first_scores, \
+    keys_first_weighted
 from kv_cache.model.masks import build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import PackedKV, prefix_length
 
@@ -330,12 +331,14 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     prefix = reads[0].prefix  # [Hkv, c, D] (or packed), the same for every row of the group
     if prefix is not None:
         qp = q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D)
-        if isinstance(prefix, PackedKV):
-            s_pre = prefix.scores(qp).astype(mx.float32)
+        flip = not isinstance(prefix, PackedKV) and keys_first(qp, prefix[0])
+        if flip:  # [Hkv, c, B*rep*T] (``cpu_forms``)
+            s_pre, m_pre = keys_first_scores(qp, prefix[0])
         else:
-            s_pre = scores(qp, prefix[0]).astype(mx.float32)  # [Hkv, B*rep*T, c]
-        m_pre = s_pre.max(axis=-1, keepdims=True).reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
-        m = mx.maximum(m, m_pre)
+            s_pre = (prefix.scores(qp) if isinstance(prefix, PackedKV)
+                     else qp @ prefix[0].swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, rows, c]
+            m_pre = s_pre.max(axis=-1, keepdims=True)
+        m = mx.maximum(m, m_pre.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3))
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1),
                                (1, Hkv, rep, T)).reshape(1, Hkv, rep * T, 1)
@@ -349,12 +352,15 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         out = e_own.astype(vo.dtype) @ vo  # [B, Hkv, rep*T, D]
     if prefix is not None:
         m_p = m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1)
-        e_pre = _exp(s_pre - m_p)
-        denom_p = e_pre.sum(axis=-1, keepdims=True)
-        if isinstance(prefix, PackedKV):
-            out_p = prefix.weighted_values(e_pre.astype(queries.dtype))
+        if flip:
+            out_p, denom_p = keys_first_weighted(s_pre, m_p, prefix[1])
         else:
-            out_p = weighted(e_pre.astype(prefix[1].dtype), prefix[1])  # [Hkv, B*rep*T, D]
+            e_pre = _exp(s_pre - m_p)
+            denom_p = e_pre.sum(axis=-1, keepdims=True)
+            if isinstance(prefix, PackedKV):
+                out_p = prefix.weighted_values(e_pre.astype(queries.dtype))
+            else:
+                out_p = e_pre.astype(prefix[1].dtype) @ prefix[1]  # [Hkv, B*rep*T, D]
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
     if sinks is not None:

@@ -6,12 +6,13 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
   with the same error (both scale by log2(e) first: up to 31 units in the last place over
   [-40, 0] against float64, mean 5.6, for both); attention's ``exp`` is a large part of a wide
   pass there.
-- ``scores(q, keys)``: ``q @ keys^T`` for a few query rows against a shared prefix's thousands
-  of keys, computed as ``keys @ q^T`` and returned as the transposed view: OpenBLAS's kernel for
-  a few rows against a transposed matrix of thousands is slow.
-- ``weighted(e, values)``: ``e @ values`` as a sum over pieces of keys small enough for
-  OpenBLAS's small-matrix kernel (``rows x keys x head_dim <= SMALL_GEMM``), which a verify
-  pass's 6-12 rows a head leave; one product where it fits, or where pieces would be short.
+- A few query rows against a shared prefix's thousands of keys (``keys_first``): the scores
+  computed as ``keys @ q^T`` and kept that way round, keys first (OpenBLAS's kernel for ``q @
+  keys^T``, a few rows against a transposed matrix of thousands, runs at a quarter of the
+  memory's speed), the softmax taken down the keys, and the weighted sum of values as a sum over
+  pieces of keys small enough for OpenBLAS's small-matrix kernel (``rows x keys x head_dim <=
+  SMALL_GEMM``), which a verify pass's 6-12 rows a head leave; one product where it fits, or
+  where pieces would be short.
 
 Measured in whole passes of the default model, eight sequences each reading its own ~3,700-
 position prefix view (the next turns of eight agents), the forms on and off taking turns in one
@@ -33,7 +34,7 @@ _X86 = platform.machine().lower() in ("x86_64", "amd64")
 SCORES_ROWS = 48  # query rows a head up to which ``scores`` multiplies the other way round
 SMALL_GEMM = 1_000_000  # OpenBLAS's small-matrix kernel on x86: m * n * k at most this
 PIECE_MIN = 1024  # ``weighted`` never cuts pieces of fewer keys than this
-PRODUCTS = True  # ``scores`` and ``weighted`` in their forms (scripts/bench_cpu_forms.py: off)
+PRODUCTS = True  # the prefix's products keys first (scripts/bench_cpu_forms.py: off and on)
 
 
 def on_x86_cpu() -> bool:
@@ -48,30 +49,39 @@ def exp(x: mx.array) -> mx.array:
     return mx.exp(x)
 
 
-def scores(q: mx.array, keys: mx.array) -> mx.array:
-    """``q @ keys^T`` (``q [..., rows, dim]``, ``keys [..., n, dim]``); on the CPU on x86, for
-    up to ``SCORES_ROWS`` rows, as ``keys @ q^T`` returned transposed (a view)."""
-    if PRODUCTS and q.shape[-2] <= SCORES_ROWS and on_x86_cpu():
-        return (keys @ q.swapaxes(-1, -2)).swapaxes(-1, -2)
-    return q @ keys.swapaxes(-1, -2)
-
-
 def piece(rows: int, keys: int, dim: int) -> int:
-    """The keys of each piece ``weighted`` sums over (``keys``: one product)."""
+    """The keys of each piece the weighted sum of values goes in (``keys``: one product)."""
     if rows * keys * dim <= SMALL_GEMM:
         return keys
     p = 1 << max(0, (SMALL_GEMM // max(1, rows * dim)).bit_length() - 1)
     return p if PIECE_MIN <= p < keys else keys
 
 
-def weighted(e: mx.array, values: mx.array) -> mx.array:
-    """``e @ values`` (``e [..., rows, n]``, ``values [..., n, dim]``); on the CPU on x86 a sum
-    over pieces of ``piece(rows, n, dim)`` keys (module docstring)."""
+def keys_first(q: mx.array, keys: mx.array) -> bool:
+    """Whether the scores of ``q [..., rows, dim]`` over a prefix's ``keys [..., n, dim]`` are
+    computed and kept keys first, ``[..., n, rows]`` (``keys_first_scores``): on the CPU on x86,
+    float32 keys, up to ``SCORES_ROWS`` rows (module docstring)."""
+    return (PRODUCTS and q.shape[-2] <= SCORES_ROWS and keys.dtype == mx.float32
+            and on_x86_cpu())
+
+
+def keys_first_scores(q: mx.array, keys: mx.array) -> tuple[mx.array, mx.array]:
+    """(scores ``keys @ q^T`` ``[..., n, rows]``, each row's maximum ``[..., rows, 1]``)."""
+    s = keys @ q.swapaxes(-1, -2)
+    return s, s.max(axis=-2, keepdims=True).swapaxes(-1, -2)
+
+
+def keys_first_weighted(s: mx.array, m: mx.array,
+                        values: mx.array) -> tuple[mx.array, mx.array]:
+    """For scores kept keys first (``s [..., n, rows]``) and maxima ``m [..., rows, 1]`` at
+    least each row's: (``exp(s - m)``'s weighted sum of ``values [..., n, dim]``, ``[..., rows,
+    dim]``; its sum over the keys, ``[..., rows, 1]``). The sum of values in pieces of
+    ``piece(rows, n, dim)`` keys (module docstring)."""
+    e = exp(s - m.swapaxes(-1, -2))
+    denom = e.sum(axis=-2, keepdims=True).swapaxes(-1, -2)
     n = values.shape[-2]
-    p = piece(e.shape[-2], n, values.shape[-1]) if PRODUCTS and on_x86_cpu() else n
-    if p >= n:
-        return e @ values
-    out = e[..., :p] @ values[..., :p, :]
+    p = piece(e.shape[-1], n, values.shape[-1])
+    out = e[..., :p, :].swapaxes(-1, -2) @ values[..., :p, :]
     for a in range(p, n, p):
-        out = out + e[..., a : a + p] @ values[..., a : a + p, :]
-    return out
+        out = out + e[..., a : a + p, :].swapaxes(-1, -2) @ values[..., a : a + p, :]
+    return out, denom

@@ -1,6 +1,6 @@
 """Attention's products and ``exp`` in the forms MLX's CPU backend on x86 runs fastest
-(kv_cache/model/cpu_forms.py): the same values as the plain ops, and pieces only where a product
-leaves OpenBLAS's small-matrix kernel."""
+(kv_cache/model/cpu_forms.py): the same values as the plain ops, scores kept keys first only
+where measured, and pieces only where a product leaves OpenBLAS's small-matrix kernel."""
 
 from __future__ import annotations
 
@@ -41,20 +41,36 @@ def test_pieces_only_where_one_product_leaves_the_small_kernel():
         assert rows * p * 64 <= cpu_forms.SMALL_GEMM
 
 
-@pytest.mark.parametrize("rows", [3, 6, 12, 48, 96])
-def test_the_forms_give_the_plain_products(rows):
+@pytest.mark.parametrize("rows", [3, 6, 9, 12, 48])
+def test_keys_first_gives_the_plain_softmax_and_products(rows):
+    """Scores kept keys first, their maxima, and the softmax's weighted sum of values and its
+    denominator (in pieces from 6 rows a head on x86's CPU backend) against the plain ops."""
     mx.random.seed(rows)
-    q = mx.random.normal((3, rows, 64))
+    q = mx.random.normal((3, rows, 64)) * 0.125
     k, v = mx.random.normal((3, 3745, 64)), mx.random.normal((3, 3745, 64))
-    e = mx.random.uniform(shape=(3, rows, 3745))
-    assert mx.allclose(cpu_forms.scores(q, k), q @ k.swapaxes(-1, -2), atol=1e-4).item()
-    assert mx.allclose(cpu_forms.weighted(e, v), e @ v, rtol=1e-5, atol=1e-3).item()
+    s = q @ k.swapaxes(-1, -2)
+    m = s.max(axis=-1, keepdims=True)
+    st, mt = cpu_forms.keys_first_scores(q, k)
+    assert st.shape == (3, 3745, rows) and mx.allclose(st.swapaxes(-1, -2), s, atol=1e-4).item()
+    assert mx.allclose(mt, m, atol=1e-4).item()
+    e = mx.exp(s - m)
+    out, denom = cpu_forms.keys_first_weighted(st, mt, v)
+    assert mx.allclose(denom, e.sum(axis=-1, keepdims=True), rtol=1e-4).item()
+    assert mx.allclose(out, e @ v, rtol=1e-4, atol=1e-3).item()
+
+
+def test_keys_first_where_measured_only():
+    """Float32 keys, up to ``SCORES_ROWS`` rows a head, MLX's CPU backend on x86."""
+    q, k = mx.zeros((3, 12, 64)), mx.zeros((3, 100, 64))
+    assert cpu_forms.keys_first(q, k) == cpu_forms.on_x86_cpu()
+    assert not cpu_forms.keys_first(mx.zeros((3, cpu_forms.SCORES_ROWS + 1, 64)), k)
+    assert not cpu_forms.keys_first(q, k.astype(mx.bfloat16))
 
 
 def test_a_verify_pass_over_long_prefixes_is_ordinary_attention():
     """Two rows, each on its own 3,000-position prefix view, three queries each (12 rows a key
-    head: the prefix's weighted sum goes in pieces on x86's CPU backend): equal to attention
-    over each row's whole context."""
+    head: on x86's CPU backend the prefix's scores are kept keys first and its weighted sum goes
+    in pieces): equal to attention over each row's whole context."""
     mx.random.seed(3)
     H, Hkv, D, C, T = 8, 2, 64, 3000, 3
     assert cpu_forms.piece(H // Hkv * T, C, D) < C
