@@ -16,8 +16,8 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
 
 Measured in whole passes of the default model, eight sequences each reading its own ~3,700-
 position prefix view (the next turns of eight agents), the forms on and off taking turns in one
-process (``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 405 -> 336
-ms, passes two, three and four tokens wide 633 -> 498, 752 -> 649, 868 -> 821. The same forms
+process (``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 419 -> 353
+ms, passes two, three and four tokens wide 646 -> 504, 793 -> 691, 958 -> 812. The same forms
 for sequences that read no view (their keys their own) measured within the spread there, and
 are not used for them.
 """
