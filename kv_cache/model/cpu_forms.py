@@ -31,9 +31,9 @@ import mlx.core as mx
 
 _LOG2E = math.log2(math.e)
 _X86 = platform.machine().lower() in ("x86_64", "amd64")
-SCORES_ROWS = 48  # query rows a head up to which ``scores`` multiplies the other way round
+SCORES_ROWS = 48  # query rows a head up to which the scores are kept keys first
 SMALL_GEMM = 1_000_000  # OpenBLAS's small-matrix kernel on x86: m * n * k at most this
-PIECE_MIN = 1024  # ``weighted`` never cuts pieces of fewer keys than this
+PIECE_MIN = 1024  # the weighted sum is never cut into pieces of fewer keys than this
 PRODUCTS = True  # the prefix's products keys first (scripts/bench_cpu_forms.py: off and on)
 
 
