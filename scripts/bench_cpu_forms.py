@@ -28,10 +28,9 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import mlx.core as mx  # noqa: E402
 
-from bench_batching import on_document  # noqa: E402
 from bench_pass_width import _pass  # noqa: E402
 from bench_results import write_result  # noqa: E402
-from bench_ttft import document  # noqa: E402
+from bench_warm_turns import cached_turns  # noqa: E402
 from kv_cache.model import cpu_forms  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
@@ -39,14 +38,7 @@ from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 def on_views(lm, n: int, sentences: int):
     """``n`` sequences, each started from the cached pages of its own document plus one new
     token: (runner, sequences, each one's next token)."""
-    docs = [f"Guide {i + 1} of {n}. " + document(sentences) for i in range(n)]
-    _, manager, runner, seqs, _ = on_document(lm, docs, n, chunk=512)
-    page = manager.pool.page_size
-    prompts = []
-    for s in seqs:
-        prompts.append(list(s.tokens)[: page * (len(s.tokens) // page)] + [100])
-        s.commit()
-        s.close()
+    manager, runner, prompts = cached_turns(lm, [1] * n, sentences)
     started = [manager.start(p, []) for p in prompts]
     seqs = [s for s, _ in started]
     rows = runner.prefill_many(seqs, [p[m.tokens:] for p, (_, m) in zip(prompts, started)],

@@ -54,6 +54,22 @@ def turn(manager, runner, prompts: list[list[int]], ragged: bool) -> tuple[float
     return (t1 - t0) * 1e3, (t2 - t1) * 1e3
 
 
+def cached_turns(lm, new: list[int], sentences: int):
+    """One conversation per entry of ``new``, each on its own document, read and cached in
+    pages and closed: (manager, runner, each one's next prompt: its cached pages, then
+    ``new[i]`` new tokens)."""
+    docs = [f"Guide {i + 1} of {len(new)}. " + document(sentences) for i in range(len(new))]
+    _, manager, runner, seqs, _ = on_document(lm, docs, len(new), chunk=512)
+    page = manager.pool.page_size
+    prompts = []
+    for s, k in zip(seqs, new):
+        cached = list(s.tokens)[: page * (len(s.tokens) // page)]
+        prompts.append(cached + [100 + j for j in range(k)])
+        s.commit()
+        s.close()
+    return manager, runner, prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--new", type=int, nargs="+", default=[1, 4, 14, 20, 25, 28, 31],
@@ -66,19 +82,11 @@ def main() -> None:
     args = ap.parse_args()
     lm = resolve_and_load(args.model)
     n = len(args.new)
-    docs = [f"Guide {i + 1} of {n}. " + document(args.sentences) for i in range(n)]
     t0 = time.perf_counter()
-    _, manager, runner, seqs, _ = on_document(lm, docs, n, chunk=512)
+    manager, runner, prompts = cached_turns(lm, args.new, args.sentences)
     print(f"{n} documents read in {time.perf_counter() - t0:.1f} s", flush=True)
     if not runner.ragged:
         sys.exit("this model's passes cannot go ragged (runner.ragged is off)")
-    page = manager.pool.page_size
-    prompts = []
-    for s, k in zip(seqs, args.new):  # the cached pages, then k new tokens
-        cached = list(s.tokens)[: page * (len(s.tokens) // page)]
-        prompts.append(cached + [100 + j for j in range(k)])
-        s.commit()
-        s.close()
     rows = {"padded": n * max(args.new), "ragged": sum(args.new)}
     times: dict[str, list[tuple[float, float]]] = {"padded": [], "ragged": []}
     for rep in range(args.reps + 1):  # the first rep warms up, unrecorded

@@ -41,7 +41,6 @@ go to mlx-lm's function untouched.
 
 from __future__ import annotations
 
-import platform
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -51,13 +50,12 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from kv_cache.model.cpu_forms import exp as _exp, keys_first, keys_first_scores, \
-    keys_first_weighted
+from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, keys_first, \
+    keys_first_scores, keys_first_weighted
 from kv_cache.model.masks import build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import PackedKV, prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
-_POW_EXP = platform.machine().lower() in ("x86_64", "amd64")
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
 
 

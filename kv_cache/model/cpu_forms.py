@@ -30,7 +30,7 @@ import platform
 import mlx.core as mx
 
 _LOG2E = math.log2(math.e)
-_X86 = platform.machine().lower() in ("x86_64", "amd64")
+X86 = platform.machine().lower() in ("x86_64", "amd64")
 SCORES_ROWS = 48  # query rows a head up to which the scores are kept keys first
 SMALL_GEMM = 1_000_000  # OpenBLAS's small-matrix kernel on x86: m * n * k at most this
 PIECE_MIN = 1024  # the weighted sum is never cut into pieces of fewer keys than this
@@ -39,7 +39,7 @@ PRODUCTS = True  # the prefix's products keys first (scripts/bench_cpu_forms.py:
 
 def on_x86_cpu() -> bool:
     """Whether arrays are computed by MLX's CPU backend on x86 (where these forms pay)."""
-    return _X86 and mx.default_device().type == mx.DeviceType.cpu
+    return X86 and mx.default_device().type == mx.DeviceType.cpu
 
 
 def exp(x: mx.array) -> mx.array:
