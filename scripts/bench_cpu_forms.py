@@ -1,13 +1,15 @@
-"""Attention's prefix products in the forms of ``kv_cache/model/cpu_forms.py`` against the plain
-products, in whole passes of the default model (MLX's CPU backend on x86).
+"""Attention's forms of ``kv_cache/model/cpu_forms.py`` against the plain ops, in whole passes of
+the default model (MLX's CPU backend on x86): the prefix's products (``--toggle products``) or
+``exp`` (``--toggle exp``: the polynomial against ``power``).
 
 Eight conversations each on its own document (eight agents on eight files), cached in pages and
 closed; each then starts from its pages (one prefix view each, as an agent's next turn does)
 with one new token. Each rep runs a plain step and verify passes 2, 3 and 4 tokens wide, with the
-forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``), so a drift in the machine's
-speed falls on both:
+forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS`` or ``POLY_EXP``), so a drift
+in the machine's speed falls on both:
 
-    python scripts/bench_cpu_forms.py [--sentences 190] [--reps 6] [--json FILE]
+    python scripts/bench_cpu_forms.py [--toggle products|exp] [--sentences 190] [--reps 6]
+                                      [--json FILE]
 
 Prints the milliseconds of each pass (medians) and each width's cost in plain steps.
 """
@@ -32,6 +34,7 @@ from bench_pass_width import _pass  # noqa: E402
 from bench_results import write_result  # noqa: E402
 from bench_warm_turns import cached_turns  # noqa: E402
 from kv_cache.model import cpu_forms  # noqa: E402
+from mlx_kvserver.engine.memory import MemoryBudget  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
 
@@ -54,8 +57,10 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default="default")
+    ap.add_argument("--toggle", choices=["products", "exp"], default="products")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
+    flag = {"products": "PRODUCTS", "exp": "POLY_EXP"}[args.toggle]
     if not cpu_forms.on_x86_cpu():
         sys.exit("the forms are used on MLX's CPU backend on x86 only")
     lm = resolve_and_load(args.model)
@@ -63,26 +68,31 @@ def main() -> None:
     runner, seqs, nxt = on_views(lm, args.sequences, args.sentences)
     print(f"{len(seqs)} conversations read and started from their pages in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
-    modes = {"plain products": False, "forms": True}
+    budget = MemoryBudget()  # MLX's limits as the server sets them: without, MLX's buffer
+    budget.apply()  # cache keeps 32 MiB here, and a wide pass's temporaries come from fresh
+    budget.in_use()  # memory every time (48,000 page faults a pass 4 tokens wide)
+    modes = ({"plain products": False, "forms": True} if args.toggle == "products"
+             else {"exp by power": False, "exp by polynomial": True})
     times: dict[str, dict[int, list[float]]] = {m: {w: [] for w in args.widths} for m in modes}
     for rep in range(args.reps + 1):  # the first rep warms up, unrecorded
         for w in args.widths:
             for mode, on in (modes.items() if rep % 2 else reversed(modes.items())):
-                cpu_forms.PRODUCTS = on
+                setattr(cpu_forms, flag, on)
                 t = time.perf_counter()
                 _pass(runner, seqs, nxt, w)
                 if rep:
                     times[mode][w].append((time.perf_counter() - t) * 1e3)
-    cpu_forms.PRODUCTS = True
+    setattr(cpu_forms, flag, True)
     res = {"argv": sys.argv[1:], "device": str(mx.default_device()),
            "machine": platform.machine(), "processor": platform.processor(),
-           "mlx": mx.__version__, "model": lm.name, "context": [len(s.tokens) for s in seqs]}
+           "mlx": mx.__version__, "model": lm.name, "context": [len(s.tokens) for s in seqs],
+           "mlx_cache_limit": budget._cache_limit}
     for mode, by_w in times.items():
         med = {w: round(statistics.median(t), 1) for w, t in by_w.items()}
         res[mode] = {"pass_ms": med, "in_plain_steps": {
             w: round(m / med[args.widths[0]], 2) for w, m in med.items()},
             "pass_ms_all": {w: [round(x, 1) for x in t] for w, t in by_w.items()}}
-        print(f"{mode:15s}", " ".join(f"w{w} {m:.0f} ms" for w, m in med.items()), "| in plain "
+        print(f"{mode:17s}", " ".join(f"w{w} {m:.0f} ms" for w, m in med.items()), "| in plain "
               "steps", " ".join(f"{v:.2f}" for v in res[mode]["in_plain_steps"].values()),
               flush=True)
     if args.json:

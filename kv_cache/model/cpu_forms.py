@@ -6,6 +6,14 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
   with the same error (both scale by log2(e) first: up to 31 units in the last place over
   [-40, 0] against float64, mean 5.6, for both); attention's ``exp`` is a large part of a wide
   pass there.
+- ``exp`` of a prefix's scores kept keys first, from ``POLY_KEYS`` keys (``poly_exp``): ``2 ** (x
+  * log2(e))`` with the power of two split in two, ``2 ** n`` written into the float's exponent
+  bits and ``2 ** f`` (``-1 < f <= 0``) a polynomial of degree 5 (relative error under 2.7e-7;
+  the whole the same error as ``power``'s and MLX's ``exp``'s, which scaling by log2(e) sets),
+  all in elementwise ops (~3.5 ns an element in all against ``power``'s ~7 here). Only there:
+  its ~15 ops cost more than they save on a few thousand elements, and keep two more arrays of
+  the scores' size alive (a prompt's scores are large); chosen by the keys alone, so a plain
+  step and a verify pass at one context take the same ``exp``.
 - A few query rows against a shared prefix's thousands of keys (``keys_first``): the scores
   computed as ``keys @ q^T`` and kept that way round, keys first (OpenBLAS's kernel for ``q @
   keys^T``, a few rows against a transposed matrix of thousands, runs at a quarter of the
@@ -35,6 +43,11 @@ SCORES_ROWS = 48  # query rows a head up to which the scores are kept keys first
 SMALL_GEMM = 1_000_000  # OpenBLAS's small-matrix kernel on x86: m * n * k at most this
 PIECE_MIN = 1024  # the weighted sum is never cut into pieces of fewer keys than this
 PRODUCTS = True  # the prefix's products keys first (scripts/bench_cpu_forms.py: off and on)
+POLY_EXP = True  # poly_exp where it is used (bench_cpu_forms.py --toggle exp: off and on)
+POLY_KEYS = 2048  # a prefix of this many keys or more takes poly_exp
+# 2 ** f on (-1, 0]: 1 exactly at 0, then a least-maximum-relative-error fit (float32)
+_EXP2 = (0.0009449036442674696, 0.00920579768717289, 0.0552973598241806, 0.2401801496744156,
+         0.6931437253952026)
 
 
 def on_x86_cpu() -> bool:
@@ -47,6 +60,21 @@ def exp(x: mx.array) -> mx.array:
     if on_x86_cpu():
         return mx.power(2.0, x * _LOG2E)
     return mx.exp(x)
+
+
+def poly_exp(x: mx.array) -> mx.array:
+    """``exp(x)`` for ``x <= 0`` (a softmax's differences; -inf gives 0, NaN stays NaN) without
+    a transcendental op, for float32 on the CPU on x86 (module docstring); else ``exp``."""
+    if x.dtype != mx.float32 or not on_x86_cpu():
+        return exp(x)
+    y = mx.maximum(x * _LOG2E, -127.0)  # -127: 0 exactly (the exponent bits all 0)
+    n = y.astype(mx.int32)  # toward 0: y = n + f, -1 < f <= 0
+    f = y - n.astype(mx.float32)
+    p = _EXP2[0] * f + _EXP2[1]
+    for c in _EXP2[2:]:
+        p = p * f + c
+    p = p * f + 1.0
+    return mx.view(mx.view(p, mx.int32) + mx.left_shift(n, 23), mx.float32)
 
 
 def piece(rows: int, keys: int, dim: int) -> int:
@@ -76,10 +104,11 @@ def keys_first_weighted(s: mx.array, m: mx.array,
     """For scores kept keys first (``s [..., n, rows]``) and maxima ``m [..., rows, 1]`` at
     least each row's: (``exp(s - m)``'s weighted sum of ``values [..., n, dim]``, ``[..., rows,
     dim]``; its sum over the keys, ``[..., rows, 1]``). The sum of values in pieces of
-    ``piece(rows, n, dim)`` keys (module docstring)."""
-    e = exp(s - m.swapaxes(-1, -2))
-    denom = e.sum(axis=-2, keepdims=True).swapaxes(-1, -2)
+    ``piece(rows, n, dim)`` keys; ``exp`` through ``poly_exp`` from ``POLY_KEYS`` keys (module
+    docstring)."""
     n = values.shape[-2]
+    e = (poly_exp if POLY_EXP and n >= POLY_KEYS else exp)(s - m.swapaxes(-1, -2))
+    denom = e.sum(axis=-2, keepdims=True).swapaxes(-1, -2)
     p = piece(e.shape[-1], n, values.shape[-1])
     out = e[..., :p, :].swapaxes(-1, -2) @ values[..., :p, :]
     for a in range(p, n, p):

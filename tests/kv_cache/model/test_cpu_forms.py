@@ -25,6 +25,57 @@ def test_exp_is_exp_to_a_few_units_in_the_last_place():
     assert got[-2] == 0.0 and got[-1] == 1.0
 
 
+def test_poly_exp_is_exp_to_a_few_units_in_the_last_place():
+    """``poly_exp`` (x86's CPU form for a prefix's scores: a polynomial and the exponent's bits)
+    against float64 over a softmax's differences: MLX's own ``exp``'s error (both set by scaling
+    by log2(e)) over every normal result, exactly 0 and 1 where those are the answer, NaN kept,
+    the results below 2 ** -125 0 or tiny."""
+    x = mx.concatenate([mx.linspace(-87, 0, 100_001), mx.array([-mx.inf, 0.0, mx.nan])])
+    got = np.array(cpu_forms.poly_exp(x)).astype(np.float64)
+    ref = np.exp(np.array(x).astype(np.float64))
+    rel = np.abs(got[:-3] / ref[:-3] - 1)
+    mine = np.abs(np.array(mx.exp(x)).astype(np.float64)[:-3] / ref[:-3] - 1)
+    assert rel.max() <= 1.05 * mine.max() and rel.mean() <= 1.05 * mine.mean()
+    assert got[-3] == 0.0 and got[-2] == 1.0 and np.isnan(got[-1])
+    tiny = np.array(cpu_forms.poly_exp(mx.linspace(-104, -87.4, 2000)))  # 2 ** -150 to -126
+    assert (tiny >= 0).all() and (tiny < 2.0 ** -125).all()
+
+
+@pytest.mark.skipif(not cpu_forms.on_x86_cpu(), reason="poly_exp is x86's CPU form only")
+def test_poly_exp_takes_no_transcendental_op(monkeypatch):
+    """On x86's CPU backend ``poly_exp`` of float32 is arithmetic and bit operations only
+    (MLX's ``exp`` and ``power`` run one element at a time there); other dtypes go to ``exp``."""
+    def refused(*_a, **_k):
+        raise AssertionError("a transcendental op")
+    x = mx.linspace(-30, 0, 1000)
+    want = np.array(cpu_forms.poly_exp(x))
+    monkeypatch.setattr(mx, "power", refused)
+    monkeypatch.setattr(mx, "exp", refused)
+    assert np.array_equal(np.array(cpu_forms.poly_exp(x)), want)
+    with pytest.raises(AssertionError):
+        cpu_forms.poly_exp(x.astype(mx.bfloat16))
+
+
+@pytest.mark.parametrize("keys", [cpu_forms.POLY_KEYS - 1, cpu_forms.POLY_KEYS])
+def test_a_prefix_takes_poly_exp_by_its_keys_alone(keys, monkeypatch):
+    """The weighted sum's ``exp`` is ``poly_exp`` from ``POLY_KEYS`` keys, whatever the rows (a
+    plain step and a verify pass at one context take the same), and gives the plain softmax."""
+    calls: list = []
+    real = cpu_forms.poly_exp
+    monkeypatch.setattr(cpu_forms, "poly_exp", lambda x: calls.append(x.shape) or real(x))
+    mx.random.seed(keys)
+    v = mx.random.normal((3, keys, 64))
+    for rows in (3, 12):
+        q = mx.random.normal((3, rows, 64)) * 0.125
+        k = mx.random.normal((3, keys, 64))
+        s = q @ k.swapaxes(-1, -2)
+        e = mx.exp(s - s.max(axis=-1, keepdims=True))
+        out, denom = cpu_forms.keys_first_weighted(*cpu_forms.keys_first_scores(q, k), v)
+        assert mx.allclose(denom, e.sum(axis=-1, keepdims=True), rtol=1e-5).item()
+        assert mx.allclose(out, e @ v, rtol=1e-4, atol=1e-4).item()
+    assert calls == ([(3, keys, 3), (3, keys, 12)] if keys >= cpu_forms.POLY_KEYS else [])
+
+
 def test_pieces_only_where_one_product_leaves_the_small_kernel():
     """The default model's shapes (64 dimensions a head, ~3,700 keys of a prefix): a plain step
     (3 rows a head) is one product; verify passes of 6, 9 and 12 rows go in pieces that stay
