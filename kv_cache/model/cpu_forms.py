@@ -10,7 +10,7 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
   * log2(e))`` with the power of two split in two, ``2 ** n`` written into the float's exponent
   bits and ``2 ** f`` (``-1 < f <= 0``) a polynomial of degree 5 (relative error under 2.7e-7;
   the whole the same error as ``power``'s and MLX's ``exp``'s, which scaling by log2(e) sets),
-  all in elementwise ops (~3.5 ns an element in all against ``power``'s ~7 here). Only there:
+  all in elementwise ops (~4 ns an element in all against ``power``'s ~8 here). Only there:
   its ~15 ops cost more than they save on a few thousand elements, and keep two more arrays of
   the scores' size alive (a prompt's scores are large); chosen by the keys alone, so a plain
   step and a verify pass at one context take the same ``exp``.
@@ -27,7 +27,9 @@ position prefix view (the next turns of eight agents), the forms on and off taki
 process (``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 419 -> 353
 ms, passes two, three and four tokens wide 646 -> 504, 793 -> 691, 958 -> 812. The same forms
 for sequences that read no view (their keys their own) measured within the spread there, and
-are not used for them.
+are not used for them. ``poly_exp`` then (``--toggle exp``, MLX's limits as the server sets
+them): passes three and four wide 672 -> 614 and 802 -> 758 ms, a plain step the same within
+the spread.
 """
 
 from __future__ import annotations
