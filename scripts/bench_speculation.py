@@ -231,6 +231,8 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS))
     ap.add_argument("--rounds", type=int, default=2, help="on/off alternations")
     ap.add_argument("--model", default="default")
+    ap.add_argument("--num-draft-tokens", type=int,
+                    help="the servers' --num-draft-tokens (default: theirs)")
     ap.add_argument("--warmup", action="store_true",
                     help="first run every workload once, unrecorded, on a speculating server "
                          "(on a GPU: MLX compiles its kernels at first use, which would otherwise "
@@ -270,9 +272,10 @@ def main() -> None:
 def _row(tmp: Path, args, rnd: int, w: str, n: int, mode: str) -> dict:
     """One workload at ``n`` clients on a fresh server with ``--speculate mode``."""
     debug = ["--log-level", "debug"] if args.debug_log else []
+    drafts = ["--num-draft-tokens", str(args.num_draft_tokens)] if args.num_draft_tokens else []
     srv = Server(tmp / f"kv-{mode}-{rnd}-{w}-{n}", free_port(),
                  ["--model", args.model, "--speculate", mode, "--no-disk-cache",
-                  "--max-batch", "16", *debug])
+                  "--max-batch", "16", *drafts, *debug])
     try:
         name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
         r = run(srv.url.removesuffix("/v1"), name, w, n, args.max_tokens, {})

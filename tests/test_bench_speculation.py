@@ -35,7 +35,8 @@ def test_rewrite_loses_its_assistant_prefill_and_the_others_stay():
 
 def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, monkeypatch):
     """``--debug-log DIR``: each row's server gets ``--log-level debug`` and its log is copied
-    to DIR under the row's name; without it, neither."""
+    to DIR under the row's name; without it, neither. ``--num-draft-tokens N`` goes to the
+    servers; without it they keep their default."""
     from types import SimpleNamespace
 
     import scripts.bench_speculation as bench
@@ -61,11 +62,14 @@ def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, m
         "decode_tok_s_median": 1.0, "aggregate_tok_s": 1.0, "tokens_per_step": 1.0,
         "accepted": 0, "drafted": 0})
     logs = tmp_path / "logs"
-    args = SimpleNamespace(model="default", max_tokens=8, debug_log=logs)
+    args = SimpleNamespace(model="default", max_tokens=8, debug_log=logs, num_draft_tokens=None)
     bench._row(tmp_path, args, 0, "edit", 8, "ngram")
     assert started[-1][-2:] == ["--log-level", "debug"]
+    assert "--num-draft-tokens" not in started[-1]
     assert (logs / "ngram-0-edit-x8.log").read_text() == "DEBUG plain step: 8 sequences, 300 ms\n"
-    bench._row(tmp_path, SimpleNamespace(model="default", max_tokens=8, debug_log=None),
-               0, "free", 1, "off")
+    bench._row(tmp_path, SimpleNamespace(model="default", max_tokens=8, debug_log=None,
+                                         num_draft_tokens=15), 0, "free", 1, "off")
     assert "--log-level" not in started[-1]
+    i = started[-1].index("--num-draft-tokens")
+    assert started[-1][i + 1] == "15"
     assert sorted(p.name for p in logs.iterdir()) == ["ngram-0-edit-x8.log"]
