@@ -86,7 +86,7 @@ def main() -> None:
     res = {"argv": sys.argv[1:], "device": str(mx.default_device()),
            "machine": platform.machine(), "processor": platform.processor(),
            "mlx": mx.__version__, "model": lm.name, "context": [len(s.tokens) for s in seqs],
-           "mlx_cache_limit": budget._cache_limit}
+           "mlx_cache_limit": budget.cache_limit}
     for mode, by_w in times.items():
         med = {w: round(statistics.median(t), 1) for w, t in by_w.items()}
         res[mode] = {"pass_ms": med, "in_plain_steps": {

@@ -212,6 +212,11 @@ class MemoryBudget:
         self._bound_cache(used, cache)
         return used
 
+    @property
+    def cache_limit(self) -> int:
+        """MLX's buffer cache limit as this budget last set it (-1: not set yet)."""
+        return self._cache_limit
+
     def _bound_cache(self, used: int, cache: int) -> None:
         """MLX's buffer cache may hold what it holds now and grow into what the budget has free
         beyond ``PASS_ROOM`` (set again when that moved by 8 MB or more). ``used``: in use."""

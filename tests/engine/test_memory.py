@@ -193,8 +193,10 @@ def test_mlx_buffer_cache_grows_only_into_room_the_budget_has_free():
     try:
         tight = MemoryBudget(1 << 40)
         tight.measure_outside()
+        assert tight.cache_limit == -1  # not set before the first check
         tight.limit = tight.in_use() + PASS_ROOM // 2  # less free than a pass's room
         tight.in_use()
+        assert tight.cache_limit < 8 << 20  # what the cache holds, no room beyond
         a = [mx.arange(1 << 18, dtype=mx.float32) + i for i in range(32)]
         mx.eval(a)
         del a
@@ -202,6 +204,7 @@ def test_mlx_buffer_cache_grows_only_into_room_the_budget_has_free():
         roomy = MemoryBudget(1 << 40)
         roomy.measure_outside()
         roomy.in_use()
+        assert roomy.cache_limit > 1 << 39  # the budget's free room
         fill_mlx_cache()  # asserts ~32 MB kept
     finally:
         mx.set_cache_limit(before)
