@@ -1,14 +1,15 @@
 """Attention's forms of ``kv_cache/model/cpu_forms.py`` against the plain ops, in whole passes of
 the default model (MLX's CPU backend on x86): the prefix's products (``--toggle products``) or
-``exp`` (``--toggle exp``: the polynomial against ``power``).
+``exp`` (``--toggle exp``: the polynomial against ``power``; ``--toggle fused``: the polynomial
+of the prefix's differences compiled into fused kernels against its ops one by one).
 
 Eight conversations each on its own document (eight agents on eight files), cached in pages and
 closed; each then starts from its pages (one prefix view each, as an agent's next turn does)
 with one new token. Each rep runs a plain step and verify passes 2, 3 and 4 tokens wide, with the
-forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS`` or ``POLY_EXP``), so a drift
-in the machine's speed falls on both:
+forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``, ``POLY_EXP`` or ``FUSED``),
+so a drift in the machine's speed falls on both:
 
-    python scripts/bench_cpu_forms.py [--toggle products|exp] [--sentences 190] [--reps 6]
+    python scripts/bench_cpu_forms.py [--toggle products|exp|fused] [--sentences 190] [--reps 6]
                                       [--json FILE]
 
 Prints the milliseconds of each pass (medians) and each width's cost in plain steps.
@@ -57,10 +58,10 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--toggle", choices=["products", "exp"], default="products")
+    ap.add_argument("--toggle", choices=["products", "exp", "fused"], default="products")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    flag = {"products": "PRODUCTS", "exp": "POLY_EXP"}[args.toggle]
+    flag = {"products": "PRODUCTS", "exp": "POLY_EXP", "fused": "FUSED"}[args.toggle]
     if not cpu_forms.on_x86_cpu():
         sys.exit("the forms are used on MLX's CPU backend on x86 only")
     lm = resolve_and_load(args.model)
@@ -71,8 +72,9 @@ def main() -> None:
     budget = MemoryBudget()  # MLX's limits as the server sets them: without, MLX's buffer
     budget.apply()  # cache keeps 32 MiB here, and a wide pass's temporaries come from fresh
     budget.in_use()  # memory every time (48,000 page faults a pass 4 tokens wide)
-    modes = ({"plain products": False, "forms": True} if args.toggle == "products"
-             else {"exp by power": False, "exp by polynomial": True})
+    modes = {"products": {"plain products": False, "forms": True},
+             "exp": {"exp by power": False, "exp by polynomial": True},
+             "fused": {"exp's ops one by one": False, "exp fused": True}}[args.toggle]
     times: dict[str, dict[int, list[float]]] = {m: {w: [] for w in args.widths} for m in modes}
     for rep in range(args.reps + 1):  # the first rep warms up, unrecorded
         for w in args.widths:

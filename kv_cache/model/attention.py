@@ -51,7 +51,7 @@ import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, keys_first, \
-    keys_first_scores, keys_first_weighted
+    keys_first_scores, keys_first_weighted, warm
 from kv_cache.model.masks import build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import PackedKV, prefix_length
 
@@ -390,4 +390,6 @@ def install(model) -> bool:
         if fn is _ORIGINAL:
             setattr(mod, "scaled_dot_product_attention", attention)
         hooked = hooked or fn in (_ORIGINAL, attention)
+    if hooked:
+        warm()
     return hooked

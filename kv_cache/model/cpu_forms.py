@@ -13,7 +13,10 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
   all in elementwise ops (~4 ns an element in all against ``power``'s ~8 here). Only there:
   its ~15 ops cost more than they save on a few thousand elements, and keep two more arrays of
   the scores' size alive (a prompt's scores are large); chosen by the keys alone, so a plain
-  step and a verify pass at one context take the same ``exp``.
+  step and a verify pass at one context take the same ``exp``. Its ops and the difference
+  before them are compiled (``poly_exp_of_difference``): MLX fuses them into three kernels
+  built once a machine with its C++ compiler (``warm``, at ``attention.install``), the same
+  values bit for bit as the ops one by one, which is what runs where there is no compiler.
 - A few query rows against a shared prefix's thousands of keys (``keys_first``): the scores
   computed as ``keys @ q^T`` and kept that way round, keys first (OpenBLAS's kernel for ``q @
   keys^T``, a few rows against a transposed matrix of thousands, runs at a quarter of the
@@ -29,15 +32,21 @@ ms, passes two, three and four tokens wide 646 -> 504, 793 -> 691, 958 -> 812. T
 for sequences that read no view (their keys their own) measured within the spread there, and
 are not used for them. ``poly_exp`` then (``--toggle exp``, MLX's limits as the server sets
 them): passes three and four wide 672 -> 614 and 802 -> 758 ms, a plain step the same within
-the spread.
+the spread. Fused (``--toggle fused``): passes two, three and four wide 501 -> 435, 647 -> 538,
+710 -> 585 ms, a plain step 361 -> 353.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import platform
+import threading
+from typing import Callable
 
 import mlx.core as mx
+
+log = logging.getLogger("kv_cache.model")
 
 _LOG2E = math.log2(math.e)
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -47,6 +56,7 @@ PIECE_MIN = 1024  # the weighted sum is never cut into pieces of fewer keys than
 PRODUCTS = True  # the prefix's products keys first (scripts/bench_cpu_forms.py: off and on)
 POLY_EXP = True  # poly_exp where it is used (bench_cpu_forms.py --toggle exp: off and on)
 POLY_KEYS = 2048  # a prefix of this many keys or more takes poly_exp
+FUSED = True  # poly_exp of a prefix's differences compiled (bench_cpu_forms.py --toggle fused)
 # 2 ** f on (-1, 0]: 1 exactly at 0, then a least-maximum-relative-error fit (float32)
 _EXP2 = (0.0009449036442674696, 0.00920579768717289, 0.0552973598241806, 0.2401801496744156,
          0.6931437253952026)
@@ -79,6 +89,62 @@ def poly_exp(x: mx.array) -> mx.array:
     return mx.view(mx.view(p, mx.int32) + mx.left_shift(n, 23), mx.float32)
 
 
+class Compiled:
+    """``mx.compile(fn)`` for arrays of any shape, its traces kept for at most ``limit`` shapes:
+    MLX keeps one trace per shape of a function compiled with shapes (``shapeless`` cannot
+    trace ``view``) and looks a call's shape up one trace at a time, so after 3,000 shapes a
+    call took 3x as long; past ``limit`` the function is compiled afresh (dropping it drops its
+    traces). A call only builds the graph; MLX fuses its elementwise ops into kernels it builds
+    with the machine's C++ compiler once (kept under the temporary folder), or runs them one by
+    one where there is none. One lock: MLX's compile cache is not for two threads at once."""
+
+    def __init__(self, fn: Callable, limit: int = 256) -> None:
+        self.fn, self.limit = fn, limit
+        self._lock = threading.Lock()
+        self._shapes: set = set()
+        self._compiled = mx.compile(fn)
+
+    def __call__(self, *args: mx.array) -> mx.array:
+        shape = tuple((a.shape, a.dtype) for a in args)
+        with self._lock:
+            if shape not in self._shapes:
+                if len(self._shapes) >= self.limit:
+                    self._shapes.clear()
+                    self._compiled = mx.compile(self.fn)
+                self._shapes.add(shape)
+            return self._compiled(*args)
+
+    @property
+    def traces(self) -> int:
+        """Shapes traced by the function as now compiled."""
+        return len(self._shapes)
+
+
+def _poly_exp_of_difference(s: mx.array, m: mx.array) -> mx.array:
+    return poly_exp(s - m)
+
+
+# poly_exp(s - m) fused (measured: 2.4x faster than its ops one by one on a verify pass's scores)
+poly_exp_of_difference = Compiled(_poly_exp_of_difference)
+
+
+def warm() -> bool:
+    """Builds the fused kernels of a prefix's ``exp`` now, on x86's CPU backend, so no answer
+    waits for the C++ compiler (~2 s once a machine); where building fails (a broken
+    toolchain), the ops run one by one from now on. True: fused."""
+    global FUSED
+    if not FUSED or not on_x86_cpu():
+        return False
+    try:  # the kernels' names keep the dimensions a pass's arrays keep: 1 or more key heads,
+        for heads, rows in ((2, 2), (1, 2), (1, 1)):  # 1 or more rows
+            k = mx.zeros((heads, POLY_KEYS, 4))
+            mx.eval(keys_first_weighted(*keys_first_scores(mx.zeros((heads, rows, 4)), k), k))
+    except RuntimeError as e:
+        FUSED = False
+        log.warning("attention's exp runs unfused on this CPU: %s", str(e).splitlines()[0])
+    return FUSED
+
+
 def piece(rows: int, keys: int, dim: int) -> int:
     """The keys of each piece the weighted sum of values goes in (``keys``: one product)."""
     if rows * keys * dim <= SMALL_GEMM:
@@ -109,7 +175,11 @@ def keys_first_weighted(s: mx.array, m: mx.array,
     ``piece(rows, n, dim)`` keys; ``exp`` through ``poly_exp`` from ``POLY_KEYS`` keys (module
     docstring)."""
     n = values.shape[-2]
-    e = (poly_exp if POLY_EXP and n >= POLY_KEYS else exp)(s - m.swapaxes(-1, -2))
+    if POLY_EXP and n >= POLY_KEYS and s.dtype == mx.float32:
+        e = (poly_exp_of_difference if FUSED else _poly_exp_of_difference)(
+            s, m.swapaxes(-1, -2))
+    else:
+        e = exp(s - m.swapaxes(-1, -2))
     denom = e.sum(axis=-2, keepdims=True).swapaxes(-1, -2)
     p = piece(e.shape[-1], n, values.shape[-1])
     out = e[..., :p, :].swapaxes(-1, -2) @ values[..., :p, :]

@@ -229,3 +229,19 @@ def test_rows_on_views_compute_their_real_queries_only():
     for i, real in enumerate([1, 3]):
         assert mx.allclose(got[i : i + 1, :, :real], want[i], atol=2e-5).item()
         assert mx.array_equal(got[i, :, real:], mx.zeros_like(got[i, :, real:])).item()
+
+
+def test_install_warms_the_cpu_forms(monkeypatch):
+    """Routing a model's attention builds x86's fused ``exp`` kernels then (``cpu_forms.warm``),
+    not in the middle of an answer; a model not routed warms nothing."""
+    from tests.tiny_model import make_tiny_model
+    warmed: list = []
+    monkeypatch.setattr(attention, "warm", lambda: warmed.append(1))
+    assert attention.install(make_tiny_model(seed=5))
+    assert warmed == [1]
+
+    class NotRouted:
+        def named_modules(self):
+            return []
+    assert not attention.install(NotRouted())
+    assert warmed == [1]

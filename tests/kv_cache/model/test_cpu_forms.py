@@ -56,13 +56,21 @@ def test_poly_exp_takes_no_transcendental_op(monkeypatch):
         cpu_forms.poly_exp(x.astype(mx.bfloat16))
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("keys", [cpu_forms.POLY_KEYS - 1, cpu_forms.POLY_KEYS])
-def test_a_prefix_takes_poly_exp_by_its_keys_alone(keys, monkeypatch):
-    """The weighted sum's ``exp`` is ``poly_exp`` from ``POLY_KEYS`` keys, whatever the rows (a
-    plain step and a verify pass at one context take the same), and gives the plain softmax."""
+def test_a_prefix_takes_poly_exp_by_its_keys_alone(keys, fused, monkeypatch):
+    """The weighted sum's ``exp`` is ``poly_exp`` from ``POLY_KEYS`` keys (fused with the
+    difference, or its ops one by one), whatever the rows (a plain step and a verify pass at one
+    context take the same), and gives the plain softmax."""
     calls: list = []
-    real = cpu_forms.poly_exp
-    monkeypatch.setattr(cpu_forms, "poly_exp", lambda x: calls.append(x.shape) or real(x))
+    monkeypatch.setattr(cpu_forms, "FUSED", fused)
+    if fused:
+        real = cpu_forms.poly_exp_of_difference
+        monkeypatch.setattr(cpu_forms, "poly_exp_of_difference",
+                            lambda s, m: calls.append(s.shape) or real(s, m))
+    else:
+        real = cpu_forms.poly_exp
+        monkeypatch.setattr(cpu_forms, "poly_exp", lambda x: calls.append(x.shape) or real(x))
     mx.random.seed(keys)
     v = mx.random.normal((3, keys, 64))
     for rows in (3, 12):
@@ -74,6 +82,52 @@ def test_a_prefix_takes_poly_exp_by_its_keys_alone(keys, monkeypatch):
         assert mx.allclose(denom, e.sum(axis=-1, keepdims=True), rtol=1e-5).item()
         assert mx.allclose(out, e @ v, rtol=1e-4, atol=1e-4).item()
     assert calls == ([(3, keys, 3), (3, keys, 12)] if keys >= cpu_forms.POLY_KEYS else [])
+
+
+@pytest.mark.parametrize("heads,rows", [(3, 9), (1, 1), (2, 48)])
+def test_fused_poly_exp_is_its_ops_bit_for_bit(heads, rows):
+    """``poly_exp(s - m)`` compiled (MLX fuses its ops into kernels) gives what its ops give one
+    by one, bit for bit, so a pass is the same whether the machine has a C++ compiler or not;
+    -inf gives 0."""
+    mx.random.seed(rows)
+    s = mx.random.normal((heads, 2100, rows)) * 4
+    s = mx.concatenate([s, mx.full((heads, 1, rows), -mx.inf)], axis=1)
+    m = s.max(axis=-2, keepdims=True)
+    got = cpu_forms.poly_exp_of_difference(s, m)
+    assert mx.array_equal(got, cpu_forms.poly_exp(s - m)).item()
+    assert (got[:, -1] == 0).all().item()
+
+
+def test_compiled_keeps_its_traces_for_so_many_shapes():
+    """``Compiled`` traces a function once a shape and is compiled afresh past ``limit`` shapes
+    (MLX's traces of one function, looked up one by one, would grow with every shape); its
+    answers stay right throughout."""
+    traced: list = []
+
+    def fn(a, b):
+        traced.append(a.shape)
+        return a * 2 + b
+
+    f = cpu_forms.Compiled(fn, limit=3)
+    for n in (4, 5, 4, 6, 7, 4):
+        a = mx.arange(n, dtype=mx.float32)
+        assert mx.array_equal(f(a, mx.array(1.0)), a * 2 + 1).item()
+    assert traced == [(4,), (5,), (6,), (7,), (4,)]  # 7 was a fourth shape: traced afresh
+    assert f.traces == 2
+
+
+@pytest.mark.skipif(not cpu_forms.on_x86_cpu(), reason="the fused exp is x86's CPU form only")
+def test_warm_builds_the_kernels_or_leaves_the_ops_unfused(monkeypatch, caplog):
+    """``warm`` (at ``attention.install``) runs a prefix's ``exp`` once, so its kernels are built
+    before any answer; where that fails, the ops run one by one from then on, with a warning."""
+    monkeypatch.setattr(cpu_forms, "FUSED", True)
+    assert cpu_forms.warm() is True
+
+    def broken(*_a, **_k):
+        raise RuntimeError("[Compile::eval_cpu] Failed to compile function\nmore")
+    monkeypatch.setattr(cpu_forms, "keys_first_weighted", broken)
+    assert cpu_forms.warm() is False and cpu_forms.FUSED is False
+    assert "runs unfused" in caplog.text and "Failed to compile" in caplog.text
 
 
 def test_pieces_only_where_one_product_leaves_the_small_kernel():
