@@ -147,6 +147,7 @@ class Scheduler(Preemption):
         arrives while another with the same document is still being read finds its pages."""
         batch: list[tuple] = []
         budget = self.prefill_chunk
+        t_open = time.perf_counter()
         room = self.max_batch - len(self.decoding)  # answers that may still start decoding
         for r, choice in tasks:
             if len(batch) >= room:
@@ -184,6 +185,8 @@ class Scheduler(Preemption):
                 self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
             return
         spent = time.perf_counter() - t0
+        log.debug("prompt pass: %d sequences, %d tokens, %.0f ms (%.0f ms starting them)",
+                  len(batch), sum(len(b[5]) for b in batch), spent * 1e3, (t0 - t_open) * 1e3)
         for r in requests:
             r.forward_s += spent
         for (r, choice, seq, tokens, done, _), row in zip(batch, logits):
