@@ -228,6 +228,9 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
                 if b is not None]
 
     def _take_resident(self, prompt: Sequence[int], match: Match) -> PagedSequence | None:
+        """The resident sequence ``prompt`` goes on from, trimmed to what the tokens verify;
+        None where the pages hold as much, or where each would lose more than half its tokens
+        (NOTE)."""
         best, best_n = None, 0
         for seq in self._resident.values():
             n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
@@ -236,7 +239,12 @@ class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
                 # and of the last page it sealed (so it goes on mid-page, unlike a reuse from
                 # pages); further back only from a page boundary.
                 n = self._whole(n)
-            if n > best_n and seq.has_buffers() and seq.can_trim_to(n):
+            # NOTE: a sequence trimmed by more than half is another conversation that shares
+            # only a beginning (agents' system prompt): taking it would save one copy of that
+            # beginning from the pages and cost its own conversation the copy of all of its
+            # history at its next turn
+            if n > best_n and 2 * n >= len(seq.tokens) and seq.has_buffers() \
+                    and seq.can_trim_to(n):
                 best, best_n = seq, n
         if best is None or best_n < match.tokens:
             return None

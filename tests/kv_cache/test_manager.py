@@ -338,3 +338,25 @@ def test_a_bad_page_in_a_run_keeps_the_pages_before_it(model, tmp_path, monkeypa
     assert mx.allclose(logits, reference(model, tokens), atol=1e-4).item()
     seq.close()
     m.close()
+
+
+def test_a_conversation_sharing_only_a_beginning_leaves_the_resident_one_alone(model):
+    """A new conversation whose prompt shares only the first tokens of a resident sequence
+    (agents' common system prompt) does not take it (it would be trimmed by more than half, and
+    its own conversation's next turn would read its whole history from the pages again); that
+    conversation's next turn still goes on from it in place."""
+    m = CacheManager(pool_for(model))
+    system, doc_a = list(range(10, 18)), list(range(100, 124))
+    seq, _ = m.start(system + doc_a, [])
+    run(model, seq, system + doc_a)
+    m.keep(seq)
+    other = system + list(range(200, 220))
+    got, match = m.start(other, [])
+    assert got is not seq and match.source != "resident" and not seq.closed
+    assert m.resident_tokens() == len(system + doc_a)
+    logits = run(model, got, other[match.tokens:])
+    assert mx.allclose(logits, reference(model, other), atol=1e-4).item()
+    got.close()
+    again, match = m.start(system + doc_a + [5], [])
+    assert again is seq and match.source == "resident" and match.tokens == len(system + doc_a)
+    again.close()
