@@ -69,7 +69,8 @@ class PassCost:
 
     def _line(self, seqs: int) -> tuple[float, float] | None:
         """``(fixed, b)`` for wide passes of ``seqs`` sequences: fitted where they were of two
-        widths or more, else through their mean with the prior slope; None before any."""
+        widths or more (the slope drawn toward the prior by how little their rows spread), else
+        through their mean with the prior slope; None before any."""
         got = self.wide.get(seqs, [])
         if not got:
             return None
@@ -80,7 +81,13 @@ class PassCost:
             a = my / (1 + self.PRIOR * mx_)
             return a, self.PRIOR * a
         sxx = sum((x - mx_) ** 2 for x in xs)
-        b = max(0.0, sum((x - mx_) * (t - my) for x, t in got) / sxx)
+        fitted = max(0.0, sum((x - mx_) * (t - my) for x, t in got) / sxx)
+        # NOTE: the slope is drawn toward the prior one by ``seqs ** 2`` rows squared of weight:
+        # passes whose rows spread little say little of it (seen: eight sequences' passes of 16
+        # and 18 rows gave 32 ms a row, three times the true slope, so drafts taken 99% of the
+        # time were declined for the rest of the answers); a spread of passes outweighs it
+        prior = self.PRIOR * my / (1 + self.PRIOR * mx_)
+        b = (fitted * sxx + prior * seqs ** 2) / (sxx + seqs ** 2)
         a = my - b * mx_
         if a <= 0:  # rows are all there is (or noise): a small fixed part
             a = max(my * 0.05, 1e-6)

@@ -44,8 +44,9 @@ def test_the_fit_of_what_rows_cost():
     for w in (1, 2, 3, 5, 9) * 2:  # the default model on this CPU, 8 x 2,500 tokens of context
         c.add(8, 8 * w, 0.510 + 0.021 * 8 * w)
         c.add(1, w, 0.115 + 0.021 * w)
-    assert c.relative(8, 40) == pytest.approx(on_a_line(0.021 / 0.510)(8, 40))
-    assert c.relative(1, 5) == pytest.approx(on_a_line(0.021 / 0.115)(1, 5))  # its own fixed part
+    # the line recovered (within the little that the slope's prior still weighs: 2%)
+    assert c.relative(8, 40) == pytest.approx(on_a_line(0.021 / 0.510)(8, 40), rel=0.03)
+    assert c.relative(1, 5) == pytest.approx(on_a_line(0.021 / 0.115)(1, 5), rel=0.03)  # its own
     assert c.relative(4, 20) == pytest.approx(prior(4, 20))  # no passes of 4 yet
     c = PassCost()
     for _ in range(10):
@@ -55,6 +56,24 @@ def test_the_fit_of_what_rows_cost():
     for rows in (1, 2, 3, 4) * 3:
         c.add(1, rows, 0.01 * rows)  # no fixed part at all
     assert c.relative(1, 4) > 3.5  # rows are nearly all a pass costs
+
+
+def test_passes_whose_rows_spread_little_do_not_set_a_steep_slope():
+    """Eight answers' first verify passes, all of 16 or 18 rows, measured with the spread of a
+    real machine (an 8-client ``rewrite`` row: a line through them alone says 32 ms a row,
+    three times the ~10 of passes 8-32 rows wide). Fitted alone, such a line priced a pass of
+    48 rows at 6.6 plain steps, and five answers whose drafts were taken 99% of the time were
+    declined for the rest of their answers; the slope drawn toward the prior, they verify."""
+    c = PassCost()
+    for s in (0.243, 0.234, 0.315, 0.284, 0.239, 0.228, 0.232, 0.223, 0.224, 0.237):
+        c.add(8, 8, s)
+    for rows, s in ((16, 0.301), (16, 0.311), (18, 0.370), (18, 0.352), (16, 0.281)):
+        c.add(8, rows, s)
+    assert c.relative(8, 48) < 4.0
+    sp = Speculation(runner=None, mode="ngram", max_draft=8)
+    sp.cost = c
+    group = [choice(r) for r in (0.99, 0.44, 0.16, 0.87, 0.84, 0.99, 0.89, 0.05)]
+    assert sp._width(group, [[1] * n for n in (8, 0, 0, 8, 8, 8, 8, 0)]) > 2
 
 
 def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
