@@ -77,16 +77,15 @@ class PassCost:
         xs = [r for r, _ in got]
         n = len(xs)
         mx_, my = sum(xs) / n, sum(t for _, t in got) / n
+        prior = self.PRIOR * my / (1 + self.PRIOR * mx_)  # the prior slope through their mean
         if len(set(xs)) < 2 or n < 4:
-            a = my / (1 + self.PRIOR * mx_)
-            return a, self.PRIOR * a
+            return prior / self.PRIOR, prior
         sxx = sum((x - mx_) ** 2 for x in xs)
         fitted = max(0.0, sum((x - mx_) * (t - my) for x, t in got) / sxx)
         # NOTE: the slope is drawn toward the prior one by ``seqs ** 2`` rows squared of weight:
         # passes whose rows spread little say little of it (seen: eight sequences' passes of 16
         # and 18 rows gave 32 ms a row, three times the true slope, so drafts taken 99% of the
         # time were declined for the rest of the answers); a spread of passes outweighs it
-        prior = self.PRIOR * my / (1 + self.PRIOR * mx_)
         b = (fitted * sxx + prior * seqs ** 2) / (sxx + seqs ** 2)
         a = my - b * mx_
         if a <= 0:  # rows are all there is (or noise): a small fixed part
