@@ -151,20 +151,29 @@ def _geo(lm) -> Geometry:
 
 def test_a_store_with_tiny_memory_gives_partial_hits_and_no_errors(tiny_lm, tiny_lm_again,
                                                                    tmp_path):
-    # redis-server holds ~1 MB of its own: 4 MB leaves room for about three chats of the six.
-    # Its LRU clock ticks once a second and is sampled: the chats are written a second apart
-    # and 64 keys are sampled, so the older chats are the ones it drops
-    proc = RedisProc(tmp_path / "r", "--maxmemory", "4mb", "--maxmemory-policy",
-                     "allkeys-lru", "--maxmemory-samples", "64").start()
+    # A writes six chats a second apart (the store's LRU clock ticks once a second; 64 keys
+    # sampled), then the store is limited to what it held after the first three (measured, not
+    # a fixed --maxmemory that assumes redis-server's own overhead), so it drops about three
+    # chats, the oldest. The template's head, which all six share, is in use by each: it stays
+    proc = RedisProc(tmp_path / "r", "--maxmemory-policy", "allkeys-lru",
+                     "--maxmemory-samples", "64").start()
+    client = proc.client()
     name = tiny_lm.name
     try:
-        chats = []
+        chats, used = [], [client.info("memory")["used_memory"]]
         with running_server([tiny_lm], config(tmp_path / "a", proc.url)) as a:
             for k in range(6):
                 doc = {"role": "system", "content": f"({k}) {DOC}", "message_id": f"s{k}"}
                 chats.append(run_turns(a, name, f"m{k}", TURNS[:1], [doc]))
                 settled(a, name)
+                used.append(client.info("memory")["used_memory"])
                 time.sleep(1.1)
+            wrote = settled(a, name)["store"]
+        assert wrote["errors"] == wrote["dropped_pages"] == 0
+        assert used[6] - used[3] > 100_000  # three chats' pages
+        client.config_set("maxmemory", used[3])
+        client.ping()  # a command: the store evicts down to its limit first
+        assert client.info("memory")["used_memory"] <= used[3]
         cached, full = [], []
         with running_server([tiny_lm_again], config(tmp_path / "b", proc.url)) as b:
             # newest first: the store's LRU keeps what A wrote last (and B's own writes evict

@@ -8,8 +8,9 @@ miss too (the breaker then keeps it out of the way for a while).
 
 Writes come from one background thread fed by a bounded queue (``submit``): what does not fit
 is dropped and counted, so neither a token nor the disk writer ever waits on the store. An
-entry's pages go first (EXISTS, then ``SET NX`` of the absent ones: a page is written once
-whoever computed it), its manifest last, so a manifest never names a page that was not sent
+entry's pages go first (TOUCH, then ``SET NX`` of the absent ones: a page is written once
+whoever computed it, and each writer that finds it present refreshes it in the store's LRU, as
+EXISTS would not), its manifest last, so a manifest never names a page that was not sent
 (the store may still evict it later: a reader then gets the prefix before it).
 """
 
@@ -190,11 +191,12 @@ class SharedStore:
         hashes = [h for p in job.pages if p.hash is not None for h in [bytes(p.hash)]]
         manifest = val.entry_value(geo, job.key, job.tokens, hashes, job.layout, job.state)
         # last page first: the store's LRU then drops an entry's later pages before its first
-        # ones (EXISTS and SET both count as use), which keeps what it holds a usable prefix
+        # ones (TOUCH and SET both count as use; EXISTS does not, and a beginning that every
+        # conversation shares went first), which keeps what it holds a usable prefix
         items.reverse()
         try:
             names = [self.keys.page(h) for h, _ in items]
-            present = self.link.call(lambda c: _pipelined(c, "exists", names)) if names else []
+            present = self.link.call(lambda c: _pipelined(c, "touch", names)) if names else []
             todo = [(name, make) for name, (_, make), there in zip(names, items, present)
                     if not there]
             for at in range(0, len(todo), self.batch):

@@ -86,7 +86,7 @@ class TieredStore:
     def has_page(self, h: bytes) -> bool:
         """Never: a ``put`` brings every page's data (host views of the pool's arrays, no
         copy), as the store may lack any of them (evicted, restarted); the disk skips the pages
-        it has, the store's writer those it holds (EXISTS)."""
+        it has, the store's writer those it holds (TOUCH)."""
         return False
 
     def keys(self) -> list[str]:
