@@ -57,7 +57,7 @@ class ManagerStats:
 class CacheManager(Restore, DiskSaving, PointEntries, Queries, Room):
     """Message-keyed reuse over one ``PagePool`` (one model), optionally backed by a disk store."""
 
-    def __init__(self, pool: PagePool, store: Tier | None = None, max_resident: int = 4,
+    def __init__(self, pool: PagePool, store: Tier | None = None, max_resident: int = 8,
                  views: PrefixViews | None = None, max_points: int = 2 * points.K):
         """``max_resident``: finished sequences kept with their working buffers (least recently
         used dropped first), so that a turn continuing one of them skips gathering its pages.

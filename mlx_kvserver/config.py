@@ -65,7 +65,7 @@ class ServerConfig:
     # with kv_bits: shared prefixes read packed (quantized products) or decoded; auto: packed on
     # a GPU (kv_cache/model/packed_attention.py)
     kv_attention: str = "auto"
-    max_resident_sequences: int = 4
+    max_resident_sequences: int = 8  # (8 agents each on its own files: each next turn at once)
     max_batch: int = 32  # answers decoded together
     # NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take
     # ~0.9 s, so a prompt arriving mid-stream stalls the other streams by about that much a step.

@@ -1,7 +1,9 @@
 """Attention's forms of ``kv_cache/model/cpu_forms.py`` against the plain ops, in whole passes of
 the default model (MLX's CPU backend on x86): the prefix's products (``--toggle products``) or
 ``exp`` (``--toggle exp``: the polynomial against ``power``; ``--toggle fused``: the polynomial
-of the prefix's differences compiled into fused kernels against its ops one by one).
+of the prefix's differences compiled into fused kernels against its ops one by one; ``--toggle
+own``: sequences holding their whole context in their own buffers, as resident ones do, their
+keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``).
 
 Eight conversations each on its own document (eight agents on eight files), cached in pages and
 closed; each then starts from its pages (one prefix view each, as an agent's next turn does)
@@ -9,7 +11,8 @@ with one new token. Each rep runs a plain step and verify passes 2, 3 and 4 toke
 forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``, ``POLY_EXP`` or ``FUSED``),
 so a drift in the machine's speed falls on both:
 
-    python scripts/bench_cpu_forms.py [--toggle products|exp|fused] [--sentences 190] [--reps 6]
+    python scripts/bench_cpu_forms.py [--toggle products|exp|fused|own] [--sentences 190]
+                                      [--reps 6]
                                       [--json FILE]
 
 Prints the milliseconds of each pass (medians) and each width's cost in plain steps.
@@ -34,15 +37,18 @@ import mlx.core as mx  # noqa: E402
 from bench_pass_width import _pass  # noqa: E402
 from bench_results import write_result  # noqa: E402
 from bench_warm_turns import cached_turns  # noqa: E402
-from kv_cache.model import cpu_forms  # noqa: E402
+from kv_cache.model import attention, cpu_forms  # noqa: E402
 from mlx_kvserver.engine.memory import MemoryBudget  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
 
-def on_views(lm, n: int, sentences: int):
+def on_views(lm, n: int, sentences: int, views: bool = True):
     """``n`` sequences, each started from the cached pages of its own document plus one new
-    token: (runner, sequences, each one's next token)."""
+    token (``views``: through a prefix view each; else its pages gathered into its own buffers,
+    as a resident sequence holds its context): (runner, sequences, each one's next token)."""
     manager, runner, prompts = cached_turns(lm, [1] * n, sentences)
+    if not views:
+        manager.views.min_pages = 1 << 62
     started = [manager.start(p, []) for p in prompts]
     seqs = [s for s, _ in started]
     rows = runner.prefill_many(seqs, [p[m.tokens:] for p, (_, m) in zip(prompts, started)],
@@ -58,15 +64,17 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--toggle", choices=["products", "exp", "fused"], default="products")
+    ap.add_argument("--toggle", choices=["products", "exp", "fused", "own"], default="products")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    flag = {"products": "PRODUCTS", "exp": "POLY_EXP", "fused": "FUSED"}[args.toggle]
+    flag = {"products": "PRODUCTS", "exp": "POLY_EXP", "fused": "FUSED",
+            "own": "OWN_AS_PREFIX"}[args.toggle]
+    where = attention if args.toggle == "own" else cpu_forms
     if not cpu_forms.on_x86_cpu():
         sys.exit("the forms are used on MLX's CPU backend on x86 only")
     lm = resolve_and_load(args.model)
     t0 = time.perf_counter()
-    runner, seqs, nxt = on_views(lm, args.sequences, args.sentences)
+    runner, seqs, nxt = on_views(lm, args.sequences, args.sentences, args.toggle != "own")
     print(f"{len(seqs)} conversations read and started from their pages in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     budget = MemoryBudget()  # MLX's limits as the server sets them: without, MLX's buffer
@@ -74,17 +82,18 @@ def main() -> None:
     budget.in_use()  # memory every time (48,000 page faults a pass 4 tokens wide)
     modes = {"products": {"plain products": False, "forms": True},
              "exp": {"exp by power": False, "exp by polynomial": True},
-             "fused": {"exp's ops one by one": False, "exp fused": True}}[args.toggle]
+             "fused": {"exp's ops one by one": False, "exp fused": True},
+             "own": {"own keys": False, "own as prefix": True}}[args.toggle]
     times: dict[str, dict[int, list[float]]] = {m: {w: [] for w in args.widths} for m in modes}
     for rep in range(args.reps + 1):  # the first rep warms up, unrecorded
         for w in args.widths:
             for mode, on in (modes.items() if rep % 2 else reversed(modes.items())):
-                setattr(cpu_forms, flag, on)
+                setattr(where, flag, on)
                 t = time.perf_counter()
                 _pass(runner, seqs, nxt, w)
                 if rep:
                     times[mode][w].append((time.perf_counter() - t) * 1e3)
-    setattr(cpu_forms, flag, True)
+    setattr(where, flag, True)
     res = {"argv": sys.argv[1:], "device": str(mx.default_device()),
            "machine": platform.machine(), "processor": platform.processor(),
            "mlx": mx.__version__, "model": lm.name, "context": [len(s.tokens) for s in seqs],

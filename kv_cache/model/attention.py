@@ -32,7 +32,9 @@ step of eight 2,000-token sequences): each sequence's products run on its own bu
 the CPU a row that reads no view takes its softmax alone over its real queries (a verify pass
 pads drafts to the longest; the padding is skipped). Measured on the CPU only
 (docs/BENCHMARKS.md section 17); on a GPU a row alone is a dozen more kernel launches a layer,
-so there only the products go apart.
+so there only the products go apart. On the CPU such a row's own keys before its first query
+are read as its prefix (``_own_prefix``: a slice of its buffers, no copy), so a resident
+sequence takes a view's forms (``cpu_forms``) too.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -44,7 +46,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -52,11 +54,12 @@ from mlx_lm.models import base as mlx_base
 
 from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, keys_first, \
     keys_first_scores, keys_first_weighted, warm
-from kv_cache.model.masks import build_mask as _build_mask, ragged_index
+from kv_cache.model.masks import alone_mask, build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import PackedKV, prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
+OWN_AS_PREFIX = True  # on the CPU, long own keys before a row's queries read as its prefix
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -169,31 +172,8 @@ def _alone(queries, keys, values, cache, scale: float, mask, sinks) -> mx.array:
 
 
 def _alone_mask(mask, T: int, N: int):
-    """The model's ``mask`` for ``_alone``'s scores ``[B, kv_heads, repeats, T, N]``: None (no
-    mask), a bool or additive array that broadcasts there, or False for a mask it leaves to the
-    fused kernel."""
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            return False
-        if T == 1:
-            return None
-        p = _PASS.get()
-        key = ("causal", T, N)
-        if p is not None and key in p.masks:
-            return p.masks[key]
-        made = mx.arange(N)[None] <= mx.arange(N - T, N)[:, None]
-        if p is not None:
-            p.masks[key] = made
-        return made
-    if not isinstance(mask, mx.array) or mask.shape[-2:] != (T, N):
-        return False
-    if mask.ndim == 2:
-        return mask
-    if mask.ndim == 4 and mask.shape[1] == 1:
-        return mask[:, :, None]
-    return False
+    p = _PASS.get()  # ``masks.alone_mask``, kept for the pass
+    return alone_mask(mask, T, N, p.masks if p is not None else None)
 
 
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
@@ -255,8 +235,12 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
     reads. Rows sharing a prefix view are computed together, over their real queries only (a
     padded or ragged pass's later ones come back as zeros: nobody reads them)."""
     groups: dict[tuple, list[int]] = {}
+    if OWN_AS_PREFIX and _rows_alone():
+        reads = [_own_prefix(r) for r in reads]
     for i, r in enumerate(reads):
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
+        if r.prefix is not None and r.view is None:  # its own keys as its prefix: alone
+            key = (None, -1 - i)
         groups.setdefault(key, []).append(i)
     parts = []
     for key, rows in groups.items():  # long own keys and no prefix: each row alone (NOTE)
@@ -271,6 +255,17 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
         for j, i in enumerate(rows):
             out[i] = o[j : j + 1]
     return mx.concatenate(out, axis=0)
+
+
+def _own_prefix(r: Reads) -> Reads:
+    """``r`` with its own keys before its first query (``OWN_KEYS_APART`` or more, full
+    attention, float keys) read as a prefix, a slice of its buffers (module docstring)."""
+    c, k, v = r.q_start - r.own_start, r.keys, r.values
+    if r.prefix is not None or r.window or r.block or r.copies or not OWN_KEYS_APART <= c < \
+            k.shape[2]:
+        return r
+    return replace(r, prefix=(k[0, :, :c, :], v[0, :, :c, :]), view=None, keys=k[:, :, c:, :],
+                   values=v[:, :, c:, :], own_start=r.q_start, at=r.at + c)
 
 
 def _rows_alone() -> bool:

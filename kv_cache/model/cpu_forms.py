@@ -25,15 +25,16 @@ element at a time. Everywhere else (Metal, CUDA, Arm's CPU) each function is the
   SMALL_GEMM``), which a verify pass's 6-12 rows a head leave; one product where it fits, or
   where pieces would be short.
 
-Measured in whole passes of the default model, eight sequences each reading its own ~3,700-
-position prefix view (the next turns of eight agents), the forms on and off taking turns in one
-process (``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 419 -> 353
-ms, passes two, three and four tokens wide 646 -> 504, 793 -> 691, 958 -> 812. The same forms
-for sequences that read no view (their keys their own) measured within the spread there, and
-are not used for them. ``poly_exp`` then (``--toggle exp``, MLX's limits as the server sets
-them): passes three and four wide 672 -> 614 and 802 -> 758 ms, a plain step the same within
-the spread. Fused (``--toggle fused``): passes two, three and four wide 501 -> 435, 647 -> 538,
-710 -> 585 ms, a plain step 361 -> 353.
+Measured in whole passes of the default model, eight sequences each reading its own ~3,700-position
+prefix view (the next turns of eight agents), the forms on and off taking turns in one process
+(``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 419 -> 353 ms, passes
+two, three and four tokens wide 646 -> 504, 793 -> 691, 958 -> 812. Sequences that hold their whole
+context (resident ones, no view) take the same forms over their own keys before their queries
+(``attention.OWN_AS_PREFIX``; ``--toggle own``): their passes two, three and four wide ~550/670/780
+-> ~370/485/530 ms, a view's figures. ``poly_exp`` then (``--toggle exp``, MLX's limits as the
+server sets them): passes three and four wide 672 -> 614 and 802 -> 758 ms, a plain step the same
+within the spread. Fused (``--toggle fused``): passes two, three and four wide 501 -> 435, 647 ->
+538, 710 -> 585 ms, a plain step 361 -> 353.
 """
 
 from __future__ import annotations

@@ -127,6 +127,28 @@ def test_alternating_conversations_each_continue_their_resident_sequence(model):
     assert seqs["b"].closed and not seqs["a"].closed and m.resident_tokens() == len(a) + 3 + 10
 
 
+def test_eight_conversations_stay_resident_by_default(model):
+    """Eight agents, each on its own files: each one's finished turn keeps its buffers, so each
+    next turn goes on from them (a ninth conversation closes the least recently used)."""
+    m = CacheManager(pool_for(model))
+    convs = [list(range(10 + 20 * i, 22 + 20 * i)) for i in range(9)]
+    kept = []
+    for toks in convs[:8]:
+        seq, _ = m.start(toks, [])
+        run(model, seq, toks)
+        m.keep(seq)
+        kept.append(seq)
+    for seq, toks in zip(kept, convs):
+        got, match = m.start(toks + [1], [])
+        assert got is seq and match.source == "resident"
+        run(model, got, [1])
+        m.keep(got)
+    seq, _ = m.start(convs[8], [])
+    run(model, seq, convs[8])
+    m.keep(seq)
+    assert kept[0].closed and not any(s.closed for s in kept[1:])
+
+
 def test_pressure_closes_the_resident_sequence_first(model):
     pool = pool_for(model)
     pool = PagePool(pool.num_layers, pool.num_kv_heads, pool.head_dim, page_size=4,
