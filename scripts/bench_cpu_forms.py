@@ -12,8 +12,7 @@ forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``, ``POLY_EXP``
 so a drift in the machine's speed falls on both:
 
     python scripts/bench_cpu_forms.py [--toggle products|exp|fused|own] [--sentences 190]
-                                      [--reps 6]
-                                      [--json FILE]
+                                      [--reps 6] [--json FILE]
 
 Prints the milliseconds of each pass (medians) and each width's cost in plain steps.
 """
@@ -42,6 +41,13 @@ from mlx_kvserver.engine.memory import MemoryBudget  # noqa: E402
 from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 
 
+# each toggle: the module and flag it sets, and its two arms' names (flag off, flag on)
+TOGGLES = {"products": (cpu_forms, "PRODUCTS", {"plain products": False, "forms": True}),
+           "exp": (cpu_forms, "POLY_EXP", {"exp by power": False, "exp by polynomial": True}),
+           "fused": (cpu_forms, "FUSED", {"exp's ops one by one": False, "exp fused": True}),
+           "own": (attention, "OWN_AS_PREFIX", {"own keys": False, "own as prefix": True})}
+
+
 def on_views(lm, n: int, sentences: int, views: bool = True):
     """``n`` sequences, each started from the cached pages of its own document plus one new
     token (``views``: through a prefix view each; else its pages gathered into its own buffers,
@@ -64,12 +70,10 @@ def main() -> None:
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default="default")
-    ap.add_argument("--toggle", choices=["products", "exp", "fused", "own"], default="products")
+    ap.add_argument("--toggle", choices=list(TOGGLES), default="products")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
-    flag = {"products": "PRODUCTS", "exp": "POLY_EXP", "fused": "FUSED",
-            "own": "OWN_AS_PREFIX"}[args.toggle]
-    where = attention if args.toggle == "own" else cpu_forms
+    where, flag, modes = TOGGLES[args.toggle]
     if not cpu_forms.on_x86_cpu():
         sys.exit("the forms are used on MLX's CPU backend on x86 only")
     lm = resolve_and_load(args.model)
@@ -80,10 +84,6 @@ def main() -> None:
     budget = MemoryBudget()  # MLX's limits as the server sets them: without, MLX's buffer
     budget.apply()  # cache keeps 32 MiB here, and a wide pass's temporaries come from fresh
     budget.in_use()  # memory every time (48,000 page faults a pass 4 tokens wide)
-    modes = {"products": {"plain products": False, "forms": True},
-             "exp": {"exp by power": False, "exp by polynomial": True},
-             "fused": {"exp's ops one by one": False, "exp fused": True},
-             "own": {"own keys": False, "own as prefix": True}}[args.toggle]
     times: dict[str, dict[int, list[float]]] = {m: {w: [] for w in args.widths} for m in modes}
     for rep in range(args.reps + 1):  # the first rep warms up, unrecorded
         for w in args.widths:
