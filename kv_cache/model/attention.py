@@ -33,8 +33,9 @@ the CPU a row that reads no view takes its softmax alone over its real queries (
 pads drafts to the longest; the padding is skipped). Measured on the CPU only
 (docs/BENCHMARKS.md section 17); on a GPU a row alone is a dozen more kernel launches a layer,
 so there only the products go apart. On the CPU such a row's own keys before its first query
-are read as its prefix (``_own_prefix``: a slice of its buffers, no copy), so a resident
-sequence takes a view's forms (``cpu_forms``) too.
+are read as a prefix of its own (``_own_prefix``: a slice of its buffers, no copy; after its
+view's, where it reads one: agents sharing a system prompt, each on its own file), so a resident
+sequence takes a prefix's forms (``cpu_forms``, ``prefix_part``) too.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -52,10 +53,10 @@ from typing import Any, Iterator
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
-from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, keys_first, \
-    keys_first_scores, keys_first_weighted, warm
+from kv_cache.model import prefix_part
+from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, warm
 from kv_cache.model.masks import alone_mask, build_mask as _build_mask, ragged_index
-from kv_cache.model.packed_attention import PackedKV, prefix_length
+from kv_cache.model.packed_attention import prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
@@ -85,6 +86,9 @@ class Reads:
     block: int = 0
     float_from: int = 0
     copies: int = 0
+    # its own keys and values before its first query ``[kv_heads, n, head_dim]``, read as a
+    # prefix of its own (``_own_prefix``), after the shared one where it has a view
+    mine: tuple[mx.array, mx.array] | None = None
 
     def padded(self, n: int) -> tuple[mx.array, mx.array]:
         """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""
@@ -239,7 +243,7 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
         reads = [_own_prefix(r) for r in reads]
     for i, r in enumerate(reads):
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
-        if r.prefix is not None and r.view is None:  # its own keys as its prefix: alone
+        if r.prefix is None and r.mine is not None:  # its own keys as its prefix: alone
             key = (None, -1 - i)
         groups.setdefault(key, []).append(i)
     parts = []
@@ -259,12 +263,13 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
 
 def _own_prefix(r: Reads) -> Reads:
     """``r`` with its own keys before its first query (``OWN_KEYS_APART`` or more, full
-    attention, float keys) read as a prefix, a slice of its buffers (module docstring)."""
+    attention, float keys) read as a prefix of its own (``mine``), a slice of its buffers
+    (module docstring); a shared view's prefix, where it reads one, stays its group's."""
     c, k, v = r.q_start - r.own_start, r.keys, r.values
-    if r.prefix is not None or r.window or r.block or r.copies or not OWN_KEYS_APART <= c < \
+    if r.mine is not None or r.window or r.block or r.copies or not OWN_KEYS_APART <= c < \
             k.shape[2]:
         return r
-    return replace(r, prefix=(k[0, :, :c, :], v[0, :, :c, :]), view=None, keys=k[:, :, c:, :],
+    return replace(r, mine=(k[0, :, :c, :], v[0, :, :c, :]), keys=k[:, :, c:, :],
                    values=v[:, :, c:, :], own_start=r.q_start, at=r.at + c)
 
 
@@ -323,15 +328,12 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     m = s_own.max(axis=-1, keepdims=True)
     prefix = reads[0].prefix  # [Hkv, c, D] (or packed), the same for every row of the group
     if prefix is not None:
-        qp = q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D)
-        flip = not isinstance(prefix, PackedKV) and keys_first(qp, prefix[0])
-        if flip:  # [Hkv, c, B*rep*T] (``cpu_forms``)
-            s_pre, m_pre = keys_first_scores(qp, prefix[0])
-        else:
-            s_pre = (prefix.scores(qp) if isinstance(prefix, PackedKV)
-                     else qp @ prefix[0].swapaxes(-1, -2)).astype(mx.float32)  # [Hkv, rows, c]
-            m_pre = s_pre.max(axis=-1, keepdims=True)
-        m = mx.maximum(m, m_pre.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3))
+        shared = prefix_part.scores(q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D), prefix)
+        m = mx.maximum(m, shared.maxima.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3))
+    mine = [prefix_part.scores(q[i], r.mine) if r.mine is not None else None
+            for i, r in enumerate(reads)]  # each row's own keys before its queries
+    if any(mine):
+        m = prefix_part.rows_max(m, [p.maxima[None] if p is not None else None for p in mine])
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1),
                                (1, Hkv, rep, T)).reshape(1, Hkv, rep * T, 1)
@@ -344,18 +346,15 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     else:
         out = e_own.astype(vo.dtype) @ vo  # [B, Hkv, rep*T, D]
     if prefix is not None:
-        m_p = m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1)
-        if flip:
-            out_p, denom_p = keys_first_weighted(s_pre, m_p, prefix[1])
-        else:
-            e_pre = _exp(s_pre - m_p)
-            denom_p = e_pre.sum(axis=-1, keepdims=True)
-            if isinstance(prefix, PackedKV):
-                out_p = prefix.weighted_values(e_pre.astype(queries.dtype))
-            else:
-                out_p = e_pre.astype(prefix[1].dtype) @ prefix[1]  # [Hkv, B*rep*T, D]
+        out_p, denom_p = prefix_part.weighted(
+            shared, m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1), queries.dtype)
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
+    if any(mine):
+        parts = [prefix_part.weighted(p, m[i], queries.dtype) if p is not None else None
+                 for i, p in enumerate(mine)]
+        out = prefix_part.rows_add(out, [p[0][None] if p is not None else None for p in parts])
+        denom = prefix_part.rows_add(denom, [p[1][None] if p is not None else None for p in parts])
     if sinks is not None:
         denom = denom + _exp(sink - m)
     out = out / denom.astype(out.dtype)

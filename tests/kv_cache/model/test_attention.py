@@ -75,39 +75,50 @@ def test_long_own_keys_are_read_where_they_are(view, alone, with_sinks, monkeypa
             assert not mx.any(got[i, :, t:]).item()
 
 
+@pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("T", [1, 4])
-def test_own_keys_before_the_queries_are_read_as_a_prefix(T, monkeypatch):
-    """Rows holding their whole context (resident sequences: no view) read their own keys
-    before their first query as a prefix, a slice of their buffers, so they take a prefix's
-    forms on the CPU; the answer is attention over the whole context, with the flag on or off.
-    A row whose keys before its queries are short, or with a window, is left as it is."""
+def test_own_keys_before_the_queries_are_read_as_a_prefix(T, view, monkeypatch):
+    """Rows holding their context in their own buffers (resident sequences) read their own keys
+    before their first query as a prefix of their own, a slice of their buffers, so they take a
+    prefix's forms on the CPU: alone where they read no view, and still together with the rows
+    of their view where they do (eight agents sharing a system prompt, each on its own file);
+    the answer is attention over the whole context, with the flag on or off. A row whose keys
+    before its queries are short, or with a window, is left as it is."""
     monkeypatch.setattr(attention, "_rows_alone", lambda: True)
     seen = []
     group = attention._group
     monkeypatch.setattr(attention, "_group", lambda q, rs, *a: seen.append(rs) or group(q, rs, *a))
     mx.random.seed(4)
-    H, Hkv, D = 4, 2, 16
+    H, Hkv, D, P = 4, 2, 16, 48
+    kp, vp = mx.random.normal((Hkv, P, D)), mx.random.normal((Hkv, P, D))
     n0 = attention.OWN_KEYS_APART
     own = [n0 + 40, n0 + 5, 30]
     q = mx.random.normal((len(own), H, T, D))
     reads, want = [], []
     for i, n in enumerate(own):
         k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
-        reads.append(Reads(None, None, k, v, 0, n - T, 0))
-        mask = mx.arange(n)[None] <= (n - T + mx.arange(T))[:, None]
-        want.append(fused(q[i : i + 1], k, v, mask=mask))
+        start = P if view else 0
+        reads.append(Reads((kp, vp) if view else None, "view" if view else None, k, v, start,
+                           start + n - T, 0))
+        K = mx.concatenate([kp[None], k], axis=2) if view else k
+        V = mx.concatenate([vp[None], v], axis=2) if view else v
+        mask = mx.arange(start + n)[None] <= (start + n - T + mx.arange(T))[:, None]
+        want.append(fused(q[i : i + 1], K, V, mask=mask))
     for flag in (True, False):
         monkeypatch.setattr(attention, "OWN_AS_PREFIX", flag)
         seen.clear()
         got = split_attention(q, reads, 0.3)
         assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
-        prefixes = [rs[0].prefix for rs in seen]
+        rows = [r for rs in seen for r in rs]
+        mine = [r.mine[0].shape[1] if r.mine is not None else 0 for r in rows]
+        if view:  # one group: the view's rows together
+            assert len(seen) == 1
+            assert all(r.prefix[0] is kp for r in rows)
         if flag:
-            assert [p[0].shape[1] if p is not None else 0 for p in prefixes] == \
-                [own[0] - T, own[1] - T, 0]
-            assert [rs[0].keys.shape[2] for rs in seen[:2]] == [T, T]
+            assert mine == [own[0] - T, own[1] - T, 0]
+            assert [r.keys.shape[2] for r in rows[:2]] == [T, T]
         else:
-            assert prefixes == [None, None, None]
+            assert mine == [0, 0, 0]
     windowed = Reads(None, None, reads[0].keys, reads[0].values, 0, own[0] - T, 64)
     assert attention._own_prefix(windowed) is windowed
 
