@@ -3,7 +3,9 @@ the default model (MLX's CPU backend on x86): the prefix's products (``--toggle 
 ``exp`` (``--toggle exp``: the polynomial against ``power``; ``--toggle fused``: the polynomial
 of the prefix's differences compiled into fused kernels against its ops one by one; ``--toggle
 own``: sequences holding their whole context in their own buffers, as resident ones do, their
-keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``).
+keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``; with
+``--shared-head S``, their documents begin with the same ``S`` sentences, which the later seven
+read through a view of the first one's pages, as agents sharing a system prompt do).
 
 Eight conversations each on its own document (eight agents on eight files), cached in pages and
 closed; each then starts from its pages (one prefix view each, as an agent's next turn does)
@@ -12,7 +14,8 @@ forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``, ``POLY_EXP``
 so a drift in the machine's speed falls on both:
 
     python scripts/bench_cpu_forms.py [--toggle products|exp|fused|own] [--sentences 190]
-                                      [--reps 6] [--json FILE]
+                                      [--shared-head 0] [--widths 1 2 3 4] [--reps 6]
+                                      [--json FILE]
 
 Prints the milliseconds of each pass (medians) and each width's cost in plain steps.
 """
@@ -33,8 +36,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import mlx.core as mx  # noqa: E402
 
+from bench_batching import on_document  # noqa: E402
 from bench_pass_width import _pass  # noqa: E402
 from bench_results import write_result  # noqa: E402
+from bench_ttft import document  # noqa: E402
 from bench_warm_turns import cached_turns  # noqa: E402
 from kv_cache.model import attention, cpu_forms  # noqa: E402
 from mlx_kvserver.engine.memory import MemoryBudget  # noqa: E402
@@ -62,11 +67,24 @@ def on_views(lm, n: int, sentences: int, views: bool = True):
     return runner, seqs, [int(mx.argmax(r.reshape(-1, r.shape[-1])[-1]).item()) for r in rows]
 
 
+def on_shared_head(lm, n: int, sentences: int, head: int):
+    """``n`` sequences on documents that begin with the same ``head`` sentences, read one after
+    the other as a server reads them: the later ones read the head through a view of the first
+    one's pages and hold the rest in their own buffers (runner, sequences, next tokens)."""
+    common = "You are a coding agent. " + document(head)
+    docs = [f"{common} Guide {i + 1} of {n}. " + document(sentences - head) for i in range(n)]
+    _, _, runner, seqs, nxt = on_document(lm, docs, n, chunk=512)
+    return runner, seqs, nxt
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sequences", type=int, default=8)
     ap.add_argument("--sentences", type=int, default=190, help="document length (190: ~3,700 "
                     "tokens)")
+    ap.add_argument("--shared-head", type=int, default=0, metavar="S",
+                    help="with --toggle own: the documents' first S sentences the same, read "
+                         "through a view by all but the first (0: none)")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default="default")
@@ -78,7 +96,10 @@ def main() -> None:
         sys.exit("the forms are used on MLX's CPU backend on x86 only")
     lm = resolve_and_load(args.model)
     t0 = time.perf_counter()
-    runner, seqs, nxt = on_views(lm, args.sequences, args.sentences, args.toggle != "own")
+    if args.shared_head and args.toggle == "own":
+        runner, seqs, nxt = on_shared_head(lm, args.sequences, args.sentences, args.shared_head)
+    else:
+        runner, seqs, nxt = on_views(lm, args.sequences, args.sentences, args.toggle != "own")
     print(f"{len(seqs)} conversations read and started from their pages in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     budget = MemoryBudget()  # MLX's limits as the server sets them: without, MLX's buffer
@@ -97,6 +118,7 @@ def main() -> None:
     res = {"argv": sys.argv[1:], "device": str(mx.default_device()),
            "machine": platform.machine(), "processor": platform.processor(),
            "mlx": mx.__version__, "model": lm.name, "context": [len(s.tokens) for s in seqs],
+           "views": [s.view is not None for s in seqs],
            "mlx_cache_limit": budget.cache_limit}
     for mode, by_w in times.items():
         med = {w: round(statistics.median(t), 1) for w, t in by_w.items()}
