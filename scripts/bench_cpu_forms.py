@@ -4,8 +4,8 @@ the default model (MLX's CPU backend on x86): the prefix's products (``--toggle 
 of the prefix's differences compiled into fused kernels against its ops one by one; ``--toggle
 own``: sequences holding their whole context in their own buffers, as resident ones do, their
 keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``; with
-``--shared-head S``, their documents begin with the same ``S`` sentences, which the later seven
-read through a view of the first one's pages, as agents sharing a system prompt do).
+``--shared-head S``, their documents begin with the same ``S`` sentences, which all eight read
+through one view of those pages, as agents sharing a system prompt do).
 
 Eight conversations each on its own document (eight agents on eight files), cached in pages and
 closed; each then starts from its pages (one prefix view each, as an agent's next turn does)
@@ -69,8 +69,9 @@ def on_views(lm, n: int, sentences: int, views: bool = True):
 
 def on_shared_head(lm, n: int, sentences: int, head: int):
     """``n`` sequences on documents that begin with the same ``head`` sentences, read one after
-    the other as a server reads them: the later ones read the head through a view of the first
-    one's pages and hold the rest in their own buffers (runner, sequences, next tokens)."""
+    the other as a server reads them: the later ones find the head in the first one's pages, and
+    all read it through one view (the first takes it up at its next step) and hold the rest in
+    their own buffers (runner, sequences, next tokens)."""
     common = "You are a coding agent. " + document(head)
     docs = [f"{common} Guide {i + 1} of {n}. " + document(sentences - head) for i in range(n)]
     _, _, runner, seqs, nxt = on_document(lm, docs, n, chunk=512)

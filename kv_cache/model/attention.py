@@ -333,7 +333,7 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     mine = [prefix_part.scores(q[i], r.mine) if r.mine is not None else None
             for i, r in enumerate(reads)]  # each row's own keys before its queries
     if any(mine):
-        m = prefix_part.rows_max(m, [p.maxima[None] if p is not None else None for p in mine])
+        m = prefix_part.by_rows(mx.maximum, m, [p.maxima[None] if p else None for p in mine])
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1),
                                (1, Hkv, rep, T)).reshape(1, Hkv, rep * T, 1)
@@ -353,8 +353,8 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     if any(mine):
         parts = [prefix_part.weighted(p, m[i], queries.dtype) if p is not None else None
                  for i, p in enumerate(mine)]
-        out = prefix_part.rows_add(out, [p[0][None] if p is not None else None for p in parts])
-        denom = prefix_part.rows_add(denom, [p[1][None] if p is not None else None for p in parts])
+        out = prefix_part.by_rows(mx.add, out, [p[0][None] if p else None for p in parts])
+        denom = prefix_part.by_rows(mx.add, denom, [p[1][None] if p else None for p in parts])
     if sinks is not None:
         denom = denom + _exp(sink - m)
     out = out / denom.astype(out.dtype)

@@ -50,17 +50,10 @@ def weighted(part: Part, m: mx.array, dtype) -> tuple[mx.array, mx.array]:
     return e.astype(prefix[1].dtype) @ prefix[1], denom
 
 
-def rows_max(a: mx.array, rows: list[mx.array | None]) -> mx.array:
-    """``a [B, ...]`` with row ``i`` raised to ``rows[i]`` where it is given."""
+def by_rows(op, a: mx.array, rows: list[mx.array | None]) -> mx.array:
+    """``a [B, ...]`` with row ``i`` replaced by ``op(a[i], rows[i])`` where ``rows[i]`` is
+    given (``mx.maximum``: the row maxima over one more part; ``mx.add``: its sums added)."""
     if all(r is not None for r in rows):
-        return mx.maximum(a, mx.concatenate(rows) if len(rows) > 1 else rows[0])
-    return mx.concatenate([a[i : i + 1] if r is None else mx.maximum(a[i : i + 1], r)
-                           for i, r in enumerate(rows)])
-
-
-def rows_add(a: mx.array, rows: list[mx.array | None]) -> mx.array:
-    """``a [B, ...]`` with ``rows[i]`` added to row ``i`` where it is given."""
-    if all(r is not None for r in rows):
-        return a + (mx.concatenate(rows) if len(rows) > 1 else rows[0])
-    return mx.concatenate([a[i : i + 1] if r is None else a[i : i + 1] + r
+        return op(a, mx.concatenate(rows) if len(rows) > 1 else rows[0])
+    return mx.concatenate([a[i : i + 1] if r is None else op(a[i : i + 1], r)
                            for i, r in enumerate(rows)])
