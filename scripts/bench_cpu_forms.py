@@ -3,7 +3,8 @@ the default model (MLX's CPU backend on x86): the prefix's products (``--toggle 
 ``exp`` (``--toggle exp``: the polynomial against ``power``; ``--toggle fused``: the polynomial
 of the prefix's differences compiled into fused kernels against its ops one by one; ``--toggle
 own``: sequences holding their whole context in their own buffers, as resident ones do, their
-keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``; with
+keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``; ``--toggle from``:
+the same, always or where it pays, ``attention.OWN_PREFIX_FROM``; with
 ``--shared-head S``, their documents begin with the same ``S`` sentences, which all eight read
 through one view of those pages, as agents sharing a system prompt do).
 
@@ -13,7 +14,7 @@ with one new token. Each rep runs a plain step and verify passes 2, 3 and 4 toke
 forms on and off taking turns pass by pass (``cpu_forms.PRODUCTS``, ``POLY_EXP`` or ``FUSED``),
 so a drift in the machine's speed falls on both:
 
-    python scripts/bench_cpu_forms.py [--toggle products|exp|fused|own] [--sentences 190]
+    python scripts/bench_cpu_forms.py [--toggle products|exp|fused|own|from] [--sentences 190]
                                       [--shared-head 0] [--widths 1 2 3 4] [--reps 6]
                                       [--json FILE]
 
@@ -50,7 +51,9 @@ from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 TOGGLES = {"products": (cpu_forms, "PRODUCTS", {"plain products": False, "forms": True}),
            "exp": (cpu_forms, "POLY_EXP", {"exp by power": False, "exp by polynomial": True}),
            "fused": (cpu_forms, "FUSED", {"exp's ops one by one": False, "exp fused": True}),
-           "own": (attention, "OWN_AS_PREFIX", {"own keys": False, "own as prefix": True})}
+           "own": (attention, "OWN_AS_PREFIX", {"own keys": False, "own as prefix": True}),
+           "from": (attention, "OWN_PREFIX_FROM", {"own as prefix always": 0,
+                                                   "where it pays": attention.OWN_PREFIX_FROM})}
 
 
 def on_views(lm, n: int, sentences: int, views: bool = True):
@@ -100,7 +103,8 @@ def main() -> None:
     if args.shared_head and args.toggle == "own":
         runner, seqs, nxt = on_shared_head(lm, args.sequences, args.sentences, args.shared_head)
     else:
-        runner, seqs, nxt = on_views(lm, args.sequences, args.sentences, args.toggle != "own")
+        runner, seqs, nxt = on_views(lm, args.sequences, args.sentences,
+                                     args.toggle not in ("own", "from"))
     print(f"{len(seqs)} conversations read and started from their pages in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     budget = MemoryBudget()  # MLX's limits as the server sets them: without, MLX's buffer

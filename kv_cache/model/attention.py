@@ -61,6 +61,8 @@ from kv_cache.model.packed_attention import prefix_length
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
 OWN_AS_PREFIX = True  # on the CPU, long own keys before a row's queries read as its prefix
+# ... from ``c * sqrt(t) >= OWN_PREFIX_FROM`` (``c`` keys before ``t`` queries: _own_prefix)
+OWN_PREFIX_FROM = 2000
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -262,12 +264,16 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
 
 
 def _own_prefix(r: Reads) -> Reads:
-    """``r`` with its own keys before its first query (``OWN_KEYS_APART`` or more, full
-    attention, float keys) read as a prefix of its own (``mine``), a slice of its buffers
-    (module docstring); a shared view's prefix, where it reads one, stays its group's."""
+    """``r`` with its own keys before its first query (full attention, float keys) read as a
+    prefix of its own (``mine``), a slice of its buffers (module docstring); a shared view's
+    prefix, where it reads one, stays its group's. Where it pays: from ``OWN_KEYS_APART`` keys
+    and ``c * sqrt(t) >= OWN_PREFIX_FROM`` for ``c`` keys before ``t`` queries (measured on x86's
+    CPU, eight rows: a prefix's forms lose below ~2,000 keys for one query, ~1,200 for four,
+    ~600 for nine, up to 1.8x at 300 keys; docs/BENCHMARKS.md section 17)."""
     c, k, v = r.q_start - r.own_start, r.keys, r.values
-    if r.mine is not None or r.window or r.block or r.copies or not OWN_KEYS_APART <= c < \
-            k.shape[2]:
+    t = k.shape[2] - c
+    if r.mine is not None or r.window or r.block or r.copies or t < 1 or c < OWN_KEYS_APART \
+            or c * t ** 0.5 < OWN_PREFIX_FROM:
         return r
     return replace(r, mine=(k[0, :, :c, :], v[0, :, :c, :]), keys=k[:, :, c:, :],
                    values=v[:, :, c:, :], own_start=r.q_start, at=r.at + c)

@@ -85,6 +85,7 @@ def test_own_keys_before_the_queries_are_read_as_a_prefix(T, view, monkeypatch):
     the answer is attention over the whole context, with the flag on or off. A row whose keys
     before its queries are short, or with a window, is left as it is."""
     monkeypatch.setattr(attention, "_rows_alone", lambda: True)
+    monkeypatch.setattr(attention, "OWN_PREFIX_FROM", 0)  # the rule where it pays: below
     seen = []
     group = attention._group
     monkeypatch.setattr(attention, "_group", lambda q, rs, *a: seen.append(rs) or group(q, rs, *a))
@@ -121,6 +122,18 @@ def test_own_keys_before_the_queries_are_read_as_a_prefix(T, view, monkeypatch):
             assert mine == [0, 0, 0]
     windowed = Reads(None, None, reads[0].keys, reads[0].values, 0, own[0] - T, 64)
     assert attention._own_prefix(windowed) is windowed
+
+
+@pytest.mark.parametrize("c, t, mine", [(1_900, 1, False), (2_100, 1, True), (900, 4, False),
+                                         (1_100, 4, True), (600, 9, False), (700, 9, True),
+                                         (200, 512, False)])
+def test_own_keys_are_read_as_a_prefix_where_that_pays(c, t, mine):
+    """``c`` own keys before ``t`` queries become a prefix of their own from ``c * sqrt(t) >=
+    OWN_PREFIX_FROM`` (and ``OWN_KEYS_APART`` keys): below, the plain products are faster on
+    x86's CPU (one query under ~2,000 keys, four under ~1,200, nine under ~600)."""
+    k = mx.zeros((1, 2, c + t, 8))
+    r = Reads(None, None, k, k, 0, c, 0)
+    assert (attention._own_prefix(r).mine is not None) == mine
 
 
 def test_a_window_reads_only_its_last_positions():
