@@ -34,9 +34,8 @@ context (resident ones, no view) take the same forms over their own keys before 
 -> ~370/485/530 ms, a view's figures; behind a shared view as well (``--shared-head``), and only
 where that pays (``attention.OWN_PREFIX_FROM``: not for short contexts). ``poly_exp`` then
 (``--toggle exp``, MLX's limits as the server sets them): passes three and four wide 672 -> 614 and
-802 -> 758 ms, a plain step the same
-within the spread. Fused (``--toggle fused``): passes two, three and four wide 501 -> 435, 647 ->
-538, 710 -> 585 ms, a plain step 361 -> 353.
+802 -> 758 ms, a plain step the same within the spread. Fused (``--toggle fused``): passes two,
+three and four wide 501 -> 435, 647 -> 538, 710 -> 585 ms, a plain step 361 -> 353.
 """
 
 from __future__ import annotations
