@@ -87,8 +87,8 @@ def main() -> None:
     ap.add_argument("--sentences", type=int, default=190, help="document length (190: ~3,700 "
                     "tokens)")
     ap.add_argument("--shared-head", type=int, default=0, metavar="S",
-                    help="with --toggle own: the documents' first S sentences the same, read "
-                         "through a view by all but the first (0: none)")
+                    help="with --toggle own or from: the documents' first S sentences the same, "
+                         "read through one view by all (0: none)")
     ap.add_argument("--widths", type=int, nargs="+", default=[1, 2, 3, 4])
     ap.add_argument("--reps", type=int, default=6)
     ap.add_argument("--model", default="default")
@@ -100,7 +100,7 @@ def main() -> None:
         sys.exit("the forms are used on MLX's CPU backend on x86 only")
     lm = resolve_and_load(args.model)
     t0 = time.perf_counter()
-    if args.shared_head and args.toggle == "own":
+    if args.shared_head and args.toggle in ("own", "from"):
         runner, seqs, nxt = on_shared_head(lm, args.sequences, args.sentences, args.shared_head)
     else:
         runner, seqs, nxt = on_views(lm, args.sequences, args.sentences,
