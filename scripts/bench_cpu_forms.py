@@ -3,8 +3,8 @@ the default model (MLX's CPU backend on x86): the prefix's products (``--toggle 
 ``exp`` (``--toggle exp``: the polynomial against ``power``; ``--toggle fused``: the polynomial
 of the prefix's differences compiled into fused kernels against its ops one by one; ``--toggle
 own``: sequences holding their whole context in their own buffers, as resident ones do, their
-keys before the queries read as a prefix or not, ``attention.OWN_AS_PREFIX``; ``--toggle from``:
-the same, always or where it pays, ``attention.OWN_PREFIX_FROM``; with
+keys before the queries read as a prefix where it pays or never, ``attention.OWN_PREFIX_FROM``;
+``--toggle from``: the same, always or where it pays; with
 ``--shared-head S``, their documents begin with the same ``S`` sentences, which all eight read
 through one view of those pages, as agents sharing a system prompt do).
 
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -51,7 +52,8 @@ from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
 TOGGLES = {"products": (cpu_forms, "PRODUCTS", {"plain products": False, "forms": True}),
            "exp": (cpu_forms, "POLY_EXP", {"exp by power": False, "exp by polynomial": True}),
            "fused": (cpu_forms, "FUSED", {"exp's ops one by one": False, "exp fused": True}),
-           "own": (attention, "OWN_AS_PREFIX", {"own keys": False, "own as prefix": True}),
+           "own": (attention, "OWN_PREFIX_FROM", {"own keys": math.inf,
+                                                  "own as prefix": attention.OWN_PREFIX_FROM}),
            "from": (attention, "OWN_PREFIX_FROM", {"own as prefix always": 0,
                                                    "where it pays": attention.OWN_PREFIX_FROM})}
 

@@ -4,7 +4,7 @@ view (resident sequences), random queries, keys and values, by the keys before t
 the queries a row has (1: a plain step; 4, 9: verify passes), in three arms taking turns:
 
 - ``prefix``: always read as a prefix (``OWN_PREFIX_FROM = 0``);
-- ``plain``: never (``OWN_AS_PREFIX = False``): each row's products on its own keys, ``power``;
+- ``plain``: never (``OWN_PREFIX_FROM = math.inf``): each row's products on its own keys, ``power``;
 - ``rule``: as the server does (``c * sqrt(t) >= OWN_PREFIX_FROM``).
 
     python scripts/bench_own_prefix.py [--reps 6] [--json FILE]
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import statistics
 import sys
@@ -51,7 +52,7 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     rule = attention.OWN_PREFIX_FROM
-    arms = {"prefix": (True, 0), "plain": (False, rule), "rule": (True, rule)}
+    arms = {"prefix": 0, "plain": math.inf, "rule": rule}
     mx.random.seed(0)
     res: dict = {"argv": sys.argv[1:], "device": str(mx.default_device()),
                  "machine": platform.machine(), "processor": platform.processor(),
@@ -63,7 +64,7 @@ def main() -> None:
             times: dict[str, list[float]] = {a: [] for a in arms}
             for rep in range(args.reps + 1):  # the first rep warms up, unrecorded
                 for arm in (list(arms) if rep % 2 else list(reversed(arms))):
-                    attention.OWN_AS_PREFIX, attention.OWN_PREFIX_FROM = arms[arm]
+                    attention.OWN_PREFIX_FROM = arms[arm]
                     t0 = time.perf_counter()
                     mx.eval([split_attention(q, reads, 0.125) for _ in range(LAYERS)])
                     if rep:
@@ -71,7 +72,7 @@ def main() -> None:
             med = {a: round(statistics.median(v), 1) for a, v in times.items()}
             res["ms_per_step"][f"t={t} c={c}"] = med
             print(f"t={t} c={c:5d}", " ".join(f"{a} {m:6.1f}" for a, m in med.items()), flush=True)
-    attention.OWN_AS_PREFIX, attention.OWN_PREFIX_FROM = True, rule
+    attention.OWN_PREFIX_FROM = rule
     if args.json:
         write_result(args.json, json.dumps(res, indent=1))
 

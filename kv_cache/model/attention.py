@@ -60,8 +60,8 @@ from kv_cache.model.packed_attention import prefix_length
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
-OWN_AS_PREFIX = True  # on the CPU, long own keys before a row's queries read as its prefix
-# ... from ``c * sqrt(t) >= OWN_PREFIX_FROM`` (``c`` keys before ``t`` queries: _own_prefix)
+# on the CPU, own keys before a row's queries read as its prefix from ``c * sqrt(t) >= this``
+# (``c`` keys before ``t`` queries: _own_prefix; ``math.inf``: never)
 OWN_PREFIX_FROM = 2000
 
 
@@ -241,7 +241,7 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
     reads. Rows sharing a prefix view are computed together, over their real queries only (a
     padded or ragged pass's later ones come back as zeros: nobody reads them)."""
     groups: dict[tuple, list[int]] = {}
-    if OWN_AS_PREFIX and _rows_alone():
+    if _rows_alone():
         reads = [_own_prefix(r) for r in reads]
     for i, r in enumerate(reads):
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
@@ -269,10 +269,10 @@ def _own_prefix(r: Reads) -> Reads:
     prefix, where it reads one, stays its group's. Where it pays: from ``OWN_KEYS_APART`` keys
     and ``c * sqrt(t) >= OWN_PREFIX_FROM`` for ``c`` keys before ``t`` queries (measured on x86's
     CPU, eight rows: a prefix's forms lose below ~2,000 keys for one query, ~1,200 for four,
-    ~600 for nine, up to 1.8x at 300 keys; docs/BENCHMARKS.md section 17)."""
+    ~600 for nine, 2.3x at 300 keys; docs/BENCHMARKS.md section 17)."""
     c, k, v = r.q_start - r.own_start, r.keys, r.values
     t = k.shape[2] - c
-    if r.mine is not None or r.window or r.block or r.copies or t < 1 or c < OWN_KEYS_APART \
+    if r.window or r.block or r.copies or t < 1 or c < OWN_KEYS_APART \
             or c * t ** 0.5 < OWN_PREFIX_FROM:
         return r
     return replace(r, mine=(k[0, :, :c, :], v[0, :, :c, :]), keys=k[:, :, c:, :],

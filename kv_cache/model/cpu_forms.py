@@ -30,9 +30,9 @@ prefix view (the next turns of eight agents), the forms on and off taking turns 
 (``scripts/bench_cpu_forms.py``, docs/BENCHMARKS.md section 17): a plain step 419 -> 353 ms, passes
 two, three and four tokens wide 646 -> 504, 793 -> 691, 958 -> 812. Sequences that hold their whole
 context (resident ones, no view) take the same forms over their own keys before their queries
-(``attention.OWN_AS_PREFIX``; ``--toggle own``): their passes two, three and four wide ~550/670/780
--> ~370/485/530 ms, a view's figures; behind a shared view as well (``--shared-head``), and only
-where that pays (``attention.OWN_PREFIX_FROM``: not for short contexts). ``poly_exp`` then
+(``attention.OWN_PREFIX_FROM``; ``--toggle own``): their passes two, three and four wide
+~550/670/780 -> ~370/485/530 ms, a view's figures; behind a shared view as well
+(``--shared-head``), and only where that pays (not for short contexts). ``poly_exp`` then
 (``--toggle exp``, MLX's limits as the server sets them): passes three and four wide 672 -> 614 and
 802 -> 758 ms, a plain step the same within the spread. Fused (``--toggle fused``): passes two,
 three and four wide 501 -> 435, 647 -> 538, 710 -> 585 ms, a plain step 361 -> 353.

@@ -3,6 +3,8 @@ bookkeeping that lets KV-shared layers find their reads only inside a forward pa
 
 from __future__ import annotations
 
+import math
+
 import mlx.core as mx
 import pytest
 
@@ -85,7 +87,6 @@ def test_own_keys_before_the_queries_are_read_as_a_prefix(T, view, monkeypatch):
     the answer is attention over the whole context, with the flag on or off. A row whose keys
     before its queries are short, or with a window, is left as it is."""
     monkeypatch.setattr(attention, "_rows_alone", lambda: True)
-    monkeypatch.setattr(attention, "OWN_PREFIX_FROM", 0)  # the rule where it pays: below
     seen = []
     group = attention._group
     monkeypatch.setattr(attention, "_group", lambda q, rs, *a: seen.append(rs) or group(q, rs, *a))
@@ -105,8 +106,8 @@ def test_own_keys_before_the_queries_are_read_as_a_prefix(T, view, monkeypatch):
         V = mx.concatenate([vp[None], v], axis=2) if view else v
         mask = mx.arange(start + n)[None] <= (start + n - T + mx.arange(T))[:, None]
         want.append(fused(q[i : i + 1], K, V, mask=mask))
-    for flag in (True, False):
-        monkeypatch.setattr(attention, "OWN_AS_PREFIX", flag)
+    for flag in (True, False):  # always (where it pays: the next test), or never
+        monkeypatch.setattr(attention, "OWN_PREFIX_FROM", 0 if flag else math.inf)
         seen.clear()
         got = split_attention(q, reads, 0.3)
         assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
