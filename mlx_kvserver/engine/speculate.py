@@ -79,7 +79,7 @@ class Speculation:
         self.shared = SharedIndex() if self.mode != "off" else None
         self.stats = SpeculationStats()
         self.cost = PassCost()
-        self._declined: dict[int, int] = {}  # this step's drafts declined by cost: first tokens
+        self._beyond: dict[int, int] = {}  # this step's drafts cut by cost: their next tokens
 
     @property
     def on(self) -> bool:
@@ -113,13 +113,15 @@ class Speculation:
         if log.isEnabledFor(logging.DEBUG) and any(out):
             log.debug("drafts offered %s (rates %s), verified %s", [len(d) for d in out],
                       [round(c.drafter.rate, 2) if c.drafter else None for c in group], lengths)
-        # NOTE: a draft declined by cost gets no verify pass, so its drafter would learn
-        # nothing and keep a draft too short or a rate too low to pay (seen: 16 steps on a
-        # one-token draft until the next probe); its first token is checked against the token
-        # the step gives it instead (``_score_declined``): free, and for sampled answers the
-        # chance of a match is the chance the draft token would have been kept
-        self._declined = {id(c): d[0] for c, d, n in zip(group, out, lengths)
-                          if d and n == 0 and c.draft_source not in ("", "grammar")}
+        # NOTE: draft tokens cut by cost get no verify pass, so a drafter would learn nothing
+        # of them and keep a draft too short or a rate too low to pay (seen: 16 steps on a
+        # one-token draft until the next probe; a tail answer copying its file whole verified
+        # 1, 1, 1, 2, 3, 5 of 8 offered while its rate climbed back). The first token past what
+        # is verified is checked against the token the step gives at that position instead (a
+        # plain step's token; a verify pass's token after a draft taken whole): free, and for a
+        # sampled answer the chance of a match is the chance it would have been kept
+        self._beyond = {id(c): d[n] for c, d, n in zip(group, out, lengths)
+                        if len(d) > n and c.draft_source not in ("", "grammar")}
         return [d[:n] for d, n in zip(out, lengths)]
 
     def _lengths(self, group: Sequence[Choice], drafts: list[list[int]]) -> list[int]:
@@ -236,7 +238,9 @@ class Speculation:
                 taken += 1
             if len(d) > j:  # the rejected draft's positions, off the private tail
                 c.seq.trim(len(d) - j)
-            self._count(c, d, taken, len(c.tokens) - before)
+            # the token after a draft taken whole, against the draft's next one cut by cost
+            past = self._beyond.pop(id(c), None) if taken == len(d) and j == len(d) else None
+            self._count(c, d, taken, len(c.tokens) - before, None if past is None else t == past)
             made += len(c.tokens) - before
             out.append(deltas)
         if log.isEnabledFor(logging.DEBUG):
@@ -251,20 +255,19 @@ class Speculation:
         self.cost.add(len(group), len(group), seconds)
         log.debug("plain step: %d sequences, %.0f ms", len(group), seconds * 1e3)
         for c, t in zip(group, tokens):
-            self._score_declined(c, t)
+            first = self._beyond.pop(id(c), None)  # a draft declined whole (``drafts``: NOTE)
+            if first is not None and c.drafter is not None:
+                c.drafter.taken(1, int(t == first))
         self.stats.steps += 1
         self.stats.tokens += len(group)
         for c in group:
             c.steps += 1
 
-    def _score_declined(self, c: Choice, token: int) -> None:
-        """The token this step gave ``c``, against the first of a draft declined for it
-        (``drafts``: NOTE)."""
-        first = self._declined.pop(id(c), None)
-        if first is not None and c.drafter is not None:
-            c.drafter.taken(1, int(token == first))
-
-    def _count(self, c: Choice, draft: list[int], taken: int, produced: int) -> None:
+    def _count(self, c: Choice, draft: list[int], taken: int, produced: int,
+               past: bool | None = None) -> None:
+        """A verify pass's outcome for ``c``; ``past``: whether the token after its draft
+        (taken whole) was the next one of the draft cut by cost, where there was one: the
+        drafter learns of it as of one more token verified."""
         s = self.stats
         s.tokens += produced
         s.drafted += len(draft)
@@ -273,4 +276,5 @@ class Speculation:
         c.drafted += len(draft)
         c.accepted += taken
         if c.drafter is not None and c.draft_source not in ("", "grammar"):
-            c.drafter.taken(len(draft), taken)
+            extra = int(past is not None)
+            c.drafter.taken(len(draft) + extra, taken + int(bool(past)))

@@ -193,3 +193,62 @@ def test_a_draft_declined_by_cost_is_scored_by_the_plain_steps_token():
     assert step is not None and step <= 2 and c.drafter.rate > 0.2  # long before a probe (16)
     step, c = run(7)  # never the draft's token: declined throughout, and drafting pauses
     assert step is None and c.drafter.rate < 0.2 and c.drafter.pause > 0
+
+
+class _Copying:
+    """A choice whose answer copies ``source`` (greedy): what a verify pass needs of it."""
+
+    def __init__(self, source: list[int], rate: float):
+        self.source, self.tokens, self.done, self.next_token = source, [], False, source[0]
+        self.drafter, self.draft_source = choice(rate).drafter, "context"
+        self.sampler = SimpleNamespace(temperature=0, matcher=None)
+        self.seq = SimpleNamespace(trim=lambda n: None)
+        self.steps = self.drafted = self.accepted = 0
+
+    def accept(self, t, logits):
+        self.tokens.append(t)
+        return []
+
+
+def _verify_runner(model_next):
+    """A runner whose logits' argmax at each fed token is ``model_next(token)``."""
+    def verify(seqs, pieces):
+        import mlx.core as mx
+        return [mx.array([[10.0 if v == model_next(t) else 0.0 for v in range(64)]
+                          for t in piece]) for piece in pieces]
+    return SimpleNamespace(verify=verify, pass_rows=lambda lengths: sum(lengths))
+
+
+def test_draft_tokens_cut_by_cost_are_scored_by_the_token_after_the_verified_ones():
+    """An answer copying its file whose width is cut by cost (8 offered, 1 verified) learns of
+    the first token it did not verify from the token the pass gives after the one it did: its
+    rate climbs twice as fast where the draft was right (seen: a tail answer verifying 1, 1, 1,
+    2, 3, 5 of 8 offered, all taken, while its rate climbed back), and falls where it was not."""
+    source = list(range(1, 40))
+
+    def run(model_next):
+        s = spec(0.25)
+        s.runner = _verify_runner(model_next)
+        c = _Copying(source, 0.5)
+        c.drafter.length = 8
+        s._draft = lambda c: (source[len(c.tokens) + 1:len(c.tokens) + 9], 20)
+        s._width = lambda group, drafts: 2  # one draft token a pass: cut by cost
+        rates = []
+        for _ in range(3):
+            drafts = s.drafts([c])
+            assert [len(d) for d in drafts] == [1]
+            s.verify([c], drafts)
+            c.next_token = c.tokens[-1]
+            rates.append(c.drafter.rate)
+        return c, rates
+
+    c, rates = run(lambda t: t + 1)  # the model copies: every draft token right
+    assert c.tokens == source[1:7] and c.accepted == 3
+    # each pass counts two tokens taken (the verified one and the one after it), none cut
+    assert rates[0] == pytest.approx((5 * 0.8 + 2) / (5 * 0.8 + 2 + 5 * 0.8))
+    h, f = 5.0, 5.0
+    for _ in range(3):  # what counting the verified token alone would give: 0.66
+        h, f = h * 0.8 + 1, f * 0.8
+    assert rates[-1] == pytest.approx(0.744) and h / (h + f) < 0.67
+    _, wrong_after = run(lambda t: t + 1 if t % 2 else t + 2)  # every other token not the copy
+    assert wrong_after[-1] < 0.5
