@@ -79,7 +79,7 @@ class Speculation:
         self.shared = SharedIndex() if self.mode != "off" else None
         self.stats = SpeculationStats()
         self.cost = PassCost()
-        self._beyond: dict[int, int] = {}  # this step's drafts cut by cost: their next tokens
+        self._offered: dict[int, list[int]] = {}  # this step's drafts that were cut by cost
 
     @property
     def on(self) -> bool:
@@ -117,11 +117,12 @@ class Speculation:
         # of them and keep a draft too short or a rate too low to pay (seen: 16 steps on a
         # one-token draft until the next probe; a tail answer copying its file whole verified
         # 1, 1, 1, 2, 3, 5 of 8 offered while its rate climbed back). The first token past what
-        # is verified is checked against the token the step gives at that position instead (a
-        # plain step's token; a verify pass's token after a draft taken whole): free, and for a
-        # sampled answer the chance of a match is the chance it would have been kept
-        self._beyond = {id(c): d[n] for c, d, n in zip(group, out, lengths)
-                        if len(d) > n and c.draft_source not in ("", "grammar")}
+        # is verified (here, or by the scheduler's memory bound after) is checked against the
+        # token the step gives at that position instead (a plain step's token; a verify pass's
+        # token after a draft taken whole): free, and for a sampled answer the chance of a match
+        # is the chance it would have been kept
+        self._offered = {id(c): d for c, d, n in zip(group, out, lengths)
+                         if len(d) > n and c.draft_source not in ("", "grammar")}
         return [d[:n] for d, n in zip(out, lengths)]
 
     def _lengths(self, group: Sequence[Choice], drafts: list[list[int]]) -> list[int]:
@@ -238,9 +239,10 @@ class Speculation:
                 taken += 1
             if len(d) > j:  # the rejected draft's positions, off the private tail
                 c.seq.trim(len(d) - j)
-            # the token after a draft taken whole, against the draft's next one cut by cost
-            past = self._beyond.pop(id(c), None) if taken == len(d) and j == len(d) else None
-            self._count(c, d, taken, len(c.tokens) - before, None if past is None else t == past)
+            # the token after a draft taken whole, against the next one of the draft offered
+            offered = self._offered.pop(id(c), ())
+            past = t == offered[j] if taken == j == len(d) < len(offered) else None
+            self._count(c, d, taken, len(c.tokens) - before, past)
             made += len(c.tokens) - before
             out.append(deltas)
         if log.isEnabledFor(logging.DEBUG):
@@ -255,9 +257,9 @@ class Speculation:
         self.cost.add(len(group), len(group), seconds)
         log.debug("plain step: %d sequences, %.0f ms", len(group), seconds * 1e3)
         for c, t in zip(group, tokens):
-            first = self._beyond.pop(id(c), None)  # a draft declined whole (``drafts``: NOTE)
-            if first is not None and c.drafter is not None:
-                c.drafter.taken(1, int(t == first))
+            offered = self._offered.pop(id(c), None)  # a draft declined whole (``drafts``)
+            if offered and c.drafter is not None:
+                c.drafter.taken(1, int(t == offered[0]))
         self.stats.steps += 1
         self.stats.tokens += len(group)
         for c in group:

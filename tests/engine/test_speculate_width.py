@@ -223,32 +223,51 @@ def test_draft_tokens_cut_by_cost_are_scored_by_the_token_after_the_verified_one
     """An answer copying its file whose width is cut by cost (8 offered, 1 verified) learns of
     the first token it did not verify from the token the pass gives after the one it did: its
     rate climbs twice as fast where the draft was right (seen: a tail answer verifying 1, 1, 1,
-    2, 3, 5 of 8 offered, all taken, while its rate climbed back), and falls where it was not."""
+    2, 3, 5 of 8 offered, all taken, while its rate climbed back), and falls where it was not.
+    The same where the scheduler's memory bound cuts the draft after the chooser (the token
+    compared is the one at the position the pass reached, not the chooser's)."""
     source = list(range(1, 40))
 
-    def run(model_next):
+    def run(model_next, width=2, bound=None):
         s = spec(0.25)
         s.runner = _verify_runner(model_next)
         c = _Copying(source, 0.5)
         c.drafter.length = 8
         s._draft = lambda c: (source[len(c.tokens) + 1:len(c.tokens) + 9], 20)
-        s._width = lambda group, drafts: 2  # one draft token a pass: cut by cost
+        s._width = lambda group, drafts: width
         rates = []
         for _ in range(3):
-            drafts = s.drafts([c])
+            drafts = [d[:bound] for d in s.drafts([c])]  # the scheduler's memory bound
             assert [len(d) for d in drafts] == [1]
             s.verify([c], drafts)
             c.next_token = c.tokens[-1]
             rates.append(c.drafter.rate)
         return c, rates
 
-    c, rates = run(lambda t: t + 1)  # the model copies: every draft token right
-    assert c.tokens == source[1:7] and c.accepted == 3
-    # each pass counts two tokens taken (the verified one and the one after it), none cut
-    assert rates[0] == pytest.approx((5 * 0.8 + 2) / (5 * 0.8 + 2 + 5 * 0.8))
-    h, f = 5.0, 5.0
-    for _ in range(3):  # what counting the verified token alone would give: 0.66
-        h, f = h * 0.8 + 1, f * 0.8
-    assert rates[-1] == pytest.approx(0.744) and h / (h + f) < 0.67
-    _, wrong_after = run(lambda t: t + 1 if t % 2 else t + 2)  # every other token not the copy
-    assert wrong_after[-1] < 0.5
+    for width, bound in ((2, None), (5, 1)):
+        c, rates = run(lambda t: t + 1, width, bound)  # the model copies: every token right
+        assert c.tokens == source[1:7] and c.accepted == 3
+        # each pass counts two tokens taken (the verified one and the one after it), none cut
+        assert rates[0] == pytest.approx((5 * 0.8 + 2) / (5 * 0.8 + 2 + 5 * 0.8))
+        h, f = 5.0, 5.0
+        for _ in range(3):  # what counting the verified token alone would give: 0.66
+            h, f = h * 0.8 + 1, f * 0.8
+        assert rates[-1] == pytest.approx(0.744) and h / (h + f) < 0.67
+        _, wrong_after = run(lambda t: t + 1 if t % 2 else t + 2, width, bound)  # every other
+        assert wrong_after[-1] < 0.5  # token not the copy's
+
+
+def test_a_draft_the_memory_bound_turns_into_a_plain_step_is_scored_by_its_first_token():
+    """Verified length 3 by the chooser, none by the scheduler's memory bound: the plain step's
+    token is the draft's first position, so it is compared with the draft's first token."""
+    s = spec(0.25)
+    c = choice(0.5)
+    c.steps = 0
+    s._draft = lambda c: ([7, 8, 9, 10], 10)
+    s._width = lambda group, drafts: 4
+    assert s.drafts([c]) == [[7, 8, 9]]
+    s.decoded([c], 0.1, [7])  # the scheduler ran a plain step: the token is the first's
+    assert c.drafter.hits == pytest.approx(5 * 0.8 + 1) and c.drafter.fails == pytest.approx(4)
+    s.drafts([c])
+    s.decoded([c], 0.1, [8])  # not the draft's first token (8 is its second)
+    assert c.drafter.hits == pytest.approx(5 * 0.8) and c.drafter.fails == pytest.approx(4.2)
