@@ -178,7 +178,7 @@ class Speculation:
         c.draft_source = ""
         m = c.sampler.matcher
         if m is not None:  # what the grammar forces is a draft that cannot fail
-            forced = m.forced_tokens()[:room]
+            forced = m.forced_tokens()[:min(room, self.max_draft)]
             if forced:
                 c.draft_source = "grammar"
                 return forced, room

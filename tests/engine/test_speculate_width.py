@@ -271,3 +271,16 @@ def test_a_draft_the_memory_bound_turns_into_a_plain_step_is_scored_by_its_first
     s.drafts([c])
     s.decoded([c], 0.1, [8])  # not the draft's first token (8 is its second)
     assert c.drafter.hits == pytest.approx(5 * 0.8) and c.drafter.fails == pytest.approx(4.2)
+
+
+def test_a_forced_draft_is_offered_no_longer_than_the_most_a_step_verifies():
+    """What a grammar forces can run past ``--num-draft-tokens`` (a schema's long fixed key);
+    the chooser then costed passes of up to 18 rows a sequence that the scheduler cut to 8."""
+    s = Speculation(runner=None, mode="ngram", max_draft=4)
+    matcher = SimpleNamespace(forced_tokens=lambda: list(range(10, 20)))
+    c = SimpleNamespace(
+        request=SimpleNamespace(speculate=True, max_tokens=100,
+                                lm=SimpleNamespace(context_length=1000)),
+        next_token=1, tokens=[], seq=SimpleNamespace(tokens=[1, 2, 3]),
+        sampler=SimpleNamespace(matcher=matcher), draft_source="")
+    assert s._draft(c) == ([10, 11, 12, 13], 99) and c.draft_source == "grammar"
