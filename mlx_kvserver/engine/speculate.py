@@ -278,5 +278,4 @@ class Speculation:
         c.drafted += len(draft)
         c.accepted += taken
         if c.drafter is not None and c.draft_source not in ("", "grammar"):
-            extra = int(past is not None)
-            c.drafter.taken(len(draft) + extra, taken + int(bool(past)))
+            c.drafter.taken(len(draft) + (past is not None), taken + bool(past))

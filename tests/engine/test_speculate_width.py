@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import mlx.core as mx
 import pytest
 
 from mlx_kvserver.engine.drafts import Drafter
@@ -199,7 +200,7 @@ class _Copying:
     """A choice whose answer copies ``source`` (greedy): what a verify pass needs of it."""
 
     def __init__(self, source: list[int], rate: float):
-        self.source, self.tokens, self.done, self.next_token = source, [], False, source[0]
+        self.tokens, self.done, self.next_token = [], False, source[0]
         self.drafter, self.draft_source = choice(rate).drafter, "context"
         self.sampler = SimpleNamespace(temperature=0, matcher=None)
         self.seq = SimpleNamespace(trim=lambda n: None)
@@ -213,7 +214,6 @@ class _Copying:
 def _verify_runner(model_next):
     """A runner whose logits' argmax at each fed token is ``model_next(token)``."""
     def verify(seqs, pieces):
-        import mlx.core as mx
         return [mx.array([[10.0 if v == model_next(t) else 0.0 for v in range(64)]
                           for t in piece]) for piece in pieces]
     return SimpleNamespace(verify=verify, pass_rows=lambda lengths: sum(lengths))
