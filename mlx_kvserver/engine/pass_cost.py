@@ -9,9 +9,14 @@ query) and a pass of two rows or more other ones, so a wide pass can cost severa
 however few its rows (measured on an H100: ~8x for the default model alone, section 17). So:
 
 - a plain step of ``B`` sequences costs the median of that batch size's recent plain steps;
-- a wide pass of ``rows`` costs a line fitted (least squares) to that batch size's recent wide
-  passes, ``fixed + b * rows``, or, before they say anything, the prior ``b / fixed = PRIOR``
-  with the fixed part taken from the plain steps;
+- a wide pass of ``rows`` costs a line ``fixed + b * rows`` through that batch size's recent
+  wide passes, or, before they say anything, the prior ``b / fixed = PRIOR`` with the fixed part
+  taken from the plain steps. The slope ``b`` is what one more row costs, which is the same
+  whatever the batch (a row's weights and its own attention): it is read from the passes of every
+  batch size together, as the median of the slopes between two passes of one batch size
+  (Theil-Sen), and the fixed part of each batch size is the median of its passes' ``time - b *
+  rows``. One slow pass (the machine busy elsewhere for a moment) moves neither, and a batch size
+  seldom run wide borrows the slope the others measured (NOTE in ``_line``);
 - each kind keeps its own recent window, so a long run of plain steps never pushes the wide
   passes out (which made a machine where drafts do not pay try them again and again).
 
@@ -23,6 +28,8 @@ batch, and a probe costs one wide pass.
 from __future__ import annotations
 
 import statistics
+
+import numpy as np
 
 
 class PassCost:
@@ -37,6 +44,7 @@ class PassCost:
         self._declined: dict[int, int] = {}
         self._gap: dict[int, int] = {}
         self._fits: dict[int, tuple] = {}  # per batch size, (plain, line) until its next pass
+        self._slope: tuple[float, float] | None = None  # (slope, rows' spread), all batch sizes
 
     def add(self, seqs: int, rows: int, seconds: float) -> None:
         """A pass of ``seqs`` sequences over ``rows`` token rows took ``seconds``."""
@@ -46,6 +54,8 @@ class PassCost:
         else:
             got = self.wide.setdefault(seqs, [])
             got.append((rows, seconds))
+            self._fits.clear()  # the slope is every batch size's
+            self._slope = None
         del got[:-self.WINDOW]
         self._fits.pop(seqs, None)
 
@@ -68,9 +78,10 @@ class PassCost:
         return max(1.0, (a + b * rows) / plain) if plain > 0 else 1.0
 
     def _line(self, seqs: int) -> tuple[float, float] | None:
-        """``(fixed, b)`` for wide passes of ``seqs`` sequences: fitted where they were of two
-        widths or more (the slope drawn toward the prior by how little their rows spread), else
-        through their mean with the prior slope; None before any."""
+        """``(fixed, b)`` for wide passes of ``seqs`` sequences; None before any. ``b``: the
+        slope of every batch size's passes (``_pooled``) drawn toward the prior one through
+        this batch size's mean by how little their rows spread; with no two passes of
+        different rows anywhere, the prior alone."""
         got = self.wide.get(seqs, [])
         if not got:
             return None
@@ -78,19 +89,41 @@ class PassCost:
         n = len(xs)
         mx_, my = sum(xs) / n, sum(t for _, t in got) / n
         prior = self.PRIOR * my / (1 + self.PRIOR * mx_)  # the prior slope through their mean
-        if len(set(xs)) < 2 or n < 4:
+        fitted, sxx = self._pooled()
+        if sxx == 0:
             return prior / self.PRIOR, prior
-        sxx = sum((x - mx_) ** 2 for x in xs)
-        fitted = max(0.0, sum((x - mx_) * (t - my) for x, t in got) / sxx)
         # NOTE: the slope is drawn toward the prior one by ``seqs ** 2`` rows squared of weight:
         # passes whose rows spread little say little of it (seen: eight sequences' passes of 16
         # and 18 rows gave 32 ms a row, three times the true slope, so drafts taken 99% of the
-        # time were declined for the rest of the answers); a spread of passes outweighs it
+        # time were declined for the rest of the answers); a spread of passes outweighs it. It
+        # is every batch size's and robust (module docstring): fitted by least squares per batch
+        # size, one pass of 434 ms among three of ~130 (three answers left, rows 4 to 9) set 33
+        # ms a row against ~10, and the last three answers of an 8-client `rewrite` row, their
+        # drafts taken 80-99% of the time, verified one token a pass for 34 passes (the width
+        # chosen from that slope never spread the rows enough to correct it)
         b = (fitted * sxx + prior * seqs ** 2) / (sxx + seqs ** 2)
-        a = my - b * mx_
+        a = statistics.median(t - b * r for r, t in got)
         if a <= 0:  # rows are all there is (or noise): a small fixed part
             a = max(my * 0.05, 1e-6)
         return a, b
+
+    def _pooled(self) -> tuple[float, float]:
+        """(the median slope between two wide passes of one batch size and different rows, over
+        every batch size; the rows' spread about each batch size's mean, summed); (0, 0) with no
+        such pair."""
+        if self._slope is None:
+            slopes, sxx = [], 0.0
+            for got in self.wide.values():
+                x = np.array([r for r, _ in got], np.float64)
+                t = np.array([s for _, s in got], np.float64)
+                i, j = np.triu_indices(len(x), 1)
+                dx = x[j] - x[i]
+                keep = dx != 0
+                slopes.append((t[j] - t[i])[keep] / dx[keep])
+                sxx += float(((x - x.mean()) ** 2).sum())
+            every = np.concatenate(slopes) if slopes else np.zeros(0)
+            self._slope = (max(0.0, float(np.median(every))), sxx) if every.size else (0.0, 0.0)
+        return self._slope
 
     def probe_due(self, seqs: int, declined: bool) -> bool:
         """Called once a step that had drafts: ``declined`` when its width came out 1 by cost.

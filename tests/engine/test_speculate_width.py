@@ -77,6 +77,41 @@ def test_passes_whose_rows_spread_little_do_not_set_a_steep_slope():
     assert sp._width(group, [[1] * n for n in (8, 0, 0, 8, 8, 8, 8, 0)]) > 2
 
 
+# An 8-client `rewrite` row's passes of all eight answers (rows, seconds), from its server's log
+EIGHT = [(14, .310), (8, .215), (8, .183), (8, .179), (8, .186), (8, .189), (8, .209), (27, .404),
+         (25, .415), (31, .461), (8, .220), (20, .354), (23, .408), (26, .369), (22, .316),
+         (26, .350), (27, .351), (32, .366), (32, .370), (29, .361), (33, .379), (32, .397)]
+
+
+def test_one_slow_pass_of_a_batch_seldom_run_wide_does_not_price_out_its_drafts():
+    """Later in that row, three answers left: plain steps of three ~105 ms and four verify
+    passes, one of them 434 ms (the machine busy for a moment) among three of ~130. A line
+    through those four alone said 33 ms a row, and the three answers, drafts taken 69-98% of
+    the time, verified one token a pass or none for 34 passes. The slope is every batch size's
+    (~8 ms a row here, the eight answers' passes) and robust to the one slow pass."""
+    c = PassCost()
+    for rows, s in EIGHT:
+        c.add(8, rows, s)
+    for s in (.104, .105, .107, .106):
+        c.add(3, 3, s)
+    for rows, s in ((5, .135), (9, .434), (4, .117), (8, .136)):
+        c.add(3, rows, s)
+    assert c.relative(3, 27) < 4.0
+    sp = Speculation(runner=None, mode="ngram", max_draft=8)
+    sp.cost = c
+    sp.cost.probe_due = lambda seqs, declined: False
+    assert sp._width([choice(r) for r in (0.69, 0.77, 0.98)], [[1] * 8] * 3) >= 5
+
+
+def test_one_slow_pass_among_many_does_not_move_the_slope():
+    c = PassCost()
+    for rows, s in EIGHT:
+        c.add(8, rows, s)
+    before = c.relative(8, 48)
+    c.add(8, 40, 1.6)  # four times what a pass of 40 rows costs
+    assert c.relative(8, 48) == pytest.approx(before, rel=0.05)
+
+
 def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
     """A GPU: a plain step ~5.5 ms, any pass of two rows or more ~43 ms (the default model alone
     on an H100, docs/BENCHMARKS.md section 17). The old single line through all passes saw
