@@ -88,7 +88,7 @@ def test_one_slow_pass_of_a_batch_seldom_run_wide_does_not_price_out_its_drafts(
     passes, one of them 434 ms (the machine busy for a moment) among three of ~130. A line
     through those four alone said 33 ms a row, and the three answers, drafts taken 69-98% of
     the time, verified one token a pass or none for 34 passes. The slope is every batch size's
-    (~8 ms a row here, the eight answers' passes) and robust to the one slow pass."""
+    (~3 ms a row here, the eight answers' passes) and robust to the one slow pass."""
     c = PassCost()
     for rows, s in EIGHT:
         c.add(8, rows, s)
