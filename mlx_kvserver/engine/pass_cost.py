@@ -99,7 +99,7 @@ class PassCost:
         # is every batch size's and robust (module docstring): fitted by least squares per batch
         # size, one pass of 434 ms among three of ~130 (three answers left, rows 4 to 9) set 33
         # ms a row against ~3, and the last three answers of an 8-client `rewrite` row, their
-        # drafts taken 80-99% of the time, verified one token a pass for 34 passes (the width
+        # drafts taken 69-98% of the time, verified one token a pass for 34 passes (the width
         # chosen from that slope never spread the rows enough to correct it)
         b = (fitted * sxx + prior * seqs ** 2) / (sxx + seqs ** 2)
         a = statistics.median(t - b * r for r, t in got)
