@@ -30,6 +30,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -72,13 +74,8 @@ def plain_costs(paths: list[Path]) -> dict[int, float]:
 def plain_ms(costs: dict[int, float], n: int) -> float:
     """A plain step of ``n`` sequences: measured, else on the line between the nearest measured
     counts (the nearest one's beyond them)."""
-    if n in costs:
-        return costs[n]
-    lo = max((k for k in costs if k < n), default=None)
-    hi = min((k for k in costs if k > n), default=None)
-    if lo is None or hi is None:
-        return costs[lo if hi is None else hi]
-    return costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+    xs = sorted(costs)
+    return float(np.interp(n, xs, [costs[x] for x in xs]))
 
 
 def time_bound(passes: list[int], longest: int, costs: dict[int, float]) -> dict:
