@@ -120,9 +120,10 @@ class Speculation:
         # is verified (here, or by the scheduler's memory bound after) is checked against the
         # token the step gives at that position instead (a plain step's token; a verify pass's
         # token after a draft taken whole): free, and for a sampled answer the chance of a match
-        # is the chance it would have been kept
-        self._offered = {id(c): d for c, d, n in zip(group, out, lengths)
-                         if len(d) > n and c.draft_source not in ("", "grammar")}
+        # is the chance it would have been kept. Every draft offered is kept for it, also one
+        # verified whole here: the memory bound may cut it after
+        self._offered = {id(c): d for c, d in zip(group, out)
+                         if d and c.draft_source not in ("", "grammar")}
         return [d[:n] for d, n in zip(out, lengths)]
 
     def _lengths(self, group: Sequence[Choice], drafts: list[list[int]]) -> list[int]:

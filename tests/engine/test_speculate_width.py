@@ -260,7 +260,8 @@ def test_draft_tokens_cut_by_cost_are_scored_by_the_token_after_the_verified_one
     rate climbs twice as fast where the draft was right (seen: a tail answer verifying 1, 1, 1,
     2, 3, 5 of 8 offered, all taken, while its rate climbed back), and falls where it was not.
     The same where the scheduler's memory bound cuts the draft after the chooser (the token
-    compared is the one at the position the pass reached, not the chooser's)."""
+    compared is the one at the position the pass reached, not the chooser's), also where the
+    chooser verified the whole draft."""
     source = list(range(1, 40))
 
     def run(model_next, width=2, bound=None):
@@ -279,7 +280,7 @@ def test_draft_tokens_cut_by_cost_are_scored_by_the_token_after_the_verified_one
             rates.append(c.drafter.rate)
         return c, rates
 
-    for width, bound in ((2, None), (5, 1)):
+    for width, bound in ((2, None), (5, 1), (9, 1)):  # (9, 1): verified whole, then cut
         c, rates = run(lambda t: t + 1, width, bound)  # the model copies: every token right
         assert c.tokens == source[1:7] and c.accepted == 3
         # each pass counts two tokens taken (the verified one and the one after it), none cut
@@ -292,15 +293,17 @@ def test_draft_tokens_cut_by_cost_are_scored_by_the_token_after_the_verified_one
         assert wrong_after[-1] < 0.5  # token not the copy's
 
 
-def test_a_draft_the_memory_bound_turns_into_a_plain_step_is_scored_by_its_first_token():
-    """Verified length 3 by the chooser, none by the scheduler's memory bound: the plain step's
-    token is the draft's first position, so it is compared with the draft's first token."""
+@pytest.mark.parametrize("width", [4, 5])
+def test_a_draft_the_memory_bound_turns_into_a_plain_step_is_scored_by_its_first_token(width):
+    """Verified length 3 (or the whole draft) by the chooser, none by the scheduler's memory
+    bound: the plain step's token is the draft's first position, so it is compared with the
+    draft's first token."""
     s = spec(0.25)
     c = choice(0.5)
     c.steps = 0
     s._draft = lambda c: ([7, 8, 9, 10], 10)
-    s._width = lambda group, drafts: 4
-    assert s.drafts([c]) == [[7, 8, 9]]
+    s._width = lambda group, drafts: width
+    assert s.drafts([c]) == [[7, 8, 9, 10][:width - 1]]
     s.decoded([c], 0.1, [7])  # the scheduler ran a plain step: the token is the first's
     assert c.drafter.hits == pytest.approx(5 * 0.8 + 1) and c.drafter.fails == pytest.approx(4)
     s.drafts([c])
