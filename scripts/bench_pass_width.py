@@ -5,7 +5,7 @@ speculation pays where such a pass costs little more than a step (engine/pass_co
 it as the server runs). This script measures it apart, per backend:
 
     python scripts/bench_pass_width.py [--widths 1 2 4 9] [--batches 1 8] [--reps 8]
-        [--cases shared distinct mlx_lm] [--attention now|padded|fused] [--json out]
+        [--cases shared distinct mlx_lm] [--attention now|padded|fused|none] [--json out]
 
 Cases: ``shared``: sequences on one ~2,000-token document (one prefix view for all), ``distinct``:
 each sequence on its own document (a view each), both through the server's runner and pages;
@@ -98,11 +98,13 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--cases", nargs="+", default=["shared", "distinct", "mlx_lm"],
                     choices=["shared", "distinct", "mlx_lm"])
-    ap.add_argument("--attention", choices=["now", "padded", "fused"], default="now",
+    ap.add_argument("--attention", choices=["now", "padded", "fused", "none"], default="now",
                     help="padded: the split path as before own keys were read where they are "
                     "(every sequence's padded into one array each layer, MLX's exp); fused: "
                     "now, but one sequence alone through mlx-lm's fused kernel, as before "
-                    "_alone")
+                    "_alone; none: the split path skipped (its output is the queries), so a "
+                    "pass costs its weights and the rest alone: against `now`, what attention "
+                    "costs (the logits are not the model's)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
     if args.attention == "padded":
@@ -113,6 +115,10 @@ def main() -> None:
         from kv_cache.model import attention
 
         attention._alone_mask = lambda *a: False
+    if args.attention == "none":
+        from kv_cache.model import attention
+
+        attention.split_attention = lambda queries, reads, scale, sinks=None: queries
     lm = resolve_and_load(args.model)
     n = max(args.batches)
     doc = document()
