@@ -89,14 +89,14 @@ def time_bound(passes: list[int], longest: int, costs: dict[int, float]) -> dict
 def prompt_ids(lm, workload: str, i: int, max_tokens: int) -> list[int]:
     """The prompt's token ids for answer ``i`` of ``workload``, as the server renders it."""
     from mlx_kvserver.api import anthropic, openai_chat
-    from mlx_kvserver.chat.render import render
+    from mlx_kvserver.chat.render import encode
     from mlx_kvserver.chat.support import chat_support
     from mlx_kvserver.config import ServerConfig
 
     route, body = WORKLOADS[workload](i, max_tokens)
     parse = anthropic.parse if route == "/v1/messages" else openai_chat.parse
     conv = parse(body, ServerConfig())
-    return lm.tokenizer.encode(render(lm.tokenizer, chat_support(lm).format, conv).text)
+    return encode(lm.tokenizer, chat_support(lm).format, conv)[0]
 
 
 def main() -> None:

@@ -288,11 +288,10 @@ async def handle(served, request: Request) -> Response:
 
 def prompt_tokens(lm, conv: Conversation) -> int:
     """The rendered prompt's token count, through the engine's own rendering path."""
-    from ..chat.render import render
+    from ..chat.render import encode
     from ..chat.support import chat_support
 
-    tok = lm.tokenizer
-    return len(tok.encode(render(tok, chat_support(lm).format, conv).text))
+    return len(encode(lm.tokenizer, chat_support(lm).format, conv)[0])
 
 
 async def count_tokens(served, request: Request) -> Response:

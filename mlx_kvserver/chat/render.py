@@ -71,6 +71,13 @@ class Rendered:
     in_reasoning: bool = False
 
 
+def encode(tok: Any, fmt: ChatFormat, conv: Conversation) -> tuple[list[int], Rendered]:
+    """``conv`` rendered (``render``) and its text encoded: the prompt's token ids as the engine
+    runs them, and the rendering."""
+    rendered = render(tok, fmt, conv)
+    return tok.encode(rendered.text), rendered
+
+
 def render(tok: Any, fmt: ChatFormat, conv: Conversation) -> Rendered:
     """``conv`` rendered with ``tok``'s chat template (a ``ChatTokenizer``). A template error,
     or ``template_kwargs`` that name the template's own arguments, are a ``RequestError`` 400."""

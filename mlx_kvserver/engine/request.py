@@ -21,7 +21,7 @@ from kv_cache import Match, PagedSequence, boundaries
 
 from ..chat.conversation import Conversation
 from ..chat.output import Delta, Divergence, Event, Finish, TextDelta, TokenLogprob, Usage
-from ..chat.render import render
+from ..chat.render import encode
 from ..chat.support import chat_support
 from ..errors import RequestError
 from ..models.loading import LoadedModel
@@ -182,9 +182,8 @@ class Request:
         self.in_reasoning = False
         self.parse_output = conv.prompt is None  # raw completions are not chat: text as it is
         if conv.prompt is None:
-            rendered = render(tok, support.format, conv)
+            self.prompt, rendered = encode(tok, support.format, conv)
             self.in_reasoning = rendered.in_reasoning
-            self.prompt = tok.encode(rendered.text)
         elif isinstance(conv.prompt, str):
             self.prompt = tok.encode(conv.prompt)
         else:
