@@ -220,7 +220,7 @@ class Engine:
         """Nothing to step: MLX's buffer cache (freed arrays kept for reuse, resident) goes
         back to the system. While answers run it may grow into what the budget has free
         (``MemoryBudget``), which spares a pass allocating afresh; kept at rest, it held 1.6 GB
-        after 200 mixed requests of a tiny model on this CPU, the server's resident memory 1.58x
+        after 200 mixed requests of a tiny model on this CPU, the server's resident memory 1.60x
         what it was after 100 (docs/BENCHMARKS.md section 18)."""
         if mx.get_cache_memory():
             mx.clear_cache()
