@@ -15,7 +15,8 @@ tokens after its first over the time from its first to its last token):
 - ``json``: an answer under a JSON schema (``response_format``).
 
     python scripts/bench_speculation.py --json docs/bench_speculation.json [--peer-mlx-lm]
-        [--debug-log DIR]   (each row's server log with every step's drafts, rows and ms)
+        [--debug-log DIR]   (each row's server log with every step's drafts, rows and ms;
+                             a one-client row's speedup inside its run: scripts/bench_steps.py)
 
 Each server runs as its own process with the same BLAS. Every row (a workload at 1 or 8
 clients) runs on fresh servers, so no answer of an earlier row is there to draft from; ours with
@@ -42,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from scripts.bench_results import result_path, write_result  # noqa: E402
+from scripts.bench_steps import in_run  # noqa: E402
 from scripts.bench_ttft import Server, free_port  # noqa: E402
 
 LIB = Path(sysconfig.get_paths()["stdlib"])
@@ -285,6 +287,8 @@ def _row(tmp: Path, args, rnd: int, w: str, n: int, mode: str) -> dict:
             args.debug_log.mkdir(parents=True, exist_ok=True)
             shutil.copy(srv.log.name, args.debug_log / f"{mode}-{rnd}-{w}-x{n}.log")
     r.update(mode=mode, round=rnd, workload=w)
+    if args.debug_log and mode == "ngram":  # its own plain steps against its passes
+        r["in_run"] = in_run(Path(srv.log.name).read_text())
     print(f"{mode:5s} {w:8s} x{n}: {r['decode_tok_s_median']:.2f} tok/s median, "
           f"{r['aggregate_tok_s']:.2f} in all, {r['tokens_per_step']} tok/step, "
           f"{r['accepted']}/{r['drafted']} drafts taken", flush=True)
@@ -373,10 +377,16 @@ def summarize(runs: list[dict]) -> list[dict]:
             med = {m: statistics.median(r[key] for r in rs) for m, rs in pick.items()}
             same = all(a["texts"] == b["texts"] for a, b in zip(pick["off"], pick["ngram"]))
             on = pick["ngram"]
+            # each round's on/off: both ran back to back in it (order alternating), so the
+            # machine's drift between rounds, which the medians above carry, falls out
+            by_round = [round(a[key] / b[key], 3) for b in pick["off"] for a in on
+                        if a["round"] == b["round"] and a[key] and b[key]]
             peer = [r[key] for r in runs if r["workload"] == w and r["clients"] == n
                     and r["mode"] == "mlx-lm"]
             rows.append({"workload": w, "clients": n, "off": round(med["off"], 3),
                          "on": round(med["ngram"], 3), "speedup": round(med["ngram"] / med["off"], 3),
+                         "speedup_by_round": by_round,
+                         "speedup_in_run": [r["in_run"]["speedup"] for r in on if r.get("in_run")],
                          "same_text": same,
                          "acceptance": round(sum(r["accepted"] for r in on)
                                              / max(1, sum(r["drafted"] for r in on)), 3),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from scripts.bench_speculation import WORKLOADS, as_openai, numbered, source
+from scripts.bench_speculation import WORKLOADS, as_openai, numbered, source, summarize
 
 
 def test_the_edit_workload_as_openai_tools_a_call_and_its_result():
@@ -73,3 +73,15 @@ def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, m
     i = started[-1].index("--num-draft-tokens")
     assert started[-1][i + 1] == "15"
     assert sorted(p.name for p in logs.iterdir()) == ["ngram-0-edit-x8.log"]
+
+
+def test_summary_gives_each_rounds_own_ratio_beside_the_medians():
+    """The machine slowed between rounds: each round's on/off pair is compared within it."""
+    def run(mode, rnd, rate):
+        return {"workload": "free", "clients": 1, "mode": mode, "round": rnd,
+                "decode_tok_s_median": rate, "texts": ["x"], "accepted": 0, "drafted": 1,
+                "tokens_per_step": 1.0}
+    runs = [run("off", 0, 10.0), run("ngram", 0, 9.5), run("ngram", 1, 8.0), run("off", 1, 7.0)]
+    (row,) = summarize(runs)
+    assert row["speedup"] == round(8.75 / 8.5, 3)
+    assert row["speedup_by_round"] == [0.95, round(8 / 7, 3)]
