@@ -235,14 +235,13 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-draft-tokens", type=int,
                     help="the servers' --num-draft-tokens (default: theirs)")
-    ap.add_argument("--warmup", action="store_true",
-                    help="first run every workload once, unrecorded, on a speculating server "
-                         "(on a GPU: MLX compiles its kernels at first use, which would otherwise "
-                         "fall inside the first rows' clocks)")
+    ap.add_argument("--warmup", action="store_true", help="first every workload once, unrecorded "
+                    "(on a GPU MLX compiles kernels at first use, else in the first rows' clocks)")
+    ap.add_argument("--off-by-request", action="store_true", help="the off rows' servers speculate"
+                    " too, their requests with \"speculate\": false (one code path, drafts apart)")
     ap.add_argument("--peer-mlx-lm", action="store_true",
-                    help="also mlx-lm's server on the same model, converted to an MLX folder "
-                         "(each workload as OpenAI chat completions: it has no Messages API, "
-                         "no assistant prefill, no grammars)")
+                    help="also mlx-lm's server on the same model as an MLX folder (each workload "
+                         "as chat completions: no Messages API, assistant prefill or grammars)")
     ap.add_argument("--debug-log", type=Path, metavar="DIR",
                     help="run our servers with --log-level debug (each step's drafts, rows and "
                          "ms) and keep each row's server log in DIR")
@@ -255,9 +254,8 @@ def main() -> None:
         for rnd in range(args.rounds):
             for w in args.workloads:
                 for n in args.clients:
-                    # fresh servers for each row (no answer of an earlier row to draft from),
-                    # both up at once and taking turns (off first in even rounds, on first in
-                    # odd ones), so a drift in the machine's speed falls on both
+                    # fresh servers for each row (no answer of an earlier row to draft from), one
+                    # after the other (off first in even rounds, on first in odd ones)
                     for mode in (("off", "ngram") if rnd % 2 == 0 else ("ngram", "off")):
                         results["runs"].append(_row(Path(tmp), args, rnd, w, n, mode))
                         write_result(out, json.dumps(results, indent=1))
@@ -275,12 +273,14 @@ def _row(tmp: Path, args, rnd: int, w: str, n: int, mode: str) -> dict:
     """One workload at ``n`` clients on a fresh server with ``--speculate mode``."""
     debug = ["--log-level", "debug"] if args.debug_log else []
     drafts = ["--num-draft-tokens", str(args.num_draft_tokens)] if args.num_draft_tokens else []
+    by_request = args.off_by_request and mode == "off"
     srv = Server(tmp / f"kv-{mode}-{rnd}-{w}-{n}", free_port(),
-                 ["--model", args.model, "--speculate", mode, "--no-disk-cache",
-                  "--max-batch", "16", *drafts, *debug])
+                 ["--model", args.model, "--speculate", "ngram" if by_request else mode,
+                  "--no-disk-cache", "--max-batch", "16", *drafts, *debug])
     try:
         name = httpx.get(srv.url + "/models").json()["data"][0]["id"]
-        r = run(srv.url.removesuffix("/v1"), name, w, n, args.max_tokens, {})
+        r = run(srv.url.removesuffix("/v1"), name, w, n, args.max_tokens,
+                {"speculate": False} if by_request else {})
     finally:
         srv.stop()
         if args.debug_log:
@@ -384,7 +384,8 @@ def summarize(runs: list[dict]) -> list[dict]:
             peer = [r[key] for r in runs if r["workload"] == w and r["clients"] == n
                     and r["mode"] == "mlx-lm"]
             rows.append({"workload": w, "clients": n, "off": round(med["off"], 3),
-                         "on": round(med["ngram"], 3), "speedup": round(med["ngram"] / med["off"], 3),
+                         "on": round(med["ngram"], 3),
+                         "speedup": round(med["ngram"] / med["off"], 3),
                          "speedup_by_round": by_round,
                          "speedup_in_run": [r["in_run"]["speedup"] for r in on if r.get("in_run")],
                          "same_text": same,

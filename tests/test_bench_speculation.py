@@ -33,15 +33,14 @@ def test_rewrite_loses_its_assistant_prefill_and_the_others_stay():
         assert as_openai(*WORKLOADS[w](1, 32)) == WORKLOADS[w](1, 32)
 
 
-def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, monkeypatch):
-    """``--debug-log DIR``: each row's server gets ``--log-level debug`` and its log is copied
-    to DIR under the row's name; without it, neither. ``--num-draft-tokens N`` goes to the
-    servers; without it they keep their default."""
+def _fake_servers(tmp_path, monkeypatch) -> tuple[list, list]:
+    """``bench_speculation``'s servers and client replaced: (each server's flags, each run's
+    extra body fields)."""
     from types import SimpleNamespace
 
     import scripts.bench_speculation as bench
 
-    started = []
+    started, extras = [], []
 
     class FakeServer:
         def __init__(self, cache_dir, port, extra):
@@ -58,17 +57,31 @@ def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, m
     monkeypatch.setattr(bench, "free_port", lambda: 1)
     monkeypatch.setattr(bench.httpx, "get", lambda url: SimpleNamespace(
         json=lambda: {"data": [{"id": "m"}]}))
-    monkeypatch.setattr(bench, "run", lambda *a: {
+    monkeypatch.setattr(bench, "run", lambda *a: extras.append(a[-1]) or {
         "decode_tok_s_median": 1.0, "aggregate_tok_s": 1.0, "tokens_per_step": 1.0,
         "accepted": 0, "drafted": 0})
+    return started, extras
+
+
+def test_debug_log_runs_the_servers_at_debug_and_keeps_each_rows_log(tmp_path, monkeypatch):
+    """``--debug-log DIR``: each row's server gets ``--log-level debug`` and its log is copied
+    to DIR under the row's name; without it, neither. ``--num-draft-tokens N`` goes to the
+    servers; without it they keep their default."""
+    from types import SimpleNamespace
+
+    import scripts.bench_speculation as bench
+
+    started, _ = _fake_servers(tmp_path, monkeypatch)
     logs = tmp_path / "logs"
-    args = SimpleNamespace(model="default", max_tokens=8, debug_log=logs, num_draft_tokens=None)
+    args = SimpleNamespace(model="default", max_tokens=8, debug_log=logs, num_draft_tokens=None,
+                           off_by_request=False)
     bench._row(tmp_path, args, 0, "edit", 8, "ngram")
     assert started[-1][-2:] == ["--log-level", "debug"]
     assert "--num-draft-tokens" not in started[-1]
     assert (logs / "ngram-0-edit-x8.log").read_text() == "DEBUG plain step: 8 sequences, 300 ms\n"
     bench._row(tmp_path, SimpleNamespace(model="default", max_tokens=8, debug_log=None,
-                                         num_draft_tokens=15), 0, "free", 1, "off")
+                                         num_draft_tokens=15, off_by_request=False),
+               0, "free", 1, "off")
     assert "--log-level" not in started[-1]
     i = started[-1].index("--num-draft-tokens")
     assert started[-1][i + 1] == "15"
@@ -85,3 +98,24 @@ def test_summary_gives_each_rounds_own_ratio_beside_the_medians():
     (row,) = summarize(runs)
     assert row["speedup"] == round(8.75 / 8.5, 3)
     assert row["speedup_by_round"] == [0.95, round(8 / 7, 3)]
+
+
+def test_off_by_request_runs_the_off_row_on_a_speculating_server_with_drafts_refused(
+        tmp_path, monkeypatch):
+    """``--off-by-request``: the off row's server is started with ``--speculate ngram`` like the
+    on row's, and its requests carry ``"speculate": false``; without it, ``--speculate off``."""
+    from types import SimpleNamespace
+
+    import scripts.bench_speculation as bench
+
+    started, extras = _fake_servers(tmp_path, monkeypatch)
+
+    def row(mode: str, by_request: bool) -> tuple[str, dict]:
+        args = SimpleNamespace(model="default", max_tokens=8, debug_log=None,
+                               num_draft_tokens=None, off_by_request=by_request)
+        bench._row(tmp_path, args, 0, "free", 1, mode)
+        return started[-1][started[-1].index("--speculate") + 1], extras[-1]
+
+    assert row("off", True) == ("ngram", {"speculate": False})
+    assert row("ngram", True) == ("ngram", {})
+    assert row("off", False) == ("off", {})
