@@ -235,8 +235,8 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--num-draft-tokens", type=int,
                     help="the servers' --num-draft-tokens (default: theirs)")
-    ap.add_argument("--warmup", action="store_true", help="first every workload once, unrecorded "
-                    "(on a GPU MLX compiles kernels at first use, else in the first rows' clocks)")
+    ap.add_argument("--warmup", action="store_true", help="each workload once first, unrecorded "
+                    "(on a GPU, MLX compiles kernels at first use: else in the first rows' clocks)")
     ap.add_argument("--off-by-request", action="store_true", help="the off rows' servers speculate"
                     " too, their requests with \"speculate\": false (one code path, drafts apart)")
     ap.add_argument("--peer-mlx-lm", action="store_true",
