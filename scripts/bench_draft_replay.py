@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -38,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from mlx_kvserver.engine.drafts import Drafter  # noqa: E402
 from scripts.bench_results import write_result  # noqa: E402
 from scripts.bench_speculation import WORKLOADS  # noqa: E402
+from scripts.bench_steps import steps  # noqa: E402
 
 
 def replay(context: list[int], answer: list[int], max_len: int) -> dict:
@@ -66,8 +66,8 @@ def plain_costs(paths: list[Path]) -> dict[int, float]:
     ms``."""
     seen: dict[int, list[int]] = {}
     for path in paths:
-        for n, ms in re.findall(r"plain step: (\d+) sequences, (\d+) ms", path.read_text()):
-            seen.setdefault(int(n), []).append(int(ms))
+        for n, ms in steps(path.read_text())[0]:
+            seen.setdefault(n, []).append(ms)
     return {n: statistics.median(v) for n, v in sorted(seen.items())}
 
 

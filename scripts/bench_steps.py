@@ -22,16 +22,23 @@ _VERIFY = re.compile(r"verify pass: (\d+) sequences, drafts \[[\d, ]*\], (\d+) m
 _PLAIN = re.compile(r"plain step: (\d+) sequences, (\d+) ms")
 
 
-def in_run(text: str) -> dict | None:
-    """From one server's log: ``tokens`` its decode steps gave, ``spent_ms`` they took,
-    ``plain_ms`` (the mean plain step), ``speedup``: ``tokens x plain_ms / spent_ms``. None where
-    the log has no plain step or holds steps of more than one sequence."""
+def steps(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """The engine's step lines in ``text`` (a debug log, or a steps file of ``docs/``): plain
+    steps as (sequences, ms), verify passes as (sequences, ms, tokens), in order."""
     plain, verify = [], []
     for line in text.splitlines():
         if m := _PLAIN.search(line):
             plain.append((int(m[1]), int(m[2])))
         elif m := _VERIFY.search(line):
             verify.append((int(m[1]), int(m[2]), int(m[3])))
+    return plain, verify
+
+
+def in_run(text: str) -> dict | None:
+    """From one server's log: ``tokens`` its decode steps gave, ``spent_ms`` they took,
+    ``plain_ms`` (the mean plain step), ``speedup``: ``tokens x plain_ms / spent_ms``. None where
+    the log has no plain step or holds steps of more than one sequence."""
+    plain, verify = steps(text)
     if not plain or any(n != 1 for n, *_ in plain + verify):
         return None
     tokens = len(plain) + sum(t for *_, t in verify)
