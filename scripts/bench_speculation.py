@@ -15,8 +15,8 @@ tokens after its first over the time from its first to its last token):
 - ``json``: an answer under a JSON schema (``response_format``).
 
     python scripts/bench_speculation.py --json docs/bench_speculation.json [--peer-mlx-lm]
-        [--debug-log DIR]   (each row's server log with every step's drafts, rows and ms;
-                             a one-client row's speedup inside its run: scripts/bench_steps.py)
+        [--off-by-request] [--debug-log DIR]   (--help says each; the debug log holds every
+        step's drafts, rows and ms, and a one-client row's speedup in its run: bench_steps.py)
 
 Each server runs as its own process with the same BLAS. Every row (a workload at 1 or 8
 clients) runs on fresh servers, so no answer of an earlier row is there to draft from; ours with

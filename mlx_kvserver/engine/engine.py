@@ -109,8 +109,8 @@ class Engine:
         self.models[lm.name] = lm
         self.managers[lm.name] = manager
         self.schedulers[lm.name] = Scheduler(
-            manager, Runner(lm.model, manager, lm.name, config.kv_attention), max_batch=config.max_batch,
-            prefill_chunk=config.prefill_chunk, speculate=config.speculate,
+            manager, Runner(lm.model, manager, lm.name, config.kv_attention),
+            max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, speculate=config.speculate,
             num_draft_tokens=config.num_draft_tokens, draft=draft, name=lm.name,
             memory=self.memory)
         self.memory.add_model(lm)
