@@ -33,9 +33,10 @@ def test_rewrite_loses_its_assistant_prefill_and_the_others_stay():
         assert as_openai(*WORKLOADS[w](1, 32)) == WORKLOADS[w](1, 32)
 
 
-def _fake_servers(tmp_path, monkeypatch) -> tuple[list, list]:
-    """``bench_speculation``'s servers and client replaced: (each server's flags, each run's
-    extra body fields)."""
+def _fake_servers(tmp_path, monkeypatch, log: str = "DEBUG plain step: 8 sequences, 300 ms\n"
+                  ) -> tuple[list, list]:
+    """``bench_speculation``'s servers (each writing ``log``) and client replaced: (each server's
+    flags, each run's extra body fields)."""
     from types import SimpleNamespace
 
     import scripts.bench_speculation as bench
@@ -47,7 +48,7 @@ def _fake_servers(tmp_path, monkeypatch) -> tuple[list, list]:
             started.append(extra)
             self.url = "http://127.0.0.1:1/v1"
             self.log = open(tmp_path / f"server-{len(started)}.log", "w")
-            self.log.write("DEBUG plain step: 8 sequences, 300 ms\n")
+            self.log.write(log)
             self.log.flush()
 
         def stop(self):
@@ -59,7 +60,7 @@ def _fake_servers(tmp_path, monkeypatch) -> tuple[list, list]:
         json=lambda: {"data": [{"id": "m"}]}))
     monkeypatch.setattr(bench, "run", lambda *a: extras.append(a[-1]) or {
         "decode_tok_s_median": 1.0, "aggregate_tok_s": 1.0, "tokens_per_step": 1.0,
-        "accepted": 0, "drafted": 0})
+        "accepted": 0, "drafted": 0, "clients": a[3], "texts": ["x"]})
     return started, extras
 
 
@@ -119,3 +120,22 @@ def test_off_by_request_runs_the_off_row_on_a_speculating_server_with_drafts_ref
     assert row("off", True) == ("ngram", {"speculate": False})
     assert row("ngram", True) == ("ngram", {})
     assert row("off", False) == ("off", {})
+
+
+def test_a_one_client_rows_speedup_in_its_run_reaches_the_summary(tmp_path, monkeypatch):
+    """With ``--debug-log``, a speculating row's own steps give its in-run speedup
+    (``bench_steps.in_run``), and the summary lists it; a plain row has none."""
+    from types import SimpleNamespace
+
+    import scripts.bench_speculation as bench
+
+    _fake_servers(tmp_path, monkeypatch, log="DEBUG plain step: 1 sequences, 100 ms\n"
+                  "DEBUG verify pass: 1 sequences, drafts [2], 130 ms, 3 tokens\n")
+    args = SimpleNamespace(model="default", max_tokens=8, debug_log=tmp_path / "logs",
+                           num_draft_tokens=None, off_by_request=False)
+    on = bench._row(tmp_path, args, 0, "free", 1, "ngram")
+    off = bench._row(tmp_path, args, 0, "free", 1, "off")
+    assert on["in_run"]["speedup"] == round(4 * 100 / 230, 4)
+    assert "in_run" not in off
+    (row,) = summarize([off, on])
+    assert row["speedup_in_run"] == [round(4 * 100 / 230, 4)]
