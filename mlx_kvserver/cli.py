@@ -130,6 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch", type=int, default=D.max_batch,
                    help="answers decoded together in one forward pass, at most (default "
                         f"{D.max_batch})")
+    p.add_argument("--max-queue", type=int, default=D.max_queue,
+                   help="requests that may wait to start (memory, a place in the batch); one "
+                        "more is answered 429 with Retry-After from the rate prompts start. A "
+                        f"waiting request has no time limit (0: no bound; default {D.max_queue})")
     p.add_argument("--prefill-chunk", type=int, default=D.prefill_chunk,
                    help="prompt tokens read per step while other answers stream (default "
                         f"{D.prefill_chunk})")
@@ -173,6 +177,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--max-kv-size-gb, --max-kv-ram-gb and --page-size must be positive")
     if args.max_resident_sequences < 0:
         raise SystemExit("--max-resident-sequences must be 0 or more")
+    if args.max_queue < 0:
+        raise SystemExit("--max-queue must be 0 (no bound) or more")
     if args.max_batch < 1 or args.prefill_chunk < 1:
         raise SystemExit("--max-batch and --prefill-chunk must be 1 or more")
     if args.memory_limit_gb is not None and args.memory_limit_gb <= 0:
@@ -221,7 +227,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kv_bits=args.kv_bits, kv_group_size=args.kv_group_size,
         kv_rotate=args.kv_rotation == "hadamard", kv_attention=args.kv_attention,
         kv_calibrate=args.kv_calibration == "on", kv_key_scales=args.kv_key_scales,
-        max_batch=args.max_batch, prefill_chunk=args.prefill_chunk, speculate=speculate,
+        max_batch=args.max_batch, max_queue=args.max_queue, prefill_chunk=args.prefill_chunk,
+        speculate=speculate,
         num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
         eviction_policy=args.eviction_policy, api_key=args.api_key, kv_store=args.kv_store,
         kv_store_namespace=args.kv_store_namespace,

@@ -81,7 +81,7 @@ class ServerConfig:
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond loopback, --host
     max_body_bytes: int = 8 << 20
     max_import_bytes: int = 4 << 30
-    max_queue: int = 64
+    max_queue: int = 64  # requests waiting to start before a 429 (0: no bound; backlog.py)
     dequantize: bool | None = None  # None: on MLX's CPU backend only
     volatile_rules: bool = True  # the shipped normalizer rules (chat/normalize.py) and these:
     volatile_rule: list[str] = field(default_factory=list)

@@ -29,7 +29,7 @@ from .response_store import ResponseStore
 from .page import page_routes
 from . import anthropic, completions, openai_chat, responses
 from .guard import RequestGuard, allowed_hosts, check_api_key
-from .http import error_responder
+from .http import error_responder, first_event
 from .kv_routes import KVRoutes
 from .on_demand import OnDemand
 
@@ -90,7 +90,7 @@ class App:
             job.id = job_id
         self.engine.submit(job)
         try:
-            event = await job.events.get()  # Accepted or an Error, before any byte
+            event = await first_event(request, job)  # Accepted or an Error, before any byte
             if isinstance(event, Error):
                 raise event.error
             if not isinstance(event, Accepted):

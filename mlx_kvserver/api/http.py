@@ -3,6 +3,7 @@ submitting a conversation to the engine and reading its events, server-sent even
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, AsyncIterator, Callable
 
@@ -89,6 +90,30 @@ async def read_object(request: Request, limit: int) -> dict:
     if not isinstance(body, dict):
         raise bad_request("the request body must be a JSON object")
     return body
+
+
+async def first_event(request: Request, job) -> Event:
+    """``job``'s first event (``Accepted`` once its prompt starts, or an ``Error``). It may
+    wait long (a queue has no time limit: ``engine/backlog.py``), so a client that hangs up
+    meanwhile cancels it and leaves the queue."""
+    get = asyncio.ensure_future(job.events.get())
+    gone = asyncio.ensure_future(_hung_up(request))
+    try:
+        await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not get.done():
+            get.cancel()
+    if get.done() and not get.cancelled():
+        return get.result()
+    job.cancel()
+    raise RequestError(400, "the client went away while its request waited to start")
+
+
+async def _hung_up(request: Request) -> None:
+    """Returns once the client has gone (its request body was read whole before)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def job_events(job, watch) -> AsyncIterator[Event]:

@@ -89,7 +89,8 @@ class Metrics:
                                      "unparsed, dropped)", ["model", "kind"], registry=r)
         self.reasoning_tokens = Counter(P + "reasoning_tokens", "Generated tokens inside "
                                         "reasoning", ["model"], registry=r)
-        self.queue_depth = Gauge(P + "queue_depth", "Jobs waiting for the generation worker",
+        self.queue_depth = Gauge(P + "queue_depth", "Requests submitted whose prompt has not "
+                                 "started (the queue --max-queue bounds)",
                                  registry=r)
         self.batch_size = Gauge(P + "batch_size", "Sequences the engine is running now",
                                 registry=r)
@@ -233,6 +234,10 @@ class CacheCollector:
                 int(store is not None))
             for name, doc in STORE_COUNTERS:
                 add(counter, "kv_store_" + name, doc, model, (store or {}).get(name))
+            for reason, n in (s.get("queue") or {}).get("waiting_for", {}).items():
+                add(gauge, "queue_waiting", "Requests admitted whose prompt has not started, by "
+                    "what they wait for (memory, batch: a place in --max-batch, prompts_ahead)",
+                    model, n, reason=reason)
             spec = s.get("speculation")
             if spec is not None:
                 add(gauge, "speculation_mode", "1 for the model's speculative decoding mode "
@@ -245,7 +250,9 @@ class CacheCollector:
                 add(gauge, "kv_store_queued", "Entry writes not finished for the store (waiting or being written)", model,
                     store["queued"])
         yield from families.values()
-        yield from _memory(next(iter(self.stats.values()), {}).get("memory"))
+        first = next(iter(self.stats.values()), {})
+        yield from _memory(first.get("memory"))
+        yield from _queue(first.get("queue"))
         age = GaugeMetricFamily(P + "kv_stats_age_seconds", "Age of the cache snapshot above")
         age.add_metric([], time.monotonic() - self.taken)
         yield age
@@ -276,6 +283,24 @@ def _memory(m: dict | None):
         c = CounterMetricFamily(P + "memory_" + key, doc)
         c.add_metric([], float(m.get(key) or 0))
         yield c
+
+
+def _queue(q: dict | None):
+    """The requests waiting to start, all models (``engine/backlog.py``)."""
+    if not q:
+        return
+    for name, key, doc in (
+            ("oldest_wait_seconds", "oldest_wait_s", "Seconds the longest-waiting request has "
+             "waited to start"),
+            ("start_rate_per_second", "start_rate_per_s", "Prompts started a second, lately "
+             "(what a 429's Retry-After is computed from)")):
+        g = GaugeMetricFamily(P + "queue_" + name, doc)
+        g.add_metric([], float(q.get(key) or 0))
+        yield g
+    c = CounterMetricFamily(P + "queue_refused", "Requests refused with a 429: --max-queue "
+                            "requests were waiting")
+    c.add_metric([], float(q.get("refused") or 0))
+    yield c
 
 
 class RequestCounter:

@@ -345,7 +345,12 @@ async def handle(served, request: Request) -> Response:
     conv = parse(body, served.config, previous)
     history = conv.messages[1:] if body.get("instructions") else conv.messages
     rid = f"resp_{uuid.uuid4().hex}"
-    job, accepted, watch = await served.start(request, conv, job_id=rid, answer_ids=[rid])
+    try:
+        job, accepted, watch = await served.start(request, conv, job_id=rid, answer_ids=[rid])
+    except RequestError as e:
+        if e.param == "messages":  # the engine's name for the conversation: here, the input
+            e.param = "input"
+        raise
     run = _Run(rid, body, conv, job, accepted, history, store)
     if conv.stream:
         return StreamingResponse(run.stream(watch), media_type="text/event-stream",

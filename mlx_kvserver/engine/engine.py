@@ -28,7 +28,7 @@ import mlx.core as mx
 from kv_cache import (CacheManager, export_entry, import_entry, key_block_for, key_stats,
                       open_cache, with_kv_bits)
 
-from ..chat.output import Done, Error
+from ..chat.output import Accepted, Done, Error
 from ..config import GB, ServerConfig
 from ..errors import RequestError
 from ..models.calibration import calibration_tokens
@@ -36,6 +36,7 @@ from ..models.loading import LoadedModel
 from .request import Job
 from .draft_model import DraftModel, DraftModelError, check_draft_model
 from .memory import MemoryBudget
+from .backlog import Backlog
 from .runner import Runner
 from .scheduler import Events, Scheduler
 
@@ -78,7 +79,10 @@ class Engine:
         for lm in models:
             self._open(lm)
         self.memory.apply()
-        self._queue: queue.Queue[Job | Control | None] = queue.Queue(maxsize=config.max_queue)
+        # jobs and control calls handed to the engine thread (admitted at once: what waits to
+        # start waits in its scheduler, counted by ``backlog``)
+        self._queue: queue.Queue[Job | Control | None] = queue.Queue()
+        self.backlog = Backlog(config.max_queue)  # submitted, not started yet
         self._thread: threading.Thread | None = None
 
     def _open(self, lm: LoadedModel) -> None:
@@ -166,15 +170,15 @@ class Engine:
         return await asyncio.wrap_future(control.future)
 
     def submit(self, job: Job) -> None:
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise RequestError(429, "the server is busy; try again shortly",
-                               type="rate_limit_error", code="queue_full", retry_after=1)
+        """Hand ``job`` to the engine thread; a 429 with ``Retry-After`` when ``--max-queue``
+        requests already wait to start (``backlog.py``)."""
+        self.backlog.enter(job)
+        self._queue.put(job)
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Requests submitted whose prompt has not started yet."""
+        return len(self.backlog)
 
     @property
     def busy(self) -> bool:
@@ -240,24 +244,24 @@ class Engine:
         for manager in self.managers.values():
             manager.flush()  # disk writes, after the step's answers are out
 
-    @staticmethod
-    def _deliver(events: Events) -> None:
+    def _deliver(self, events: Events) -> None:
         for job, event in events:
+            if isinstance(event, (Accepted, Error, Done)):
+                self.backlog.leave(job, started=isinstance(event, Accepted))
             job.send(event)
 
     def _admit(self, job: Job) -> None:
         if job.cancelled.is_set():
-            job.send(Done())
+            self._deliver([(job, Done())])
             return
         try:
             self.schedulers[job.lm.name].add(job)
         except RequestError as e:
-            job.send(Error(e))
-            job.send(Done())
+            self._deliver([(job, Error(e)), (job, Done())])
         except Exception as e:
             log.exception("%s could not be admitted", job.id)
-            job.send(Error(RequestError(500, f"generation failed: {e}", type="server_error")))
-            job.send(Done())
+            self._deliver([(job, Error(RequestError(500, f"generation failed: {e}",
+                                                    type="server_error"))), (job, Done())])
 
     @staticmethod
     def _control(control: Control) -> None:
@@ -273,6 +277,8 @@ class Engine:
     def cache_stats(self) -> dict:
         """Per model: memory and disk tiers, and the tokens prompts read again."""
         return {name: {**manager.report(), "reread": dict(self.schedulers[name].reread),
+                       "queue": {**self.backlog.report(),
+                                 "waiting_for": self.schedulers[name].waiting()},
                        "speculation": {"mode": self.schedulers[name].speculation.mode,
                                        **self.schedulers[name].speculation.stats.as_dict()},
                        "memory": self.memory_report()}

@@ -10,7 +10,8 @@
   disk holds, cached pages nothing holds: ``CacheManager.shed``); then the newest running answer
   is preempted: its pages are saved under a key of its own, and it goes on later from them with
   the same answer (greedy, or from its sampler's own key). A new prompt never preempts a running
-  answer: it waits, and after ``WAIT_S`` it is answered 503 with ``Retry-After``.
+  answer: it waits, without a time limit, as the answers running ahead of it free their memory
+  as they finish (``backlog.py`` counts what waits; the log says once why each waits).
 """
 
 from __future__ import annotations
@@ -26,8 +27,6 @@ from .memory import GB
 log = logging.getLogger("mlx_kvserver.engine")
 
 MIN_CHUNK = 16  # the smallest prompt chunk a pass is cut down to
-WAIT_S = 60.0  # how long a prompt waits for memory before its 503
-RETRY_AFTER_S = 5
 
 
 def preempted_key(message_id: str) -> str:
@@ -49,19 +48,33 @@ class Pressure:
         self.logged = 0.0  # when relieve() last logged
 
     def admit(self, r) -> None:
-        """Refuse ``r`` (400, with the figures) when it cannot fit even alone."""
+        """Refuse ``r`` (400, with the figures) when its prompt cannot fit even alone; an answer
+        that could not fit whole is capped where memory ends (as at the context's end: it
+        finishes with ``length``), ``max_tokens`` being a cap, not a reservation."""
         m = self.memory
-        need = m.request_floor(self.s.name, len(r.prompt), r.max_tokens)
-        if m.weights_total + m.outside + m.margin + need > m.limit:
+        room = m.limit - m.weights_total - m.outside - m.margin  # what requests may ever hold
+
+        def need(answer: int) -> int:
+            return m.request_floor(self.s.name, len(r.prompt), answer)
+
+        if need(r.max_tokens) <= room:
+            return
+        if need(1) > room:
             m.refused += 1
             raise RequestError(
-                400, f"this request needs about {_gb(need)} of memory beyond the models' "
+                400, f"this prompt needs about {_gb(need(1))} of memory beyond the models' "
                 f"weights ({_gb(m.weights_total)}) and the process's own "
-                f"({_gb(m.outside + m.margin)}): "
-                f"{len(r.prompt)} prompt tokens and up to "
-                f"{r.max_tokens} answer tokens; the server's memory limit is {_gb(m.limit)} "
-                "(--memory-limit). Shorten the conversation or ask for fewer tokens",
-                param="max_tokens", code="insufficient_memory")
+                f"({_gb(m.outside + m.margin)}) for its {len(r.prompt)} tokens; the server's "
+                f"memory limit is {_gb(m.limit)} (--memory-limit). Shorten the conversation",
+                param=r.prompt_param, code="insufficient_memory")
+        lo, hi = 1, r.max_tokens  # need(lo) fits, need(hi) does not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if need(mid) <= room else (lo, mid)
+        log.info("%s: up to %d answer tokens (of %d asked) fit the memory limit beside its "
+                 "%d prompt tokens (%s of %s for requests)", r.id, lo, r.max_tokens,
+                 len(r.prompt), _gb(need(lo)), _gb(room))
+        r.max_tokens = lo
 
     def fits(self, extra: int) -> bool:
         """Whether ``extra`` more bytes fit the budget, MLX's buffer cache given back first
@@ -124,25 +137,26 @@ class Pressure:
                      _gb(max(0, before - self.memory.in_use())), pages)
 
     def may_start(self, r) -> bool:
-        """Whether ``r``'s prompt may start now (its first pass and its buffers fit); a prompt
-        that waited ``WAIT_S`` without room is answered 503 with ``Retry-After``."""
+        """Whether ``r``'s prompt may start now (its first pass and its buffers fit). When not,
+        it waits for the answers running ahead of it, which free their memory as they finish
+        (no time limit: they make progress); the first time, the log says why."""
         m = self.memory
         need = m.request_floor(self.s.name, len(r.prompt), r.max_tokens)
         # NOTE: prompts already started grow to their own floors: counted whole (what they hold
         # now is counted twice, erring on the safe side), so four long prompts sent at once
         # start one after another under a tight limit instead of all together
         started = [o for o in self.s.requests if o is not r and o.seq is not None]
-        need += sum(m.request_floor(self.s.name, len(o.prompt), o.max_tokens) for o in started)
-        if self.fits(need):
+        ahead = sum(m.request_floor(self.s.name, len(o.prompt), o.max_tokens) for o in started)
+        if self.fits(need + ahead):
             return True
         self.relieve()
-        if self.fits(need) or not (self.s.decoding or started):
+        if self.fits(need + ahead) or not (self.s.decoding or started):
             return True  # nothing else runs: it fits alone (admission said so)
-        if r.waiting_since is None:
-            r.waiting_since = time.monotonic()
-        if time.monotonic() - r.waiting_since > WAIT_S:
-            raise RequestError(503, f"the server's memory is taken by running answers "
-                               f"({_gb(m.in_use())} of {_gb(m.limit)}); try again shortly",
-                               type="server_error", code="memory_busy",
-                               retry_after=RETRY_AFTER_S)
+        if r.waiting_for != "memory":
+            r.waiting_for = "memory"
+            log.info("%s waits for memory: it needs about %s (%d prompt tokens, up to %d "
+                     "answer tokens) beside %s in use of %s (--memory-limit), while %d answers "
+                     "and %d prompts run ahead of it (%s committed to them)", r.id, _gb(need),
+                     len(r.prompt), r.max_tokens, _gb(m.in_use()), _gb(m.limit),
+                     len(self.s.decoding), len(started), _gb(ahead))
         return False

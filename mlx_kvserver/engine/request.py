@@ -191,12 +191,14 @@ class Request:
             if any(not 0 <= t < support.vocab_size for t in self.prompt):
                 raise RequestError(400, "the prompt has token ids outside this model's "
                                    f"vocabulary (0..{support.vocab_size - 1})", param="prompt")
+        # the field a client shortens when its prompt is what does not fit
+        self.prompt_param = "messages" if conv.prompt is None else "prompt"
         if not self.prompt:
             raise RequestError(400, "the prompt is empty", param="prompt")
         room = lm.context_length - len(self.prompt)
         if room < 1:
             raise RequestError(400, f"the prompt has {len(self.prompt)} tokens; this model's "
-                               f"context is {lm.context_length}", param="messages",
+                               f"context is {lm.context_length}", param=self.prompt_param,
                                code="context_length_exceeded")
         self.max_tokens = min(conv.sampling.max_tokens or room, room)
         s = conv.sampling
@@ -217,7 +219,7 @@ class Request:
         self.divergence: Divergence | None = None  # why it re-read tokens, when it did
         self.choices: list[Choice] = []
         self.started = time.perf_counter()  # checked, rendered and tokenized
-        self.waiting_since: float | None = None  # waiting for memory to start (pressure.py)
+        self.waiting_for: str | None = None  # what it waits for to start (pressure.py)
         self.forward_s = 0.0  # wall time of the forward passes that ran its prompt
 
     @functools.cached_property

@@ -113,7 +113,26 @@ class Scheduler(Preemption):
             self.prepares.step()
         elif len(self.decoding) < self.max_batch:
             self._prefill(self._prompt_tasks())
+        else:
+            self._batch_full()
         return self._take_events()
+
+    def _batch_full(self) -> None:
+        """Prompts wait while ``max_batch`` answers run; each is logged once."""
+        for r in self.requests:
+            if r.seq is None and not r.choices and r.waiting_for is None:
+                r.waiting_for = "batch"
+                log.info("%s waits for a place in the batch: %d answers run (--max-batch %d)",
+                         r.id, len(self.decoding), self.max_batch)
+
+    def waiting(self) -> dict[str, int]:
+        """Requests admitted whose prompt has not started, by what they wait for: memory, a
+        place in the batch, or the prompts ahead of them (read one chunk a step)."""
+        out = {"memory": 0, "batch": 0, "prompts_ahead": 0}
+        for r in self.requests:
+            if r.seq is None and not r.choices:
+                out[r.waiting_for if r.waiting_for in out else "prompts_ahead"] += 1
+        return out
 
     def step_answers(self) -> Events:
         """A step's second part: one decode step of the running answers."""
@@ -200,6 +219,11 @@ class Scheduler(Preemption):
                 r.seq, r.match = self._start(r, r.prompt, r.keys, r.boundaries
                                              if self.manager.pool.spec.has_state else ())
                 r.done_tokens = r.match.tokens
+                waited = time.perf_counter() - r.started
+                if r.waiting_for is not None:
+                    log.info("%s starts after %.1f s waiting (for %s)", r.id, waited,
+                             "memory" if r.waiting_for == "memory" else "a place in the batch")
+                    r.waiting_for = None
                 self._why_reread(r)
                 self._send(r, Accepted(len(r.prompt), r.match.tokens, r.match.source))
             return r.seq, r.prompt, r.done_tokens

@@ -436,6 +436,18 @@ def test_live_create_stream_retrieve_delete(live, tiny_lm):
         "previous_response_not_found"
 
 
+def test_live_a_prompt_past_the_context_names_the_input(live, tiny_lm):
+    """The engine's refusal of a prompt that cannot fit names the field a Responses client
+    shortens (``input``), as chat completions name ``messages``."""
+    words = "word " * (tiny_lm.context_length + 10)
+    r = httpx.post(f"{live.url}/responses", json={"input": words}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["param"] == "input"
+    chat = httpx.post(f"{live.url}/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": words}]})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
+
+
 def test_live_previous_response_id_uses_the_cache_also_after_a_restart(tiny_lm, tmp_path):
     from tests.server_utils import running_server
 

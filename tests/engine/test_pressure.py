@@ -172,20 +172,26 @@ def test_an_interrupted_answer_sent_back_is_read_from_the_cache(tmp_path):
         s.stop()
 
 
+def three_prompts(tiny_lm, max_tokens: int, limit: int, **kw):
+    """Three long prompts: their answers alone, then a scheduler under a budget of ``limit``
+    bytes (``kw``: its settings) and the three jobs to send it."""
+    body = lambda k: {"model": tiny_lm.name, "max_tokens": max_tokens, "temperature": 0,
+                      "messages": [{"role": "user", "content": long_text(60, k)}]}
+    want = [Collect(body(k), tiny_lm) for k in range(3)]
+    run(scheduler(tiny_lm), {0: want})
+    budget = MemoryBudget(limit, reserve=0)
+    budget.add_model(tiny_lm)
+    s = scheduler(tiny_lm, memory=budget, name=tiny_lm.name, **kw)
+    budget.shedders[tiny_lm.name] = s.manager.shed
+    return want, budget, s, [Collect(body(k), tiny_lm) for k in range(3)]
+
+
 def test_prompts_go_on_one_at_a_time_when_memory_stays_short(tiny_lm, monkeypatch):
     """Memory short at every step (nothing to give back): the oldest prompt goes on in small
     chunks (admission said it fits alone; waiting would wait for nothing, a spin that never
     ends), the others start after it, and every answer is the one it gets alone."""
-    body = lambda k: {"model": tiny_lm.name, "max_tokens": 6, "temperature": 0,
-                      "messages": [{"role": "user", "content": long_text(60, k)}]}
-    want = [Collect(body(k), tiny_lm) for k in range(3)]
-    run(scheduler(tiny_lm), {0: want})
-    budget = MemoryBudget(1 << 30, reserve=0)
-    budget.add_model(tiny_lm)
-    s = scheduler(tiny_lm, memory=budget, name=tiny_lm.name, prefill_chunk=64)
-    budget.shedders[tiny_lm.name] = s.manager.shed
+    want, budget, s, jobs = three_prompts(tiny_lm, 6, 1 << 30, prefill_chunk=64)
     monkeypatch.setattr(budget, "in_use", lambda: budget.limit + 1)  # always short
-    jobs = [Collect(body(k), tiny_lm) for k in range(3)]
     started = []
     for j in jobs:
         s.add(j)
@@ -223,11 +229,71 @@ def test_admission_keeps_the_margin(tiny_lm):
     budget.measure_outside()
     assert budget.margin > 0
     p = Pressure(SimpleNamespace(name=tiny_lm.name), budget)
-    r = SimpleNamespace(prompt=[5] * 400, max_tokens=100)
-    need = budget.request_floor(tiny_lm.name, 400, 100)
+    r = SimpleNamespace(prompt=[5] * 400, max_tokens=1, prompt_param="messages", id="r")
+    need = budget.request_floor(tiny_lm.name, 400, 1)
     budget.limit = budget.weights_total + budget.outside + need  # fits without the margin only
     with pytest.raises(RequestError) as e:
         p.admit(r)
     assert e.value.status == 400 and e.value.code == "insufficient_memory"
+    assert e.value.param == "messages"  # the prompt is the cause: it names the prompt
     budget.limit += budget.margin
     p.admit(r)
+
+
+def test_an_answer_that_cannot_fit_whole_is_capped_not_refused(tiny_lm):
+    """``max_tokens`` is a cap, not a reservation: a prompt that fits with a shorter answer is
+    admitted with the answer capped where memory ends (it finishes with ``length``, as at the
+    context's end); only a prompt that cannot fit even with one answer token is refused."""
+    from types import SimpleNamespace
+
+    budget = MemoryBudget(1 << 40)
+    budget.add_model(tiny_lm)
+    budget.measure_outside()
+    p = Pressure(SimpleNamespace(name=tiny_lm.name), budget)
+    floor = lambda answer: budget.request_floor(tiny_lm.name, 400, answer)
+    budget.limit = budget.weights_total + budget.outside + budget.margin + floor(300)
+    r = SimpleNamespace(prompt=[5] * 400, max_tokens=5000, prompt_param="messages", id="r")
+    p.admit(r)
+    assert r.max_tokens == 300  # the most that fits: one more would not
+    assert budget.refused == 0
+    roomy = SimpleNamespace(prompt=[5] * 400, max_tokens=200, prompt_param="messages", id="q")
+    p.admit(roomy)
+    assert roomy.max_tokens == 200  # what fits whole is left as asked
+
+
+def test_prompts_waiting_for_memory_wait_without_a_time_limit(tiny_lm, monkeypatch, caplog):
+    """Three long prompts at once where one fits at a time: the others wait for the answers
+    running ahead of them, however long the clock says that takes (a queue has no time limit:
+    a 503 after a minute failed a request that could be answered), each is logged once as
+    waiting for memory, and every answer is the one it gets alone."""
+    import logging
+    import time as time_module
+
+    want, budget, s, jobs = three_prompts(tiny_lm, 12, 1 << 40)
+    floor = 64 << 20  # each request's floor: one fits beside what is held, two do not
+    monkeypatch.setattr(budget, "request_floor", lambda *a: floor)
+    budget.limit = budget.in_use() + floor + floor // 2
+    now = [time_module.monotonic()]
+
+    def clock() -> float:  # every look at the clock: ten more minutes went by
+        now[0] += 600.0
+        return now[0]
+    monkeypatch.setattr(time_module, "monotonic", clock)
+    for j in jobs:
+        s.add(j)
+    started, waits = [], []
+    with caplog.at_level(logging.INFO, logger="mlx_kvserver.engine"):
+        for _ in range(2000):
+            if not s.busy:
+                break
+            started.append(sum(r.seq is not None for r in s.requests))  # prompts reading
+            waits.append(s.waiting()["memory"])
+            for job, ev in s.step():
+                job.send(ev)
+    assert not s.busy
+    assert all(not j.errors() for j in jobs), [j.errors() for j in jobs]
+    assert [j.answers() for j in jobs] == [w.answers() for w in want]
+    assert max(waits) == 2 and max(started) == 1  # one prompt at a time; the others waited
+    logged = [m for m in caplog.messages if "waits for memory" in m]
+    assert len(logged) == 2, logged  # once each, not every step
+    assert len([m for m in caplog.messages if "starts after" in m]) == 2
