@@ -104,11 +104,11 @@ def test_the_server_uses_the_library_through_its_package_root(path):
 
 SERVER_ALLOWED = {  # the server's rooms, floor by floor: each may import the ones listed
     "base": {"base"},  # config.py, errors.py
-    "platform": {"base", "platform"},  # the CPU's BLAS, ELF symbols
+    "platform": {"base", "platform"},  # the CPU's BLAS, ELF symbols, memory facts
     "chat": {"base", "chat"},  # the conversation model, templates, output parsing, grammars
     "models": {"base", "chat", "models"},  # loading, tokenizer, registry
-    "engine": {"base", "chat", "models", "engine"},  # the thread, scheduler, runner, requests
-    "api": {"base", "chat", "models", "engine", "api"},  # HTTP: one module per API
+    "engine": {"base", "platform", "chat", "models", "engine"},  # thread, scheduler, runner
+    "api": {"base", "platform", "chat", "models", "engine", "api"},  # HTTP: one module per API
     "top": {"base", "platform", "chat", "models", "engine", "api", "top"},  # cli.py, __main__.py
     "clients": {"base", "platform", "chat", "models", "engine", "api", "top", "clients"},
 }
@@ -164,3 +164,19 @@ def test_an_empty_tree_fails(tmp_path, monkeypatch):
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     with pytest.raises(AssertionError, match="no Python files"):
         _files("kv_cache")
+
+
+def _naming_proc(paths: list[Path]) -> list[Path]:
+    """The files among ``paths`` that name ``/proc`` (Linux's alone: a Mac has none)."""
+    return [p for p in paths if "/proc" in p.read_text()]
+
+
+def test_the_engine_and_its_tests_read_no_proc(tmp_path):
+    """The engine and its tests run on a Mac, which has no ``/proc``: the machine's memory is
+    read in ``platform/memory_facts.py`` and given to the budget, which tests give a Mac's or
+    Linux's figures."""
+    paths = _files("mlx_kvserver/engine") + sorted((ROOT / "tests" / "engine").rglob("*.py"))
+    assert len(paths) > 20 and not _naming_proc(paths)
+    bad = tmp_path / "x.py"
+    bad.write_text('total = open("/proc/meminfo").read()\n')
+    assert _naming_proc([bad]) == [bad]

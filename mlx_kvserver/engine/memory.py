@@ -14,14 +14,14 @@ Metal).
 from __future__ import annotations
 
 import logging
-import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
 from kv_cache import OWN_KEYS_APART
+
+from ..platform.memory_facts import MemoryFacts, current
 
 log = logging.getLogger("mlx_kvserver.engine")
 
@@ -38,36 +38,10 @@ MARGIN = 32 << 20
 PASS_ROOM = 128 << 20
 
 
-def machine_memory() -> int:
-    """The machine's physical memory in bytes (Linux, macOS: ``sysconf``; else /proc)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/meminfo") as f:
-            m = re.search(r"MemTotal:\s+(\d+) kB", f.read())
-        if m:
-            return int(m.group(1)) * 1024
-    except OSError:
-        pass
-    return 16 * GB  # unknown: a modest machine
-
-
-def device_memory() -> int | None:
-    """On Metal, MLX's recommended working set (what the GPU may keep wired); else None."""
-    try:
-        if mx.metal.is_available():
-            return int(mx.metal.device_info()["max_recommended_working_set_size"])
-    except (AttributeError, KeyError, RuntimeError):
-        pass
-    return None
-
-
-def default_limit() -> int:
-    device = device_memory()
-    base = device if device is not None else machine_memory()
-    return int(base * DEFAULT_FRACTION)
+def default_limit(facts: MemoryFacts | None = None) -> int:
+    """``DEFAULT_FRACTION`` of the machine's memory (Metal: of MLX's recommended working set);
+    ``facts``: the machine's (None: this one's, read now)."""
+    return int((facts or current()).budget_base * DEFAULT_FRACTION)
 
 
 @dataclass(frozen=True)
@@ -113,14 +87,17 @@ def weights_bytes(model: Any) -> int:
 
 
 class MemoryBudget:
-    """The server's limit and what is spent of it. ``limit``: bytes (None: ``default_limit``).
+    """The server's limit and what is spent of it. ``limit``: bytes (None: ``default_limit``);
+    ``facts``: the machine's memory (None: this machine's, ``platform/memory_facts.py``).
     Models register their weights as they load and unload."""
 
-    def __init__(self, limit: int | None = None, reserve: int | None = None) -> None:
-        self.limit = int(limit) if limit else default_limit()
+    def __init__(self, limit: int | None = None, reserve: int | None = None,
+                 facts: MemoryFacts | None = None) -> None:
+        self.facts = facts or current()
+        self.limit = int(limit) if limit else default_limit(self.facts)
         self.reserve = reserve  # --memory-reserve: what ``outside`` is (None: measured)
-        self.machine = machine_memory()
-        self.device = device_memory()
+        self.machine = self.facts.total
+        self.device = self.facts.working_set
         self.weights: dict[str, int] = {}
         self.shapes: dict[str, Shape] = {}
         self.refused = 0  # requests refused because they cannot fit even alone
@@ -129,27 +106,24 @@ class MemoryBudget:
         self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
         # kept free for what grows between two checks (none with a fixed --memory-reserve)
         self.margin = 0 if reserve is not None else MARGIN
-        self._process = None  # psutil's view of this process, once measured
+        self._measured = False  # whether the process's resident memory was read
         self._mlx_limit = 0  # MLX's own limit as last set
         self._cache_limit = -1  # MLX's buffer cache limit as last set
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
 
     def measure_outside(self) -> int:
         """What the process holds outside MLX (Python, the tokenizers, libraries): its resident
-        memory less MLX's active and cached bytes, measured now (after a model loads). It is
+        memory (``facts.resident()``: on macOS its footprint, where MLX's Metal buffers are
+        counted) less MLX's active and cached bytes, measured now (after a model loads). It is
         part of the budget: MLX gets the rest. ``--memory-reserve`` fixes it instead."""
         if self.reserve is not None:
             return self.outside
-        try:
-            import psutil
-
-            self._process = self._process or psutil.Process()
-            rss = int(self._process.memory_info().rss)
-        except (ImportError, OSError) as e:  # an odd platform: MLX's bytes alone, as before
-            log.info("the process's resident memory is not known (%s)", e)
-            self._process = None
+        resident = self.facts.resident()
+        self._measured = bool(resident)
+        if not resident:  # an odd platform: MLX's bytes alone, as before
+            log.info("the process's resident memory is not known (%s)", self.facts.system)
             return self.outside
-        self.outside = max(0, rss - int(mx.get_active_memory()) - int(mx.get_cache_memory()))
+        self.outside = max(0, resident - int(mx.get_active_memory()) - int(mx.get_cache_memory()))
         return self.outside
 
     def apply(self) -> None:
@@ -158,9 +132,10 @@ class MemoryBudget:
         self.measure_outside()
         self._mlx_limit = max(self.limit - self.outside - self.margin, 1 << 26)
         mx.set_memory_limit(self._mlx_limit)
-        if self.device is not None:
+        wired = self.facts.wired_limit(self.limit)
+        if wired is not None:
             try:
-                mx.set_wired_limit(min(self.limit, self.device))
+                mx.set_wired_limit(wired)
             except (AttributeError, RuntimeError, ValueError) as e:
                 log.info("the wired limit was not set: %s", e)
         log.info("memory limit %.2f GB (machine %.2f GB%s)", self.limit / GB,
@@ -200,14 +175,11 @@ class MemoryBudget:
         active = int(mx.get_active_memory())
         cache = int(mx.get_cache_memory())
         used = active + cache + self.outside
-        if self.reserve is None and self._process is not None:
-            try:
-                rss = int(self._process.memory_info().rss)
-            except OSError:
-                rss = 0
-            if rss:
-                self._follow(max(self.outside, rss - active - cache))
-                used = max(used, rss)
+        if self.reserve is None and self._measured:
+            resident = self.facts.resident()
+            if resident:
+                self._follow(max(self.outside, resident - active - cache))
+                used = max(used, resident)
         used += self.margin
         self._bound_cache(used, cache)
         return used

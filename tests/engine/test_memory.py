@@ -1,8 +1,11 @@
-"""The memory budget (engine/memory.py): the machine's memory, the default limit, MLX's limit set
-from it, the weights counted per model, and a forward pass's peak estimated from its shape
-against what MLX measures (``mx.get_peak_memory``)."""
+"""The memory budget (engine/memory.py): the default limit from the machine's memory facts (a
+Mac's and Linux's figures on any machine: platform/memory_facts.py), MLX's limits set from it,
+admission on those figures, the weights counted per model, and a forward pass's peak estimated
+from its shape against what MLX measures (``mx.get_peak_memory``)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -11,16 +14,123 @@ from kv_cache import open_cache
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.engine import Engine
 from mlx_kvserver.engine.memory import (DEFAULT_FRACTION, GB, MARGIN, PASS_ROOM,
-                                        MemoryBudget, default_limit, machine_memory,
-                                        weights_bytes)
+                                        MemoryBudget, Shape, default_limit, weights_bytes)
+from mlx_kvserver.engine.pressure import Pressure
 from mlx_kvserver.engine.runner import Runner
+from mlx_kvserver.errors import RequestError
+from mlx_kvserver.platform.memory_facts import MemoryFacts, current
+from tests.platform.test_memory_facts import MAC_32GB
+
+WORKING_SET = MAC_32GB["max_recommended_working_set_size"]  # 21.3 GB of a 32 GB Mac
 
 
-def test_the_machine_and_the_default_limit():
-    with open("/proc/meminfo") as f:  # these machines are Linux; sysconf is the portable way
-        total = int(f.read().split("MemTotal:")[1].split()[0]) * 1024
-    assert abs(machine_memory() - total) < 0.02 * total
-    assert default_limit() == int(machine_memory() * DEFAULT_FRACTION)
+def facts(system: str, outside: dict, working_set: int | None = None, total: int = 32 * GB):
+    """A machine's memory facts: the process holds MLX's bytes and ``outside["bytes"]`` more
+    (a Mac's footprint and Linux's resident set both count MLX's buffers)."""
+    return MemoryFacts(system, total, working_set, lambda: int(
+        mx.get_active_memory() + mx.get_cache_memory() + outside["bytes"]),
+        "phys_footprint" if system == "Darwin" else "rss")
+
+
+def test_the_default_limit_is_a_fraction_of_the_machine_or_of_metals_working_set():
+    here = current()
+    assert default_limit() == int(here.budget_base * DEFAULT_FRACTION) == MemoryBudget().limit
+    mac = MemoryBudget(facts=facts("Darwin", {"bytes": 0}, WORKING_SET))
+    assert mac.limit == int(WORKING_SET * DEFAULT_FRACTION)
+    assert round(mac.limit / GB, 2) == 16.0  # of the working set, not 24 GB of the machine
+    linux = MemoryBudget(facts=facts("Linux", {"bytes": 0}))
+    assert linux.limit == int(32 * GB * DEFAULT_FRACTION) == 24 * GB
+    report = mac.report()
+    assert report["machine_bytes"] == 32 * GB and report["metal_working_set_bytes"] == WORKING_SET
+    assert linux.report()["metal_working_set_bytes"] is None
+    assert MemoryBudget(8 * GB, facts=mac.facts).limit == 8 * GB  # --memory-limit
+
+
+@pytest.fixture
+def mlx_limits(monkeypatch):
+    """MLX's limits as the budget sets them, recorded instead of set."""
+    calls: list[tuple[str, int]] = []
+    for name in ("set_memory_limit", "set_wired_limit", "set_cache_limit"):
+        monkeypatch.setattr(mx, name, lambda n, name=name: calls.append((name, int(n))) or 0)
+    return calls
+
+
+def test_the_limits_mlx_is_given_on_a_mac(mlx_limits):
+    """On a Mac's figures: MLX's memory limit is the budget (16 GB of the 21.3 GB working set)
+    less what the process holds outside MLX and the margin, and follows that as it grows; the
+    wired limit is the budget, and never above the system's (MLX refuses more). On Linux's
+    figures nothing is wired."""
+    outside = {"bytes": 600 << 20}
+    budget = MemoryBudget(facts=facts("Darwin", outside, WORKING_SET))
+    budget.apply()
+    limit = int(WORKING_SET * DEFAULT_FRACTION)
+    assert budget.outside == 600 << 20
+    assert mlx_limits == [("set_memory_limit", limit - (600 << 20) - MARGIN),
+                          ("set_wired_limit", limit)]
+    mlx_limits.clear()
+    outside["bytes"] += 64 << 20  # the process grows outside MLX (Python, the tokenizers)
+    assert budget.in_use() >= mx.get_active_memory() + (664 << 20) + MARGIN
+    assert ("set_memory_limit", limit - (664 << 20) - MARGIN) in mlx_limits
+    mlx_limits.clear()
+    MemoryBudget(28 * GB, facts=facts("Darwin", outside, WORKING_SET)).apply()
+    assert ("set_wired_limit", WORKING_SET) in mlx_limits  # --memory-limit above the system's
+    mlx_limits.clear()
+    MemoryBudget(facts=facts("Linux", outside)).apply()
+    assert [name for name, _ in mlx_limits] == ["set_memory_limit"]
+
+
+def test_a_wired_limit_mlx_refuses_is_logged_not_raised(monkeypatch, caplog):
+    def refuse(n):
+        raise ValueError("[metal::set_wired_limit] Setting a wired limit larger than the "
+                         "maximum working set size is not allowed.")
+    monkeypatch.setattr(mx, "set_memory_limit", lambda n: 0)
+    monkeypatch.setattr(mx, "set_wired_limit", refuse)
+    with caplog.at_level("INFO", logger="mlx_kvserver.engine"):
+        MemoryBudget(facts=facts("Darwin", {"bytes": 0}, WORKING_SET)).apply()
+    assert "the wired limit was not set" in caplog.text
+
+
+def test_a_process_whose_memory_cannot_be_read_counts_mlxs_bytes_alone(mlx_limits):
+    unknown = MemoryFacts("Darwin", 32 * GB, WORKING_SET, lambda: None, "none")
+    budget = MemoryBudget(GB, facts=unknown)
+    assert budget.measure_outside() == 0
+    assert budget.in_use() == mx.get_active_memory() + mx.get_cache_memory() + MARGIN
+    assert not [c for c in mlx_limits if c[0] == "set_memory_limit"]  # nothing to follow
+
+
+# an 8B model (Llama 3 8B's shape) in 4 bits beside a 12 GB one: 12 GB of weights in all, its
+# keys and values 128 KiB a position in float16
+EIGHT_B = Shape(hidden=4096, intermediate=14336, heads=32, layers=32, vocab=128256,
+                kv_bytes=32 * 2 * 8 * 128 * 2, dtype_bytes=2)
+
+
+@pytest.mark.parametrize("system,working_set,long_fits", [
+    ("Darwin", WORKING_SET, False),  # 16 GB: 12 GB of weights leave ~3.4 GB for requests
+    ("Linux", None, True)])  # 24 GB of the same 32 GB machine: ~11.4 GB
+def test_admission_on_a_macs_figures(system, working_set, long_fits, mlx_limits):
+    """Admission refuses (400, with the figures) a prompt that cannot fit even alone on a
+    32 GB Mac's default limit (of its working set), which the same machine's memory would
+    hold without Metal; a prompt that fits is admitted with what it asked for."""
+    budget = MemoryBudget(facts=facts(system, {"bytes": 600 << 20}, working_set))
+    budget.measure_outside()
+    budget.weights["m"], budget.shapes["m"] = 12 * GB, EIGHT_B
+    pressure = Pressure(SimpleNamespace(name="m"), budget)
+
+    def request(prompt: int, answer: int) -> SimpleNamespace:
+        return SimpleNamespace(prompt=[1] * prompt, max_tokens=answer, prompt_param="messages",
+                               id="r")
+    short = request(8000, 512)  # ~2.2 GB: fits both
+    pressure.admit(short)
+    assert short.max_tokens == 512
+    long = request(16384, 256)  # ~4.2 GB for the prompt alone
+    if long_fits:
+        pressure.admit(long)
+        assert budget.refused == 0
+        return
+    with pytest.raises(RequestError) as e:
+        pressure.admit(long)
+    assert e.value.status == 400 and e.value.code == "insufficient_memory"
+    assert "16.00 GB" in e.value.message and budget.refused == 1
 
 
 def test_mlx_limit_is_set_from_the_budget(tiny_lm):
@@ -81,11 +191,9 @@ def test_a_margin_is_kept_for_what_grows_between_checks():
 
 
 def test_the_process_outside_mlx_is_counted_unless_a_reserve_is_given():
-    import psutil
-
     measured = MemoryBudget(GB)
     outside = measured.measure_outside()
-    rss = psutil.Process().memory_info().rss
+    rss = measured.facts.resident()  # the resident set here; a Mac's footprint
     assert 0 < outside <= rss - mx.get_active_memory() - mx.get_cache_memory() + (16 << 20)
     assert measured.in_use() >= mx.get_active_memory() + outside
     import numpy as np
