@@ -133,6 +133,46 @@ def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
     assert s._width([choice(0.84)], [[1] * 8]) > 4
 
 
+# What passes cost, measured (seconds): per batch size, a plain step and wide passes by rows.
+# H100: docs/BENCHMARKS.md section 17 ("On a CUDA GPU"): one answer's plain step ~4-5.5 ms and a
+# verify pass ~40-45 ms however few its rows (~8x); eight answers' plain step ~105 ms and a
+# verify pass ~220 ms. CPU: the same section's `bench_pass_width.py` table, a document each
+# (one sequence: 176.8 ms plain, 216.7 / 287.7 / 428.9 ms 2 / 4 / 9 wide; eight: 1004.6 ms
+# plain, 1224.7 / 1495.4 / 2481.5 ms)
+PROFILES = {
+    "H100": {1: (0.0055, {2: 0.041, 5: 0.043, 9: 0.045}),
+             8: (0.105, {16: 0.215, 32: 0.220, 48: 0.222, 72: 0.226})},
+    "CPU": {1: (0.1768, {2: 0.2167, 4: 0.2877, 9: 0.4289}),
+            8: (1.0046, {16: 1.2247, 32: 1.4954, 72: 2.4815})},
+}
+
+
+@pytest.mark.parametrize("profile,answers,verifies", [
+    ("H100", 1, False),  # ~4.4 tokens a pass do not pay ~8 steps: plain steps
+    ("H100", 8, True),  # eight drafts' ~35 tokens for ~2 steps
+    ("CPU", 1, True),
+    ("CPU", 8, True)])
+def test_the_width_on_a_gpus_and_a_cpus_measured_costs(profile, answers, verifies):
+    """The chooser fed what a GPU's and a CPU's passes cost, as ``verify`` and ``decoded`` feed
+    it (``PassCost.add``), with drafts taken 84% of the time (the H100's `edit` rows): one
+    answer alone decodes plainly where every wide pass costs ~8 plain steps and verifies where
+    wide passes cost about what their rows do; eight answers verify on both. A draft that is
+    seldom right (free text) is not verified anywhere."""
+    plain, wide = PROFILES[profile][answers]
+    cost = PassCost()
+    for _ in range(4):
+        cost.add(answers, answers, plain)
+        for rows, seconds in wide.items():
+            cost.add(answers, rows, seconds)
+    cost.probe_due = lambda seqs, declined: False
+    assert cost.relative(answers, max(wide)) == pytest.approx(wide[max(wide)] / plain, rel=0.1)
+    s = Speculation(runner=None, mode="ngram", max_draft=8)
+    s.cost = cost
+    width = s._width([choice(0.84) for _ in range(answers)], [[1] * 8] * answers)
+    assert (width > 1) == verifies, width
+    assert s._width([choice(0.05) for _ in range(answers)], [[1] * 8] * answers) == 1
+
+
 def test_plain_steps_do_not_push_the_wide_passes_out():
     c = PassCost()
     for rows in (9, 5, 9, 5):
