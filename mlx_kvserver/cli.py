@@ -241,13 +241,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def load_engine(config: ServerConfig):
     """Load the configured models and build the registry and the engine."""
     from .engine.engine import Engine
+    from .engine.memory import MemoryBudget, ModelTooLarge
     from .models.registry import ModelRegistry
     from .models.loading import resolve_and_load
+
+    memory = MemoryBudget.of(config)  # each load checked against it before it allocates
+
+    def load(spec: str | None):
+        try:
+            return resolve_and_load(spec, dequantize=config.dequantize, fits=memory.check_load)
+        except ModelTooLarge as e:
+            raise SystemExit(str(e))
 
     models = []
     for spec in config.models:
         log.info("loading model %s", spec)
-        models.append(resolve_and_load(spec, dequantize=config.dequantize))
+        models.append(load(spec))
     try:
         registry = ModelRegistry(models, config.model_aliases)
     except ValueError as e:
@@ -255,7 +264,7 @@ def load_engine(config: ServerConfig):
     draft = None
     if config.draft_model and config.speculate == "draft":
         log.info("loading draft model %s", config.draft_model)
-        draft = resolve_and_load(config.draft_model, dequantize=config.dequantize)
+        draft = load(config.draft_model)
     try:
         return registry, Engine(models, config, draft=draft)
     except ValueError as e:  # a draft model that fits no served model: its DraftModelError

@@ -5,11 +5,11 @@ first use when ``--allow-models`` (or ``--pin``) lets it (``models/on_demand.py`
   on the disk or the hub); the model joins the engine between two steps (``Engine.add_model``).
   Requests for a model that is loading wait for that one load, up to ``--model-load-wait``
   seconds (then 503 with ``Retry-After``; the load goes on).
-- Room: before loading, the new model's weights are estimated from its files; while the served
-  models' weights and it would pass ``WEIGHTS_SHARE`` of the memory limit, the least recently
-  used idle model loaded on demand (not pinned) is unloaded (``Engine.remove_model``: its cache is
-  flushed to disk and stays there, and in the shared store). Too large even alone: 400; the
-  others busy: 503.
+- Room: before loading, the new model's weights and its load's peak are estimated from its files
+  (``models/footprint.py``); while the served models' weights and that peak would pass
+  ``WEIGHTS_SHARE`` of the memory limit, the least recently used idle model loaded on demand
+  (not pinned) is unloaded (``Engine.remove_model``: its cache is flushed to disk and stays
+  there, and in the shared store). Too large even alone: 400; the others busy: 503.
 - ``--model-ttl``: a loaded-on-demand model unused that long is unloaded.
 - The models named at start (``--model``) are never unloaded.
 """
@@ -28,9 +28,9 @@ from ..engine.engine import Engine
 from ..engine.memory import GB, weights_bytes
 from ..errors import RequestError
 from ..models.loading import LoadedModel, auto_dequantize
-from ..models.on_demand import (WEIGHTS_SHARE, AllowList, NotCached, Resident,
-                                estimate_weights, hub_bytes, idle_past, in_thread, load_source,
-                                locate, lru, source_of)
+from ..models.footprint import estimate_load
+from ..models.on_demand import (WEIGHTS_SHARE, AllowList, NotCached, Resident, hub_bytes,
+                                idle_past, in_thread, load_source, locate, lru, source_of)
 from ..models.registry import ModelRegistry, UnknownModelError
 from .validate import unknown_model
 
@@ -171,9 +171,10 @@ class OnDemand:
                 r.enter("downloading" if downloading else "locating")
                 path = await in_thread(lambda: locate(r.source, self.config.allow_download))
                 r.enter("estimating")
-                r.weights = await in_thread(lambda: estimate_weights(path, run_deq))
+                estimate = await in_thread(lambda: estimate_load(path, run_deq))
+                r.weights = estimate.weights
                 r.enter("making room")
-                await self._make_room(r, r.weights)
+                await self._make_room(r, estimate.peak)
                 r.enter("reading weights")
                 lm = await in_thread(lambda: load_source(r.source, path, deq))
                 real = weights_bytes(lm.model)
@@ -231,14 +232,17 @@ class OnDemand:
 
     async def _make_room(self, r: Resident, need: int) -> None:
         """Unload least recently used models until the weights and ``need`` fit (see the
-        module's docstring); 400 when they never can, 503 when the others are busy."""
+        module's docstring): before the load, its peak; 400 when they never can, 503 when the
+        others are busy."""
         total = await self.engine.call(lambda: self.engine.memory.weights_total)
         cap = self._cap()
         if total + need <= cap:
             return
         candidates = lru(list(self.residents.values()), but=r)
         stays = total - sum(c.weights for c in candidates)
-        figures = (f"model {r.name!r} needs about {_mb(need)} of weights; the models that stay "
+        what = f" while it loads ({_mb(r.weights)} of weights once loaded)" \
+            if need > r.weights else " of weights"
+        figures = (f"model {r.name!r} needs about {_mb(need)}{what}; the models that stay "
                    f"loaded hold {_mb(stays)} and all weights may take {_mb(cap)} "
                    f"({WEIGHTS_SHARE:.0%} of the memory limit, {_mb(self.engine.memory.limit)}: "
                    "--memory-limit)")

@@ -63,9 +63,7 @@ class Engine:
         tokenizer it shares (``DraftModelError`` when it fits none of them)."""
         config = config or ServerConfig()
         self.config = config
-        self.memory = MemoryBudget(
-            int(config.memory_limit_gb * GB) if config.memory_limit_gb else None,
-            None if config.memory_reserve_gb is None else int(config.memory_reserve_gb * GB))
+        self.memory = MemoryBudget.of(config)
         self.draft = DraftModel(draft, config) if draft is not None \
             and config.speculate == "draft" else None
         self._draft_lm = draft

@@ -86,6 +86,10 @@ def weights_bytes(model: Any) -> int:
     return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
+class ModelTooLarge(ValueError):
+    """A model whose load would not fit in what the memory limit leaves free."""
+
+
 class MemoryBudget:
     """The server's limit and what is spent of it. ``limit``: bytes (None: ``default_limit``);
     ``facts``: the machine's memory (None: this machine's, ``platform/memory_facts.py``).
@@ -102,7 +106,8 @@ class MemoryBudget:
         self.shapes: dict[str, Shape] = {}
         self.refused = 0  # requests refused because they cannot fit even alone
         self.pressure_events = 0
-        self.load_peak = 0  # the most MLX held while a model was loading
+        self.load_peak = 0  # the most MLX held up to the end of the last model load
+        self.load_estimate = 0  # the most a model's load was estimated to hold (its files)
         self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
         # kept free for what grows between two checks (none with a fixed --memory-reserve)
         self.margin = 0 if reserve is not None else MARGIN
@@ -110,6 +115,13 @@ class MemoryBudget:
         self._mlx_limit = 0  # MLX's own limit as last set
         self._cache_limit = -1  # MLX's buffer cache limit as last set
         self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
+
+    @classmethod
+    def of(cls, config: Any) -> "MemoryBudget":
+        """The budget a ``ServerConfig`` sets (``--memory-limit``, ``--memory-reserve``)."""
+        limit, reserve = config.memory_limit_gb, config.memory_reserve_gb
+        return cls(int(limit * GB) if limit else None,
+                   None if reserve is None else int(reserve * GB))
 
     def measure_outside(self) -> int:
         """What the process holds outside MLX (Python, the tokenizers, libraries): its resident
@@ -145,11 +157,26 @@ class MemoryBudget:
     def add_model(self, lm: Any) -> None:
         self.weights[lm.name] = weights_bytes(lm.model)
         self.shapes[lm.name] = Shape.of(lm)
-        # NOTE: a load peaks above its weights (a GGUF dequantized on the CPU backend: 722 MB
-        # for 513 MB of weights), before the budget governs anything: kept apart, and MLX's peak
-        # starts again, so ``mlx_peak_bytes`` is what serving reached (docs/BENCHMARKS.md s. 18)
+        # NOTE: MLX's peak is never reset: ``mlx_peak_bytes`` is the most MLX held since the
+        # process started, its loads included (each checked before it allocates: ``check_load``)
         self.load_peak = max(self.load_peak, int(mx.get_peak_memory()))
-        mx.reset_peak_memory()
+        self.load_estimate = max(self.load_estimate, getattr(lm, "load_peak_estimate", 0))
+
+    def check_load(self, name: str, estimate: Any) -> None:
+        """Before a model loads, nothing of it allocated: its load's peak (``estimate.peak``,
+        from its files: ``models/footprint.py``) must fit in what the limit leaves beside what
+        the process holds now (its resident memory, MLX's buffer cache given back first; or
+        MLX's bytes and ``--memory-reserve``) and the margin. ``ModelTooLarge`` otherwise."""
+        mx.clear_cache()
+        held = int(mx.get_active_memory()) + self.measure_outside()
+        if held + self.margin + estimate.peak > self.limit:
+            def mib(n: int) -> str:
+                return f"{n / (1 << 20):.0f} MiB"
+            raise ModelTooLarge(
+                f"model {name} does not fit: its load would hold about {mib(estimate.peak)} at "
+                f"its peak ({mib(estimate.weights)} of weights once loaded), and the process "
+                f"holds {mib(held)} of the memory limit's {mib(self.limit)} ({mib(self.margin)} "
+                "kept free): raise --memory-limit, or serve a smaller model")
 
     def remove_model(self, name: str) -> None:
         self.weights.pop(name, None)
@@ -239,6 +266,7 @@ class MemoryBudget:
                 "mlx_active_bytes": int(mx.get_active_memory()),
                 "mlx_cache_bytes": int(mx.get_cache_memory()),
                 "mlx_peak_bytes": int(mx.get_peak_memory()), "load_peak_bytes": self.load_peak,
+                "load_estimate_bytes": self.load_estimate,
                 "outside_mlx_bytes": self.outside, "margin_bytes": self.margin,
                 "refused": self.refused,
                 "pressure_events": self.pressure_events}

@@ -10,14 +10,15 @@ unless the pre-tokenizer says otherwise) or SentencePiece-style BPE with byte fa
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama
-from mlx.utils import tree_unflatten
+from mlx.utils import tree_flatten, tree_unflatten
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -178,8 +179,68 @@ def _rename(weights: dict[str, mx.array]) -> dict[str, mx.array]:
     return out
 
 
+# NOTE: a conversion (dequantizing, casting) writes each tensor's result a chunk of rows at a
+# time into one array allocated first, each chunk evaluated before the next is made, and swaps
+# the result in for its source at once: the load's peak is the weights, one source tensor and
+# one chunk's temporaries. Converted whole, a tensor's temporaries were as large as its result
+# (the default model's embedding: 108 MiB above its 513 MiB of float32 weights).
+CHUNK_BYTES = 4 << 20  # a chunk's result, at most
+
+
+def conversion_workspace() -> int:
+    """What converting a chunk holds beside the arrays it writes, at most: its result, the
+    dequantization's own temporary and the chunk's scales in float32."""
+    return 3 * CHUNK_BYTES
+
+
+def _in_chunks(shape: tuple[int, ...], dtype: mx.Dtype,
+               make: Callable[[int, int], mx.array]) -> mx.array:
+    """An array of ``shape`` and ``dtype`` whose rows ``i:j`` are ``make(i, j)``, made a chunk
+    of rows at a time (see ``CHUNK_BYTES``)."""
+    row = dtype.size * math.prod(shape[1:]) if shape else dtype.size
+    step = max(1, CHUNK_BYTES // max(1, row))
+    if not shape or step >= shape[0]:
+        out = make(0, shape[0] if shape else 0)
+        mx.eval(out)
+        return out
+    out = mx.zeros(shape, dtype=dtype)
+    mx.eval(out)
+    for i in range(0, shape[0], step):
+        out[i:i + step] = make(i, min(i + step, shape[0]))  # in place: ``out`` has one holder
+        mx.eval(out)
+    return out
+
+
+def _give_back_cache() -> None:
+    """MLX's buffer cache keeps the sources converted so far (resident, of sizes the next
+    tensors seldom reuse): given back once it holds more than a few chunks."""
+    if mx.get_cache_memory() > 4 * CHUNK_BYTES:
+        mx.clear_cache()
+
+
+def cast_each(model: nn.Module, dtype: mx.Dtype, which: Callable[[mx.Dtype], bool]) -> None:
+    """Cast the parameters whose dtype ``which`` picks to ``dtype``, one at a time and a chunk
+    at a time (``Module.set_dtype`` casts them all at once: the old and new copies of every
+    one together)."""
+    names = [n for n, v in tree_flatten(model.parameters())
+             if v.dtype != dtype and which(v.dtype)]
+    for name in names:
+        *path, leaf = name.split(".")
+        owner: Any = model
+        for part in path:
+            owner = owner[int(part)] if isinstance(owner, list) else owner[part]
+        key: Any = int(leaf) if isinstance(owner, list) else leaf
+        v = owner[key]
+        owner[key] = _in_chunks(v.shape, dtype, lambda i, j: v[i:j].astype(dtype) if v.ndim
+                                else v.astype(dtype))
+        del v
+        _give_back_cache()
+
+
 def dequantize_to_float32(model: nn.Module) -> nn.Module:
-    """Replace quantized Linear/Embedding layers by float32 ones and cast the rest to float32.
+    """Replace quantized Linear/Embedding layers by float32 ones and cast the rest to float32,
+    one tensor at a time and each a chunk of rows at a time (see ``CHUNK_BYTES``), the largest
+    first (what the peak holds beside the weights is the last source and one chunk).
 
     Scales and biases are cast first so ``mx.dequantize`` writes float32 directly (~3x faster on
     MLX's CPU backend than dequantizing to float16 and casting afterwards). Modules other than
@@ -187,14 +248,16 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
     """
     quantized = [(name, m) for name, m in model.named_modules()
                  if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))]
-    quantized.reverse()
+    quantized.sort(key=lambda nm: nm[1].weight.nbytes)
     while quantized:
         name, m = quantized.pop()  # the list holds only the modules still to do
         biases = m.get("biases")
-        w = mx.dequantize(m.weight, m.scales.astype(mx.float32),
-                          None if biases is None else biases.astype(mx.float32),
-                          m.group_size, m.bits, m.mode)
-        mx.eval(w)  # layer by layer: keeps each graph and its temporaries small
+
+        def rows(i: int, j: int, m: nn.Module = m, biases: mx.array | None = biases) -> mx.array:
+            return mx.dequantize(m.weight[i:j], m.scales[i:j].astype(mx.float32),
+                                 None if biases is None else biases[i:j].astype(mx.float32),
+                                 m.group_size, m.bits, m.mode)
+        w = _in_chunks((m.weight.shape[0], m.weight.shape[1] * 32 // m.bits), mx.float32, rows)
         if isinstance(m, nn.QuantizedLinear):
             new: nn.Module = nn.Linear(w.shape[1], w.shape[0], bias="bias" in m)
             if "bias" in m:
@@ -202,11 +265,11 @@ def dequantize_to_float32(model: nn.Module) -> nn.Module:
         else:
             new = nn.Embedding(w.shape[0], w.shape[1])
         new.weight = w
-        # NOTE: swapped in at once, so the quantized arrays go as the float32 ones come (the
-        # load's peak: weights + one layer's temporaries, not weights + the quantized copy)
+        # NOTE: swapped in at once, so the quantized arrays go as the float32 ones come
         model.update_modules(tree_unflatten([(name, new)]))
-        del m, w, new
-    model.set_dtype(mx.float32, lambda d: mx.issubdtype(d, mx.floating) and d != mx.float32)
+        del m, w, new, rows, biases
+        _give_back_cache()
+    cast_each(model, mx.float32, lambda d: mx.issubdtype(d, mx.floating))
     return model
 
 
@@ -262,8 +325,9 @@ def load_gguf(path: str | Path, *, dequantize: bool) -> GGUFModel:
         act = next((m.scales.dtype for _, m in model.named_modules()
                     if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding))), None)
         if act is not None and act != mx.float32:
-            model.set_dtype(act, lambda d: d == mx.float32)
+            cast_each(model, act, lambda d: d == mx.float32)
     mx.eval(model.parameters())
+    mx.clear_cache()  # what the load freed: resident until given back
     ctx = int(_scalar(meta, "llama.context_length", 4096))
     return GGUFModel(model=model, tokenizer=tokenizer, config=dict(vars(args)),
                      context_length=ctx, eos_token_ids=eos, dequantized=dequantize,

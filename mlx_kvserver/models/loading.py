@@ -15,13 +15,14 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 
 from kv_cache import CacheSpec, spec_of_model
 
+from .footprint import LoadEstimate, estimate_load
 from .gguf import dequantize_to_float32, is_gguf, load_gguf
 from .tokenizer import ChatTokenizer
 
@@ -33,6 +34,10 @@ _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[\w.\-]{1,96}(@[\w.\-/]+)?$")
 _QUANT_SUFFIX = re.compile(r"^(.+)\.((?:[QI]Q?\d\w*)|F16|F32|BF16)$", re.IGNORECASE)
 _FOLDER_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.txt", "*.model", "*.tiktoken"]
 _digests: dict[tuple[str, int, int], str] = {}
+# before a load allocates: given its name and its estimate, raises where it would not fit
+Fits = Callable[[str, LoadEstimate], None]
+
+
 @dataclass
 class LoadedModel:
     """A model ready to serve, with what the KV cache needs to know about it."""
@@ -50,6 +55,7 @@ class LoadedModel:
     dequantized: bool = False
     cache_spec: CacheSpec | None = None  # every cache slot: paged groups and recurrent states
     chat: Any = None  # chat.support.ChatSupport, built on first use
+    load_peak_estimate: int = 0  # bytes: what its load was estimated to hold at its peak
 
 
 def default_model_path() -> Path:
@@ -118,18 +124,23 @@ def _materialize(model: nn.Module) -> None:
 
 
 def _finish(name: str, source: str, model: nn.Module, tok: ChatTokenizer, config: dict[str, Any],
-            weight_files: list[Path], context_length: int, dequantized: bool) -> LoadedModel:
+            weight_files: list[Path], context_length: int, dequantized: bool,
+            estimate: LoadEstimate) -> LoadedModel:
     model_type = config.get("model_type") or config.get("text_config", {}).get("model_type")
     spec = spec_of_model(model, model_type)
     _materialize(model)  # after the probe: it may have stored arrays on the model too
     fp = _fingerprint(model, weight_files, config, tok, spec)
+    mx.clear_cache()  # what the load freed (its sources), resident until given back
+    log.info("%s: %.1f MiB of weights; MLX's peak since the process started %.1f MiB, the "
+             "load's estimated %.1f MiB", name, estimate.weights / (1 << 20),
+             mx.get_peak_memory() / (1 << 20), estimate.peak / (1 << 20))
     g0 = spec.groups[0] if spec.groups else None
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=fp,
                        context_length=context_length, source=source,
                        num_layers=spec.num_slots, num_kv_heads=g0.num_kv_heads if g0 else 0,
                        head_dim=g0.head_dim if g0 else 0,
                        dtype=g0.mx_dtype if g0 else mx.float32, dequantized=dequantized,
-                       cache_spec=spec)
+                       cache_spec=spec, load_peak_estimate=estimate.peak)
 
 
 def _gguf_name(path: Path) -> str:
@@ -137,21 +148,35 @@ def _gguf_name(path: Path) -> str:
     return f"{m.group(1)}-{m.group(2)}" if m else path.stem
 
 
-def load_gguf_model(path: Path, *, dequantize: bool, name: str | None = None) -> LoadedModel:
-    """A :class:`LoadedModel` from a llama GGUF file."""
+def _estimate(name: str, path: Path, dequantize: bool, fits: Fits | None) -> LoadEstimate:
+    """What loading ``path`` will hold (``footprint.py``), checked by ``fits`` first."""
+    estimate = estimate_load(path, dequantize)
+    if fits is not None:
+        fits(name, estimate)
+    return estimate
+
+
+def load_gguf_model(path: Path, *, dequantize: bool, name: str | None = None,
+                    fits: Fits | None = None) -> LoadedModel:
+    """A :class:`LoadedModel` from a llama GGUF file; ``fits``: see :func:`resolve_and_load`."""
+    name = name or _gguf_name(path)
+    estimate = _estimate(name, path, dequantize, fits)
     g = load_gguf(path, dequantize=dequantize)
     tok = ChatTokenizer(g.tokenizer, eos_token_ids=g.eos_token_ids)
-    return _finish(name or _gguf_name(path), str(path), g.model, tok, g.config, [path],
-                   g.context_length, dequantize)
+    return _finish(name, str(path), g.model, tok, g.config, [path], g.context_length,
+                   dequantize, estimate)
 
 
 def load_folder(path: Path, *, dequantize: bool, name: str | None = None,
-                source: str | None = None) -> LoadedModel:
-    """A :class:`LoadedModel` from an MLX / Hugging Face model folder (via ``mlx_lm``)."""
+                source: str | None = None, fits: Fits | None = None) -> LoadedModel:
+    """A :class:`LoadedModel` from an MLX / Hugging Face model folder (via ``mlx_lm``);
+    ``fits``: see :func:`resolve_and_load`."""
     from mlx_lm.utils import load
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a model folder (no config.json)")
+    name = name or path.resolve().name
+    estimate = _estimate(name, path, dequantize, fits)
     model, wrapper, config = load(str(path), return_config=True)
     if dequantize:
         dequantize_to_float32(model)
@@ -163,11 +188,11 @@ def load_folder(path: Path, *, dequantize: bool, name: str | None = None,
                 ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
                 if isinstance(c.get(k), int)), 4096)
     files = sorted(path.glob("model*.safetensors"))
-    return _finish(name or path.resolve().name, source or str(path), model, tok, config, files,
-                   ctx, dequantize)
+    return _finish(name, source or str(path), model, tok, config, files, ctx, dequantize,
+                   estimate)
 
 
-def load_repo(repo: str, *, dequantize: bool) -> LoadedModel:
+def load_repo(repo: str, *, dequantize: bool, fits: Fits | None = None) -> LoadedModel:
     """Download (or find in the local HF cache) a hub repo ``org/name[@revision]`` and load it."""
     from huggingface_hub import snapshot_download
 
@@ -177,7 +202,7 @@ def load_repo(repo: str, *, dequantize: bool) -> LoadedModel:
     if not (local / "config.json").is_file():
         raise ValueError(f"hub repo {repo_id!r} has no config.json (not an MLX/HF model; for a "
                          "GGUF repo download the .gguf file and pass its path)")
-    return load_folder(local, dequantize=dequantize, name=repo_id, source=repo)
+    return load_folder(local, dequantize=dequantize, name=repo_id, source=repo, fits=fits)
 
 
 def auto_dequantize() -> bool:
@@ -185,32 +210,35 @@ def auto_dequantize() -> bool:
     return mx.default_device().type == mx.DeviceType.cpu
 
 
-def resolve_and_load(spec: str | None, *, dequantize: bool | None = None) -> LoadedModel:
+def resolve_and_load(spec: str | None, *, dequantize: bool | None = None,
+                     fits: Fits | None = None) -> LoadedModel:
     """Load the model a spec names (see the module docstring).
 
     ``dequantize=None`` picks :func:`auto_dequantize`; a dequantized model (GGUF or folder) runs
-    all its weights in float32. Raises FileNotFoundError for a missing path or default model and
+    all its weights in float32. ``fits(name, estimate)`` is called with what the load will hold
+    (``footprint.py``) before anything of it is allocated, and raises where it would not fit
+    (``MemoryBudget.check_load``). Raises FileNotFoundError for a missing path or default model and
     ValueError for a spec that is none of the accepted kinds.
     """
     deq = auto_dequantize() if dequantize is None else dequantize
     if spec is None or spec.strip() in ("", "default"):
-        return load_gguf_model(default_model_path(), dequantize=deq)
+        return load_gguf_model(default_model_path(), dequantize=deq, fits=fits)
     spec = spec.strip()
     path = Path(spec).expanduser()
     if path.is_file():
         if not is_gguf(path):
             raise ValueError(f"{spec}: a model file must be GGUF (or pass a model folder)")
-        return load_gguf_model(path, dequantize=deq)
+        return load_gguf_model(path, dequantize=deq, fits=fits)
     if path.is_dir():
         if (path / "config.json").is_file():
-            return load_folder(path, dequantize=deq)
+            return load_folder(path, dequantize=deq, fits=fits)
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
-            return load_gguf_model(ggufs[0], dequantize=deq)
+            return load_gguf_model(ggufs[0], dequantize=deq, fits=fits)
         raise ValueError(f"{spec}: folder has no config.json and not exactly one .gguf file")
     looks_local = spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or "\\" in spec
     if not looks_local and _REPO_ID.match(spec) and ".." not in spec:
-        return load_repo(spec, dequantize=deq)
+        return load_repo(spec, dequantize=deq, fits=fits)
     if looks_local or os.sep in spec:
         raise FileNotFoundError(f"model path not found: {spec}")
     raise ValueError(f"bad model spec {spec!r}: want 'default', a .gguf file, a model folder, "

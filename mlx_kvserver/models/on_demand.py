@@ -1,8 +1,9 @@
 """Models on demand, the policy: which names a request may load (``--allow-models``, ``--pin``),
 where a name's files are (a folder, a GGUF file, or a Hugging Face id: in the local HF cache, or
-downloaded with ``--allow-download``), what its weights will take (estimated from the files'
-headers before anything loads), and the state of each model loaded on demand (:class:`Resident`:
-loading, loaded, unloaded; last use, for the least-recently-used choice and ``--model-ttl``).
+downloaded with ``--allow-download``), and the state of each model loaded on demand
+(:class:`Resident`: loading, loaded, unloaded; last use, for the least-recently-used choice and
+``--model-ttl``). What a load will hold, its weights and its peak, is estimated from the files
+before anything loads (``footprint.py``).
 
 Loading, waiting and unloading through the engine are in ``api/on_demand.py``.
 """
@@ -11,9 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
-import json
 import os
-import struct
 import threading
 import time
 from dataclasses import dataclass, field
@@ -136,91 +135,6 @@ def hub_bytes(src: Source) -> int:
         return sum(e.stat().st_size for e in os.scandir(root) if e.is_file())
     except OSError:
         return 0
-
-
-# -- the weights' size, before loading ---------------------------------------------------------
-
-_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-
-
-def _gguf_elements(path: Path) -> int:
-    """Elements of every tensor of a GGUF file (v2/v3), read from its header alone."""
-    with open(path, "rb") as f:
-        def u(fmt: str) -> int:
-            return struct.unpack("<" + fmt, f.read(struct.calcsize(fmt)))[0]
-
-        def skip(kind: int) -> None:
-            if kind == 8:  # a string
-                f.seek(u("Q"), 1)
-            elif kind == 9:  # an array
-                inner, count = u("I"), u("Q")
-                if inner in _GGUF_SIZES:
-                    f.seek(count * _GGUF_SIZES[inner], 1)
-                else:
-                    for _ in range(count):
-                        skip(inner)
-            else:
-                f.seek(_GGUF_SIZES[kind], 1)
-        if f.read(4) != b"GGUF" or u("I") < 2:
-            raise ValueError(f"{path}: not a GGUF file of version 2 or later")
-        tensors, kvs = u("Q"), u("Q")
-        for _ in range(kvs):
-            skip(8)
-            skip(u("I"))
-        total = 0
-        for _ in range(tensors):
-            skip(8)
-            dims = [u("Q") for _ in range(u("I"))]
-            f.seek(12, 1)  # type, offset
-            n = 1
-            for d in dims:
-                n *= d
-            total += n
-        return total
-
-
-_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2,
-                "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
-
-
-def _safetensors_f32_bytes(files: list[Path], config: dict[str, Any]) -> int:
-    """Bytes of a folder's tensors once dequantized to float32 (a quantized weight's elements:
-    its scales' times the group size; scales and biases go)."""
-    quant = config.get("quantization") or config.get("quantization_config") or {}
-    total = 0
-    for file in files:
-        with open(file, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        header.pop("__metadata__", None)
-        for name, t in header.items():
-            n = 1
-            for d in t["shape"]:
-                n *= d
-            base, _, leaf = name.rpartition(".")
-            if leaf in ("scales", "biases") and f"{base}.weight" in header:
-                if leaf == "scales":
-                    layer = quant.get(base) if isinstance(quant.get(base), dict) else {}
-                    total += n * int(layer.get("group_size", quant.get("group_size", 64))) * 4
-            elif leaf == "weight" and f"{base}.scales" in header:
-                continue  # counted with its scales
-            else:
-                total += n * (4 if t["dtype"].startswith(("F", "BF")) else
-                              _DTYPE_BYTES.get(t["dtype"], 4))
-    return total
-
-
-def estimate_weights(path: Path, dequantize: bool) -> int:
-    """What loading ``path`` (a GGUF file, a folder) will hold in weights, from its files: their
-    sizes, or with ``dequantize`` every tensor's elements in float32."""
-    if path.is_dir() and not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        path = ggufs[0] if len(ggufs) == 1 else path
-    if path.is_file():
-        return _gguf_elements(path) * 4 if dequantize else path.stat().st_size
-    files = sorted(path.glob("*.safetensors"))
-    if not dequantize:
-        return sum(p.stat().st_size for p in files)
-    return _safetensors_f32_bytes(files, json.loads((path / "config.json").read_text()))
 
 
 def load_source(src: Source, path: Path, dequantize: bool | None) -> LoadedModel:

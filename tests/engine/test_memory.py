@@ -213,9 +213,11 @@ def test_the_process_outside_mlx_is_counted_unless_a_reserve_is_given():
     assert MemoryBudget(GB, reserve=0).measure_outside() == 0
 
 
-def test_a_load_peak_is_kept_apart_from_serving(tiny_lm):
-    """A model's load may peak above its weights before the budget governs anything: that peak
-    is ``load_peak_bytes``, and ``mlx_peak_bytes`` starts again after it (serving's own)."""
+def test_mlx_peak_counts_from_the_start_loads_included(tiny_lm):
+    """MLX's peak is never reset (issue 54: memory counted from the first byte): what a load
+    held at its peak stays in ``mlx_peak_bytes`` once the model joins, and is
+    ``load_peak_bytes``; serving's own peak adds to it."""
+    mx.reset_peak_memory()  # this test's start (other tests ran in this process before it)
     budget = MemoryBudget(1 * GB)
     big = mx.zeros((4 << 20,))  # 16 MB held while "loading"
     mx.eval(big)
@@ -223,9 +225,27 @@ def test_a_load_peak_is_kept_apart_from_serving(tiny_lm):
     budget.add_model(tiny_lm)
     rep = budget.report()
     assert rep["load_peak_bytes"] >= 16 << 20
-    assert rep["mlx_peak_bytes"] < rep["load_peak_bytes"]
+    assert rep["mlx_peak_bytes"] >= 16 << 20  # not started again after the load
     mx.eval(mx.zeros((8 << 20,)))  # 32 MB while serving
     assert budget.report()["mlx_peak_bytes"] >= 32 << 20
+    assert budget.report()["load_peak_bytes"] == rep["load_peak_bytes"]
+
+
+def test_a_load_that_would_not_fit_is_refused_with_its_figures():
+    """``check_load``: a load's estimated peak against what the limit leaves beside what the
+    process holds now and the margin; refused with the figures, allowed when it fits."""
+    from mlx_kvserver.engine.memory import ModelTooLarge
+    from mlx_kvserver.models.footprint import LoadEstimate
+
+    budget = MemoryBudget(8 * GB, reserve=0)  # MLX's bytes alone: the figures are exact
+    free = budget.limit - int(mx.get_active_memory())
+    budget.check_load("small", LoadEstimate(free // 2, free - (1 << 20)))
+    with pytest.raises(ModelTooLarge) as e:
+        budget.check_load("big", LoadEstimate(free // 2, free + (64 << 20)))
+    text = str(e.value)
+    assert text.startswith("model big does not fit: its load would hold about ")
+    assert f"{(free + (64 << 20)) / (1 << 20):.0f} MiB at its peak" in text
+    assert f"memory limit's {8 * 1024} MiB" in text and "raise --memory-limit" in text
 
 
 @pytest.mark.parametrize("context,chunk,rows", [(0, 256, 1), (512, 256, 1), (1024, 512, 1),

@@ -1,12 +1,12 @@
 """Models on demand (``models/on_demand.py``, ``api/on_demand.py``): the names a request may load,
-the weights estimated before loading, a model loaded on first use through each API and waited
-for, bad names, the Hugging Face cache without downloads, ``--model-ttl`` and ``--pin``, and (a
-real server process under a small memory limit) the least recently used model unloaded to make
-room, loaded again, its conversation going on from its cache on disk."""
+a model loaded on first use through each API and waited for, one whose load's peak would not fit
+refused, bad names, the Hugging Face cache without downloads, ``--model-ttl`` and ``--pin``, and
+(a real server process under a small memory limit) the least recently used model unloaded to
+make room, loaded again, its conversation going on from its cache on disk. What a load will hold:
+tests/models/test_footprint.py."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import threading
 import time
@@ -14,19 +14,17 @@ from pathlib import Path
 
 import httpx
 import mlx.core as mx
-import mlx.nn as nn
 import pytest
-from mlx.utils import tree_flatten
 
 from mlx_kvserver.api import on_demand as api_on_demand
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.memory import weights_bytes
+from mlx_kvserver.models.footprint import estimate_load, estimate_weights
 from mlx_kvserver.models.loading import resolve_and_load
-from mlx_kvserver.models.on_demand import (AllowList, Resident, Source, _gguf_elements,
-                                           estimate_weights, idle_past, lru, source_of)
+from mlx_kvserver.models.on_demand import AllowList, Resident, Source, idle_past, lru, source_of
 from tests.server_procs import Server
 from tests.server_utils import running_server
-from tests.tiny_model import make_tiny_model, make_tiny_model_dir
+from tests.tiny_model import make_tiny_model_dir
 
 HELLO = [{"role": "user", "content": "Hello world, how are you?"}]
 
@@ -76,27 +74,6 @@ def test_names_sources_and_the_allow_list(models: Path):
     assert allow.check("other/x") is None and allow.check("default") is None
     assert allow.check("org/pinned") is not None and allow.pinned(allow.check("org/pinned"))
     assert not allow.pinned(allow.check(b))
-
-
-def test_weights_estimated_from_the_files(models: Path, tmp_path: Path):
-    b = models / "b"
-    lm = resolve_and_load(str(b))
-    assert estimate_weights(b, dequantize=True) == weights_bytes(lm.model)
-    assert estimate_weights(b, dequantize=False) == (b / "model.safetensors").stat().st_size
-    q = make_tiny_model_dir(tmp_path / "q", seed=0)  # 4-bit: its float32 size once dequantized
-    model = make_tiny_model(seed=0)
-    nn.quantize(model, group_size=32, bits=4)
-    mx.save_safetensors(str(q / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    cfg = json.loads((q / "config.json").read_text())
-    (q / "config.json").write_text(json.dumps({**cfg, "quantization": {"group_size": 32,
-                                                                       "bits": 4}}))
-    deq = resolve_and_load(str(q), dequantize=True)
-    assert estimate_weights(q, dequantize=True) == weights_bytes(deq.model)
-    arrays = {"a": mx.zeros((3, 5)), "b": mx.zeros((7,))}  # a GGUF's tensors from its header
-    mx.save_gguf(str(tmp_path / "m.gguf"), arrays, {"general.name": "m", "x.list": ["a", "bc"],
-                                                    "n": mx.array(3, dtype=mx.uint32)})
-    assert _gguf_elements(tmp_path / "m.gguf") == 22
-    assert estimate_weights(tmp_path / "m.gguf", dequantize=True) == 88
 
 
 def test_least_recently_used_first_pinned_never():
@@ -186,6 +163,34 @@ def test_loaded_on_first_use_through_chat_and_anthropic(tiny_lm, models, tmp_pat
         assert m["loads"] == 1 and m["weights_bytes"] == weights_bytes(
             resolve_and_load(name).model) and m["load_seconds"] > 0
     assert health["models"] == [tiny_lm.name, b, c]
+
+
+def test_a_model_whose_load_would_not_fit_is_refused_though_its_weights_would(
+        tiny_lm, tmp_path, monkeypatch):
+    """Room is made for a load's peak, not only for its weights: a 4-bit model dequantized on
+    load (float32 weights and one source tensor and chunk beside them) whose weights fit the
+    weights' share but whose load's peak does not is a 400 that says both, before it loads."""
+    from tests.models.test_footprint import quantized_dir
+
+    for name in ("set_memory_limit", "set_cache_limit", "set_wired_limit"):
+        monkeypatch.setattr(mx, name, lambda n: 0)  # this process's MLX limits stay as they are
+    root = tmp_path / "models"
+    q = quantized_dir(root / "q", hidden=256, vocab=4096)
+    estimate = estimate_load(q, dequantize=True)
+    assert estimate.peak > estimate.weights + (4 << 20)
+    served = weights_bytes(tiny_lm.model)
+    cap = served + (estimate.weights + estimate.peak) // 2  # the weights fit; the peak does not
+    cfg = ServerConfig(max_tokens=4, page_size=8, kv_cache_dir=tmp_path / "kv",
+                       allow_models=[f"{root}/*"], memory_limit_gb=cap / 0.75 / (1 << 30),
+                       dequantize=True)
+    with running_server([tiny_lm], cfg) as url:
+        r = chat(url, str(q))
+        models = listed(url)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "model_too_large", r.text
+    mb = lambda n: f"{n / (1 << 20):.1f} MB"  # noqa: E731
+    assert f"needs about {mb(estimate.peak)} while it loads ({mb(estimate.weights)} of weights " \
+        "once loaded)" in r.json()["error"]["message"]
+    assert str(q) not in models
 
 
 def slow_loads(monkeypatch, seconds: float) -> list[str]:
