@@ -8,7 +8,8 @@ codec) knows only the base; ``pages/`` knows the layout; ``model/`` knows pages;
 pages and the layout; the manager and its parts at the top know everything. Relative imports
 count, and so does the package root (``from kv_cache import ...`` inside the library is an
 import of the top). Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and
-are not counted.
+are not counted for the floors; no two modules import each other, though, not even through a
+circle of several or for annotations alone (``test_no_module_imports_itself_round_a_circle``).
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ def _module_of(path: Path) -> str:
     return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-def _imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
-    """(line, module) of every import in ``path`` outside ``if TYPE_CHECKING:`` blocks, with
-    ``from pkg import mod`` counted as ``pkg.mod`` where ``pkg.mod`` is a module here, and
-    relative imports resolved against ``module`` (the file's own module name)."""
+def _imports(path: Path, module: str | None = None,
+             typing: bool = False) -> list[tuple[int, str]]:
+    """(line, module) of every import in ``path`` outside ``if TYPE_CHECKING:`` blocks (inside
+    them too with ``typing``), with ``from pkg import mod`` counted as ``pkg.mod`` where
+    ``pkg.mod`` is a module here, and relative imports resolved against ``module`` (the file's
+    own module name)."""
     module = module if module is not None else _module_of(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        if not typing and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip.update(id(n) for child in node.body for n in ast.walk(child))
     out = []
     for node in ast.walk(tree):
@@ -180,3 +183,62 @@ def test_the_engine_and_its_tests_read_no_proc(tmp_path):
     bad = tmp_path / "x.py"
     bad.write_text('total = open("/proc/meminfo").read()\n')
     assert _naming_proc([bad]) == [bad]
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules of ``graph`` (module -> the modules it imports) that import each other, one
+    sorted list per circle (Tarjan's strongly connected components of more than one module, or
+    one that imports itself)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(m: str) -> None:
+        index[m] = low[m] = len(index)
+        stack.append(m)
+        for n in sorted(graph.get(m, ())):
+            if n not in index:
+                visit(n)
+                low[m] = min(low[m], low[n])
+            elif n in stack:
+                low[m] = min(low[m], index[n])
+        if low[m] == index[m]:
+            part = []
+            while not part or part[-1] != m:
+                part.append(stack.pop())
+            if len(part) > 1 or m in graph.get(m, ()):
+                out.append(sorted(part))
+
+    for m in sorted(graph):
+        if m not in index:
+            visit(m)
+    return sorted(out)
+
+
+def _import_graph(packages: tuple[str, ...]) -> dict[str, set[str]]:
+    """Module -> the modules of ``packages`` it imports, ``TYPE_CHECKING`` imports included."""
+    paths = {_module_of(p): p for package in packages for p in _files(package)}
+    return {m: {n for _, n in _imports(path, m, typing=True) if n in paths and n != m}
+            for m, path in paths.items()}
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """No two modules import each other, directly or round a circle of several, not even for
+    annotations under ``if TYPE_CHECKING:``: a circle is one idea cut in two halves that call
+    each other, or a type that belongs in a module both use (kv_cache/model/reads.py)."""
+    graph = _import_graph(("kv_cache", "mlx_kvserver"))
+    assert sum(map(len, graph.values())) > 200, "the rule would read too few imports"
+    assert _circles(graph) == []
+
+
+def test_the_circle_rule_sees_a_circle(tmp_path, monkeypatch):
+    """A circle closed only by an annotation import is found, and so is one of three."""
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set(), "c": {"c"}}) == [["c"]]
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "one.py").write_text("from pkg.two import Two\n")
+    (tmp_path / "pkg" / "two.py").write_text("from typing import TYPE_CHECKING\n"
+                                             "if TYPE_CHECKING:\n    from pkg.one import One\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _circles(_import_graph(("pkg",))) == [["pkg.one", "pkg.two"]]

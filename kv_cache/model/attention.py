@@ -47,7 +47,7 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -57,6 +57,7 @@ from kv_cache.model import prefix_part
 from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, warm
 from kv_cache.model.masks import alone_mask, build_mask as _build_mask, ragged_index
 from kv_cache.model.packed_attention import prefix_length
+from kv_cache.model.reads import Reads, pad
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
@@ -66,41 +67,6 @@ OWN_PREFIX_FROM = 2000
 
 
 # -- attention ----------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class Reads:
-    """What one sequence's queries read at one layer: an optional shared prefix, its own keys and
-    values ``[1, kv_heads, n, head_dim]`` starting at position ``own_start``, its first query's
-    position, and the layer's window (0: full)."""
-
-    prefix: tuple[mx.array, mx.array] | None
-    view: Any
-    keys: mx.array
-    values: mx.array
-    own_start: int
-    q_start: int
-    window: int
-    buffer: tuple[mx.array, mx.array] | None = None  # the buffers ``keys`` is a slice of,
-    at: int = 0  # from this index (padding can then be a longer slice, not a copy)
-    # keys per channel over pages of ``block`` (``kv_cache.model.channel_cache``): ``keys``
-    # float from ``float_from``, then ``copies`` decoded copies of the positions from it
-    block: int = 0
-    float_from: int = 0
-    copies: int = 0
-    # its own keys and values before its first query ``[kv_heads, n, head_dim]``, read as a
-    # prefix of its own (``_own_prefix``), after the shared one where it has a view
-    mine: tuple[mx.array, mx.array] | None = None
-
-    def padded(self, n: int) -> tuple[mx.array, mx.array]:
-        """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""
-        k, v = self.keys, self.values
-        if k.shape[2] == n:
-            return k, v
-        if self.buffer is not None and self.buffer[0].shape[2] >= self.at + n:
-            bk, bv = self.buffer
-            return bk[..., self.at : self.at + n, :], bv[..., self.at : self.at + n, :]
-        return _pad(k, n), _pad(v, n)
 
 
 def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> mx.array:
@@ -292,7 +258,7 @@ def _rows(queries: mx.array, rows: list[int], reads: list[Reads], scale: float,
     t = max(min(T, max(1, r.own_start + r.keys.shape[2] - r.copies - r.q_start)) for r in rs)
     q = queries if len(rows) == queries.shape[0] else queries[rows[0] : rows[0] + 1] \
         if len(rows) == 1 else queries[mx.array(rows)]
-    return _pad(_group(q[:, :, :t] if t < T else q, rs, scale, sinks), T)
+    return pad(_group(q[:, :, :t] if t < T else q, rs, scale, sinks), T)
 
 
 def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
@@ -318,7 +284,7 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     N = max(r.keys.shape[2] for r in reads)
     apart = B > 1 and N >= OWN_KEYS_APART
     if apart:  # each row's own keys where they are (module docstring: NOTE)
-        s_own = mx.concatenate([_pad(q[i : i + 1] @ r.keys.swapaxes(-1, -2), N, -1)
+        s_own = mx.concatenate([pad(q[i : i + 1] @ r.keys.swapaxes(-1, -2), N, -1)
                                 for i, r in enumerate(reads)]).astype(mx.float32)
     else:
         if B == 1:
@@ -365,15 +331,6 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         denom = denom + _exp(sink - m)
     out = out / denom.astype(out.dtype)
     return out.reshape(B, Hq, T, D).astype(queries.dtype)
-
-
-def _pad(a: mx.array, n: int, axis: int = 2) -> mx.array:
-    """``a`` stretched to ``n`` along ``axis`` with zeros (positions the mask hides)."""
-    if a.shape[axis] == n:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, n - a.shape[axis])
-    return mx.pad(a, widths)
 
 
 # -- the hook -----------------------------------------------------------------------------------

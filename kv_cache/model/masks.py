@@ -4,17 +4,15 @@ the model's mask as one sequence alone reads it, and the row index of a ragged p
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-if TYPE_CHECKING:
-    from kv_cache.model.attention import Reads
+from kv_cache.model.reads import Reads
 
 _FAR = 1 << 30
 
 
-def build_mask(reads: list["Reads"], lens: list[int], T: int, N: int) -> mx.array | None:
+def build_mask(reads: list[Reads], lens: list[int], T: int, N: int) -> mx.array | None:
     """Additive mask ``[B, 1, 1, T, N]`` over the padded own keys of ``reads`` (``lens`` of
     them each), or None when every key is visible to every query: causal, within a window, and
     with keys per channel over pages (``Reads.block``) a key of the query's own page read as
