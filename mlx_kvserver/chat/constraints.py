@@ -36,6 +36,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..errors import RequestError
+from .closed_schema import closed
 from .conversation import ResponseFormat, Tool, ToolChoice
 from .tool_choice import chosen_tools
 
@@ -264,7 +265,9 @@ class Grammars:
                            call_end: str, parallel: bool) -> Grammar:
         """The grammar of an output made only of tool calls, each
         ``<call_start>{"name": "<tool>", "arguments": <instance of its parameters>}<call_end>``;
-        with ``parallel``, one or more calls separated by ``"\\n"``. ``choice`` is ``required``
+        with ``parallel``, one or more calls separated by ``"\\n"``. An object in the parameters
+        that does not say ``additionalProperties`` allows only its declared keys
+        (:func:`.closed_schema.closed`); values keep to their ``enum``. ``choice`` is ``required``
         (any of ``tools``) or ``function`` (the named one). A parameters schema that cannot
         compile is a 400 naming the tool. Compiled grammars are cached by their input."""
         chosen = chosen_tools(tools, choice)
@@ -324,7 +327,7 @@ class Grammars:
         for t in tools:
             try:
                 text = llg.LLMatcher.grammar_from_json_schema(
-                    t.parameters, overrides=_json_options(not t.strict))
+                    _call_schema(t), overrides=_json_options(not t.strict))
                 err = llg.LLMatcher.validate_grammar(text, self._ll_tok)
             except ValueError as e:
                 err = str(e)
@@ -362,8 +365,15 @@ class Grammars:
 
 def _json_rule(t: Tool) -> str:
     """A Lark ``%json`` rule for ``t``'s arguments, in the canonical layout."""
-    schema = {**(t.parameters or {"type": "object"}), "x-guidance": _json_options(not t.strict)}
+    schema = {**_call_schema(t), "x-guidance": _json_options(not t.strict)}
     return f"%json {json.dumps(schema)}"
+
+
+def _call_schema(t: Tool) -> dict:
+    """The schema a forced call's arguments are generated from: ``t``'s parameters with its
+    objects closed to undeclared keys (``closed_schema.py``: a small model copies the schema's
+    own keys into the call otherwise); ``t.parameters`` itself is left as the client sent it."""
+    return closed(t.parameters or {"type": "object"})
 
 
 def _canonical(obj: Any) -> str:

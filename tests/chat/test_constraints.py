@@ -251,6 +251,47 @@ def test_special_tokens_in_call_markers_are_the_tokens(grammars: Grammars) -> No
     assert m.finished and m.accepting
 
 
+WEATHER = {"type": "object", "required": ["location"], "properties": {
+    "location": {"type": "string", "description": "The city"},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "opts": {"type": "object", "properties": {"days": {"type": "integer"}}}}}
+HEAD = '<tool_call>{"name": "get_weather", "arguments": {"location": "Paris", '
+
+
+def taken(grammars: Grammars, grammar: Grammar, text: str) -> str:
+    """The part of ``text`` (as the tokenizer splits it) that the grammar takes."""
+    ids = grammars.tok.encode(text)
+    n = grammar.matcher().valid_prefix(ids)
+    return text if n == len(ids) else grammars.tok.decode(ids[:n], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("choice", [ToolChoice("function", "get_weather"),
+                                    ToolChoice("required")])
+def test_a_forced_call_takes_only_declared_keys_and_enum_values(grammars: Grammars,
+                                                               choice: ToolChoice) -> None:
+    """Issue 54: a schema that says nothing of ``additionalProperties`` gets no undeclared key
+    (the small model copied "description", "type", ... into its calls), at any depth; an enum
+    gets only its values (no ``null``)."""
+    tool = Tool("get_weather", parameters=WEATHER)
+    grammar = grammars.compile_tool_calls([tool], choice, "<tool_call>", "</tool_call>", False)
+    good = HEAD + '"unit": "celsius", "opts": {"days": 2}}}</tool_call>'
+    assert taken(grammars, grammar, good) == good
+    for bad, refused in [(HEAD + '"description": "The city"}}</tool_call>', '"description"'),
+                         (HEAD + '"type": "string"}}</tool_call>', '"type"'),
+                         (HEAD + '"opts": {"days": 2, "required": []}}}</tool_call>',
+                          '"required"'),
+                         (HEAD + '"unit": "kelvin"}}</tool_call>', "kelvin"),
+                         (HEAD + '"unit": null}}</tool_call>', "null")]:
+        got = taken(grammars, grammar, bad)
+        assert bad.startswith(got) and refused not in got and HEAD[:-2] in got, (bad, got)
+    assert tool.parameters == WEATHER  # the tool itself (what the prompt shows) is untouched
+    # a schema that allows undeclared keys keeps them
+    open_ = Tool("get_weather", parameters={**WEATHER, "additionalProperties": True})
+    grammar = grammars.compile_tool_calls([open_], choice, "<tool_call>", "</tool_call>", False)
+    extra = HEAD + '"description": "The city"}}</tool_call>'
+    assert taken(grammars, grammar, extra) == extra
+
+
 def test_bad_schemas_are_400_with_the_reason(grammars: Grammars) -> None:
     cases = [({"type": "strin"}, "strin"), ({"type": "object", "properties": 5}, "properties"),
              ({"type": "string", "pattern": "(("}, "unclosed group"),
