@@ -7,8 +7,7 @@ import json
 from typing import AsyncIterator
 
 from ..chat.conversation import ToolCall
-from ..chat.jsonstream import JsonPrefix, as_object
-from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd,
+from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta,
                            ToolCallStart, Usage)
 from .http import anthropic_error_body, job_events, sse
 
@@ -32,19 +31,9 @@ def usage_body(u: Usage) -> dict:
 
 
 def tool_input(call: ToolCall) -> dict:
-    """A call's ``input`` object. Arguments the model wrote badly (not JSON, or cut off) come
-    back as their valid part closed, with the whole text as written under ``"INVALID_JSON"``
-    (the convention of Anthropic's fine-grained tool streaming): never dropped, and never an
-    object that passes for complete."""
-    return as_object(call.arguments)
-
-
-def input_closing(valid: str, written: str) -> str:
-    """What completes a streamed ``input`` whose valid part was ``valid`` (the
-    ``input_json_delta`` text so far) the way :func:`tool_input` does for ``written``."""
-    jp = JsonPrefix(require_object=True)
-    jp.feed(valid)
-    return jp.closing(("INVALID_JSON", written))
+    """A call's ``input`` object: its arguments as the model wrote them (an answer's calls are
+    complete JSON objects, ``chat/call_events.py``; nothing is ever added to them)."""
+    return json.loads(call.arguments)
 
 
 def stop_of(f: Finish) -> tuple[str, str | None]:
@@ -77,8 +66,6 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
     yield sse({"type": "ping"}, event="ping")
     index, kind = -1, None  # the open block: its index and type (None: none open)
     calls: dict[int, int] = {}  # call number -> block index
-    valid: dict[int, str] = {}  # call number -> its input_json_delta text so far
-    written: dict[int, str] = {}  # call number -> its arguments as written
     finish = None
 
     def delta(i: int, d: dict) -> str:
@@ -117,19 +104,11 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
         elif isinstance(ev, ToolCallStart):
             out += open_({"type": "tool_use", "id": ev.id, "name": ev.name, "input": {}})
             calls[ev.call] = index
-        elif isinstance(ev, ToolCallDelta) and ev.arguments:
-            written[ev.call] = written.get(ev.call, "") + ev.arguments
-            if ev.valid:  # NOTE: what the client accumulates must stay a JSON prefix
-                valid[ev.call] = valid.get(ev.call, "") + ev.arguments
-                out.append(delta(calls.get(ev.call, index),
-                                 {"type": "input_json_delta", "partial_json": ev.arguments}))
-        elif isinstance(ev, ToolCallEnd) and ev.problem and ev.call in calls:
-            text = written.get(ev.call, "")
-            end = "" if isinstance(_loads(text), dict) else \
-                input_closing(valid.get(ev.call, ""), text)
-            if end:
-                out.append(delta(calls[ev.call], {"type": "input_json_delta",
-                                                  "partial_json": end}))
+        elif isinstance(ev, ToolCallDelta) and ev.arguments and ev.valid:
+            # NOTE: what the client accumulates must stay a JSON prefix; a streamed call cut off
+            # or broken stays one: nothing the model did not write completes it
+            out.append(delta(calls.get(ev.call, index),
+                             {"type": "input_json_delta", "partial_json": ev.arguments}))
         elif isinstance(ev, Finish):
             finish = ev
             out += close()
@@ -147,9 +126,3 @@ async def stream(job, watch, msg_id: str, model: str, usage: Usage) -> AsyncIter
                event="message_delta")
     yield sse({"type": "message_stop"}, event="message_stop")
 
-
-def _loads(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None

@@ -126,13 +126,18 @@ class Output:
 
     def finish(self, f: Finish) -> list[dict]:
         events = self._close("incomplete" if f.reason == "length" else "completed")
-        for k, c in enumerate(f.tool_calls):  # the parsed calls are the final word
-            if k < len(self.calls):
-                self.calls[k]["arguments"] = c.arguments
+        sent = {item["call_id"]: item for item in self.calls}
+        for c in f.tool_calls:  # the parsed calls are the final word
+            if c.id in sent:
+                sent[c.id]["arguments"] = c.arguments
             else:
                 events += self.call(c.id, c.name, c.arguments) + self._close()
         if not self.items:
             events += self.text("") + self._close()
+        # a streamed call that is not the answer's (cut off, or not JSON) leaves the output
+        kept = {c.id for c in f.tool_calls}
+        self.items = [i for i in self.items if i["type"] != "function_call" or
+                      i["call_id"] in kept]
         return events
 
     def output_text(self) -> str:

@@ -1,25 +1,31 @@
 """A choice's tool calls as events: :class:`CallTracker` turns a reader's pieces
 (:mod:`.calls`) into ``ToolCallStart`` / ``ToolCallDelta`` / ``ToolCallEnd``, gives each call its
-id, checks it, and decides when no more calls may follow.
+id, checks it, and decides which calls the answer holds and when no more may follow.
 
-What a client gets for a call the model wrote badly (never a 500, never silently dropped; each
-one logged and counted in ``/metrics`` by its problem):
+A call the answer holds (:attr:`CallTracker.calls`, what a client may run) is complete and its
+arguments are a JSON object, as the model wrote them: nothing is ever added to them. What a
+client gets for a call the model wrote badly (never a 500; each one logged and counted in
+``/metrics`` by its problem):
 
-- ``truncated`` (``max_tokens`` cut it) and ``invalid_json`` (arguments that stop being JSON):
-  the call, its ``arguments`` as the model wrote them (OpenAI's own behaviour); the deltas that
-  are marked ``valid`` are a JSON prefix, the rest is the text as written. Anthropic's API closes
-  the valid part and adds the text under ``"INVALID_JSON"`` (``anthropic_output.tool_input``);
+- ``truncated`` (``max_tokens`` cut it) and ``invalid_json`` (arguments that are not a JSON
+  object): not a call of the answer (only in :attr:`CallTracker.read`). The answer's first call
+  streams as the model writes it, so a client streaming has seen its start and the valid part
+  of its arguments (the deltas marked ``valid`` are a JSON prefix, the rest is the text as
+  written) and gets its ``ToolCallEnd`` with the problem; a later call is held back until it is
+  complete (below), so of one cut off or broken nothing is sent;
 - ``unknown_tool`` (a name not offered) and ``schema`` (arguments that do not fit the tool's
   parameters): the call as written;
 - ``invalid_markup``: tags a format's call did not close, the arguments as read;
 - ``unparsed``: a closed call block with no call in it: its text goes back into the answer;
 - ``dropped``: a block cut off before the tool's name: nothing that can be called.
 
-Duplicates: a call with the same name and arguments as an earlier call of the same answer is
-never passed on; it ends the answer (a weak model repeats a forced call until ``max_tokens``;
-an agent would run each copy). A call is held back while its arguments so far are a prefix of an
-earlier call's, and passed on once they differ. With ``parallel`` False the answer ends after its
-first call.
+Calls after the answer's first complete one are held back until they end: a call that
+``max_tokens`` cuts after complete ones is never sent (an agent would run what it got), and the
+answer ends with the complete calls (``finish_reason`` ``tool_calls``: see
+``OutputParser.finish_reason``). Duplicates: a call with the same name and arguments as an
+earlier call of the same answer is never passed on; it ends the answer (a weak model repeats a
+forced call until ``max_tokens``; an agent would run each copy). With ``parallel`` False the
+answer ends after its first call.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class _Open:
     name: str
     args: str = ""
     held: list[Delta] = field(default_factory=list)
-    holding: bool = False
+    holding: bool = False  # after a complete call: sent only once complete
     skip: bool = False  # a call after the answer ended: not passed on
 
 
@@ -60,10 +66,12 @@ class CallTracker:
     def __init__(self, index: int, tools: list[Tool], parallel: bool = True) -> None:
         self.index, self.parallel = index, parallel
         self.tools = {t.name: t for t in tools}
-        self.calls: list[ToolCall] = []
+        self.calls: list[ToolCall] = []  # the answer's calls: complete, arguments an object
+        self.read: list[ToolCall] = []  # every call that ended, in order, the answer's or not
         self.problems: list[str] = []  # every problem met, in order
         self.ended = False  # no further call may follow
         self._open: _Open | None = None
+        self._numbers = 0  # calls whose start went out (their numbers in the stream)
         self._validators: dict[str, jsonschema.protocols.Validator | None] = {}
 
     def take(self, pieces: list[Piece]) -> tuple[list[Delta], list[str]]:
@@ -87,8 +95,10 @@ class CallTracker:
         return out, back
 
     def _start(self, name: str, out: list[Delta]) -> None:
-        c = _Open(len(self.calls), new_call_id(), name, skip=self.ended)
-        c.holding = not c.skip and any(k.name == name for k in self.calls)
+        c = _Open(self._numbers, new_call_id(), name, skip=self.ended)
+        c.holding = not c.skip and bool(self.calls)
+        if not c.skip and not c.holding:
+            self._numbers += 1
         self._open = c
         self._emit(c, ToolCallStart(self.index, c.number, c.id, name), out)
 
@@ -97,23 +107,29 @@ class CallTracker:
         assert c is not None
         c.args += p.text
         self._emit(c, ToolCallDelta(self.index, c.number, p.text, p.valid), out)
-        if c.holding and not any(k.name == c.name and k.arguments.startswith(c.args)
-                                 for k in self.calls):
-            self._release(c, out)
 
     def _end(self, problem: str | None, out: list[Delta]) -> None:
         c, self._open = self._open, None
         assert c is not None
         if c.skip:
             return
-        if c.holding:  # still the same as an earlier call: a duplicate ends the answer
-            if any(k.name == c.name and k.arguments == c.args for k in self.calls):
-                log.info("a repeated call of %s ended the answer (not passed on)", c.name)
-                self.ended = True
-                return
-            self._release(c, out)
+        if c.holding and any(k.name == c.name and k.arguments == c.args for k in self.calls):
+            log.info("a repeated call of %s ended the answer (not passed on)", c.name)
+            self.ended = True
+            return
         problem = problem or self._check(c.name, c.args)
-        self.calls.append(ToolCall(c.id, c.name, c.args, problem))
+        call = ToolCall(c.id, c.name, c.args, problem)
+        self.read.append(call)
+        if not runnable(call):
+            # held: nothing of it went out; streamed: its end says why it is not a call
+            self._problem(None if c.holding else c.number, problem, out)
+            self.ended = self.ended or not self.parallel
+            return
+        if c.holding:
+            c.holding = False
+            out += c.held
+            self._numbers += 1
+        self.calls.append(call)
         self._problem(c.number, problem, out)
         if not self.parallel:
             self.ended = True
@@ -126,14 +142,8 @@ class CallTracker:
             out.append(ToolCallEnd(self.index, -1 if number is None else number, problem))
 
     def _emit(self, c: _Open, d: Delta, out: list[Delta]) -> None:
-        if c.skip:
-            return
-        (c.held if c.holding else out).append(d)
-
-    def _release(self, c: _Open, out: list[Delta]) -> None:
-        c.holding = False
-        out += c.held
-        c.held = []
+        if not c.skip:
+            (c.held if c.holding else out).append(d)
 
     def _check(self, name: str, args: str) -> str | None:
         try:
@@ -161,6 +171,17 @@ class CallTracker:
             except Exception:  # noqa: BLE001 - a schema we cannot check with: no check
                 self._validators[name] = None
         return self._validators[name]
+
+
+def runnable(call: ToolCall) -> bool:
+    """Whether ``call`` can be part of an answer: complete (not cut off by ``max_tokens``) and
+    its arguments a JSON object."""
+    if call.problem == "truncated":
+        return False
+    try:
+        return isinstance(json.loads(call.arguments), dict)
+    except ValueError:
+        return False
 
 
 def _brief(text: str) -> str:

@@ -85,9 +85,11 @@ class HarmonyParser:
         self._stopped = False  # another author's message began: the answer is over
         self._text: list[str] = []
         self._reasoning: list[str] = []
+        self._after_calls = False  # text or reasoning came after the answer's last call
 
     # the interface's accessors, as OutputParser has them (over _text, _reasoning and calls)
     text, reasoning, tool_calls = OutputParser.text, OutputParser.reasoning, OutputParser.tool_calls
+    finish_reason = OutputParser.finish_reason
 
     @property
     def ended(self) -> bool:
@@ -228,12 +230,15 @@ class HarmonyParser:
         if kind == self._kind:
             self._fresh = False
         parts.append(s)
+        self._after_calls = True
         out.append(ReasoningDelta(self.index, s) if kind == _REASONING
                    else TextDelta(self.index, s))
 
     def _deliver(self, pieces: list[Piece], out: list[Delta]) -> None:
+        before = len(self.calls.calls)
         deltas, back = self.calls.take(pieces)
         out += deltas
+        self._after_calls = self._after_calls and len(self.calls.calls) == before
         for text in back:  # what followed the arguments in the call's body: answer text
             self._emit(text, out, _TEXT)
 

@@ -11,7 +11,7 @@ value, and says where the value ends:
 - a number, a ``true``/``false``/``null`` and an escape sequence are held until complete, and a
   comma until what follows it begins, so a prefix never ends inside them;
 - the first character that no valid value could have stops it (:attr:`error`); what the model
-  wrote from there on is the caller's to keep (:meth:`closing` says how to end the valid part).
+  wrote from there on is the caller's to keep.
 
 With ``require_object`` the value must be an object (tool arguments are).
 """
@@ -45,7 +45,6 @@ class JsonPrefix:
         self.escape = ""  # an escape sequence being read (held)
         self.atom = ""  # a number or literal being read (held)
         self.comma = ""  # a comma and the whitespace after it (held)
-        self.members = 0  # members of the outermost object so far
         self.started = False
         self.done = False
         self.error: str | None = None
@@ -80,14 +79,13 @@ class JsonPrefix:
         """Text taken in and held (an unfinished number, literal, escape or comma)."""
         return self.comma + self.escape + self.atom
 
-    def closing(self, extra: tuple[str, str] | None = None) -> str:
+    def closing(self) -> str:
         """Text that makes what was passed on a complete value (``""`` once :attr:`done`): an
-        open string closed, a missing value as ``null``, open containers closed; with ``extra``
-        (a key and a text), that member is added to the outermost object."""
-        if self.done:
+        open string closed, a missing value as ``null``, open containers closed. It shows that
+        what was passed on is a JSON prefix (the tests check it); it is never added to a tool
+        call's arguments, which hold only what the model wrote (``call_events.py``)."""
+        if self.done or not self.started:
             return ""
-        if not self.started:
-            return "{" + _member(extra) + "}" if extra else ""
         s = ""
         if self.string == "value":
             s += '"'
@@ -97,10 +95,7 @@ class JsonPrefix:
             s += ": null"
         elif self.state == _VALUE and self.stack and not self.comma:
             s += "null"
-        closers = ["}" if c == "{" else "]" for c in reversed(self.stack)]
-        if extra and self.stack[:1] == ["{"]:
-            closers[-1] = (", " if self.members else "") + _member(extra) + "}"
-        return s + "".join(closers)
+        return s + "".join("}" if c == "{" else "]" for c in reversed(self.stack))
 
     # -- internals --
 
@@ -142,8 +137,6 @@ class JsonPrefix:
         if st in (_KEY, _KEY_OR_CLOSE):
             if ch == '"':
                 self._flush_comma(out)
-                if len(self.stack) == 1:
-                    self.members += 1
                 self.string = "key"
                 out.append(ch)
             elif ch == "}" and st == _KEY_OR_CLOSE:
@@ -221,21 +214,3 @@ class JsonPrefix:
         if not self.stack:
             self.done = True
 
-
-def _member(extra: tuple[str, str]) -> str:
-    return json.dumps(extra[0]) + ": " + json.dumps(extra[1], ensure_ascii=False)
-
-
-def as_object(text: str, key: str = "INVALID_JSON") -> dict:
-    """``text`` (arguments as written) as a JSON object: parsed when it is one, else its valid
-    part (what :class:`JsonPrefix` passes on) closed, with ``text`` whole under ``key``."""
-    try:
-        value = json.loads(text)
-        if isinstance(value, dict):
-            return value
-    except ValueError:
-        pass
-    jp = JsonPrefix(require_object=True)
-    valid, _ = jp.feed(text)
-    valid += jp.finish()
-    return json.loads(valid + jp.closing((key, text)) if not jp.done else valid)

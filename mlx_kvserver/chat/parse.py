@@ -66,6 +66,7 @@ class OutputParser:
         self._bare_json = self._calls_on and fmt.tool_parser == LLAMA3_JSON
         self._text: list[str] = []
         self._reasoning: list[str] = []
+        self._after_calls = False  # text or reasoning came after the answer's last call
 
     @property
     def text(self) -> str:
@@ -78,7 +79,17 @@ class OutputParser:
 
     @property
     def tool_calls(self) -> list[ToolCall]:
+        """The answer's calls: complete, arguments a JSON object (``call_events.py``)."""
         return list(self.calls.calls)
+
+    def finish_reason(self, reason: str) -> str:
+        """The answer's finish reason, once the output ended for ``reason`` (``stop`` or
+        ``length``): ``tool_calls`` when the answer holds calls and either the model ended it or
+        ``max_tokens`` cut it after its last call with nothing of the answer after that call (a
+        later call cut off is not part of it): the answer ends with calls a client can run."""
+        if self.tool_calls and (reason == "stop" or reason == "length" and not self._after_calls):
+            return "tool_calls"
+        return reason
 
     @property
     def ended(self) -> bool:
@@ -192,13 +203,16 @@ class OutputParser:
         piece, self._ws = self._ws + core, s[len(core):]
         if self._state == _REASONING:
             self._reasoning.append(piece)
+            self._after_calls = True
             out.append(ReasoningDelta(self.index, piece))
         else:
             self._add_text(piece, out)
 
     def _deliver(self, pieces, out: list[Delta], end: str = "") -> None:
+        before = len(self.calls.calls)
         deltas, back = self.calls.take(pieces)
         out += deltas
+        self._after_calls = self._after_calls and len(self.calls.calls) == before
         for text in back:  # a block with no call in it: its text, markers included, is answer
             whole = len(self.calls.calls) == self._block_calls
             self._add_text((self._call_ws + self._opener + self._body + end) if whole else text,
@@ -207,6 +221,7 @@ class OutputParser:
 
     def _add_text(self, piece: str, out: list[Delta]) -> None:
         self._text.append(piece)
+        self._after_calls = True
         out.append(TextDelta(self.index, piece))
 
     def _end_block(self, out: list[Delta], closed: bool, marker: str = "") -> None:

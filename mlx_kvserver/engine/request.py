@@ -156,8 +156,7 @@ class Choice:
             self.emitted = len(self.text)
         if self.parser is not None:
             out += self._with_logprobs(self.parser.finish(cut=reason == "length"))
-            if self.parser.tool_calls and reason == "stop":
-                self.finish_reason = "tool_calls"
+            self.finish_reason = self.parser.finish_reason(reason)
         return out
 
     def finish_event(self) -> Finish:

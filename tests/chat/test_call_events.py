@@ -1,6 +1,7 @@
 """CallTracker (chat/call_events.py) fed hand-made reader pieces: call ids, repeated calls end the
-answer, calls held while they match an earlier one, parallel off, the problems it finds or is
-given, blocks without a call."""
+answer, calls after a complete one held until they are complete (one cut off is never sent),
+calls that cannot be run kept out of the answer, parallel off, the problems it finds or is given,
+blocks without a call."""
 
 from __future__ import annotations
 
@@ -70,33 +71,39 @@ def test_a_repeated_call_is_never_emitted_and_ends_the_answer():
     assert t.take(call("get_time", "{}")) == ([], []) and len(t.calls) == 1
 
 
-def test_a_call_that_diverges_from_an_earlier_one_is_emitted_whole_once_it_does():
+def test_a_call_after_a_complete_one_is_sent_whole_once_it_is_complete():
     t = CallTracker(2, TOOLS)
     t.take(call("get_weather", '{"city": "Paris"}'))
     assert t.take([Name("get_weather")]) == ([], [])
-    assert t.take([Args('{"city": "Pa')]) == ([], [])  # still a prefix of the first call
-    deltas, _ = t.take([Args('ris2"}')])
+    assert t.take([Args('{"city": "Pa')]) == ([], [])
+    assert t.take([Args('ris2"}')]) == ([], [])  # no longer the first call's: still held
+    deltas, _ = t.take([End()])
     assert shape(deltas) == [("start", 1, "get_weather"), ("args", 1, '{"city": "Pa', True),
-                             ("args", 1, 'ris2"}', True)]
-    assert shape(t.take([End()])[0]) == [("end", 1, None)]
+                             ("args", 1, 'ris2"}', True), ("end", 1, None)]
     assert deltas[0].id == t.calls[1].id != t.calls[0].id and not t.ended
+    # another tool's call, the same arguments: held all the same, sent at its end
+    assert t.take([Name("get_time"), Args("{}")]) == ([], [])
+    assert shape(t.take([End()])[0]) == [("start", 2, "get_time"), ("args", 2, "{}", True),
+                                         ("end", 2, None)]
 
 
-def test_a_call_that_stops_inside_an_earlier_one_is_emitted_at_its_end():
+@pytest.mark.parametrize("tail, problem", [
+    ([Args('{"city": "Pa'), End("truncated")], "truncated"),
+    ([Args('{"city": "Rome"}'), End("truncated")], "truncated"),  # cut before its markup ended
+    ([Args('{"city": '), Args("Rome}", valid=False), End("invalid_json: x")], "invalid_json: x"),
+    ([End("truncated")], "truncated"),
+])
+def test_a_later_call_cut_off_or_broken_is_never_sent(tail, problem):
     t = CallTracker(2, TOOLS)
     t.take(call("get_weather", '{"city": "Paris"}'))
-    assert t.take([Name("get_weather"), Args('{"city": "Pa')]) == ([], [])
-    deltas, _ = t.take([End("truncated")])
-    assert shape(deltas) == [("start", 1, "get_weather"), ("args", 1, '{"city": "Pa', True),
-                             ("end", 1, "truncated")]
-    assert not t.ended
-
-
-def test_the_same_arguments_for_another_tool_are_not_held():
-    t = CallTracker(2, TOOLS)
-    t.take(call("get_weather", "{}"))
-    assert shape(t.take([Name("get_time"), Args("{}")])[0]) == \
-        [("start", 1, "get_time"), ("args", 1, "{}", True)]
+    assert t.take([Name("get_weather")] + tail[:-1]) == ([], [])
+    deltas, back = t.take(tail[-1:])
+    assert back == [] and shape(deltas) == [("end", -1, problem)]  # no call: only its problem
+    assert [c.arguments for c in t.calls] == ['{"city": "Paris"}'] and not t.ended
+    assert [(c.name, c.problem) for c in t.read[1:]] == [("get_weather", problem)]
+    assert t.problems == [problem]
+    # a call after it takes the next number the client sees
+    assert shape(t.take(call("get_time", "{}"))[0])[0] == ("start", 1, "get_time")
 
 
 def test_parallel_off_ends_the_answer_after_the_first_call():
@@ -131,7 +138,10 @@ def test_problems(pieces, problem):
     assert [d.valid for d in deltas if isinstance(d, ToolCallDelta)] == \
         [p.valid for p in pieces if isinstance(p, Args)]
     written = "".join(p.text for p in pieces if isinstance(p, Args))
-    assert [(c.arguments, c.problem) for c in t.calls] == [(written, problem)]
+    runnable = not problem.startswith(("truncated", "invalid_json"))
+    # the first call streams as written; one that is cut off or not JSON is not the answer's
+    assert [(c.arguments, c.problem) for c in t.read] == [(written, problem)]
+    assert t.calls == (t.read if runnable else [])
     assert t.problems == [problem] and not t.ended
 
 
@@ -166,19 +176,33 @@ CALLS = st.tuples(st.sampled_from(["get_weather", "get_time", "nope"]),
 def test_random_call_sequences(calls, parallel):
     t = CallTracker(2, TOOLS, parallel=parallel)
     deltas = []
-    seen, ended = [], False
+    answer, streamed, withheld, ended = [], [], 0, False
     for name, args, problem, parts in calls:
         cut = [args[i * len(args) // parts:(i + 1) * len(args) // parts] for i in range(parts)]
         for p in call(name, *cut, problem=problem):
             deltas += t.take([p])[0]
-        emitted = not ended and (name, args) not in seen
-        ended = ended or not emitted or not parallel
-        seen += [(name, args)] if emitted else []
-    assert [(c.name, c.arguments) for c in t.calls] == seen and t.ended == ended
+        if ended:
+            continue
+        if answer and (name, args) in answer:  # a repeat ends the answer, unsent
+            ended = True
+            continue
+        ok = problem is None and args.endswith("}")
+        if ok or not answer:  # sent: a complete call, or the first call as it is written
+            checked = "unknown_tool" if name == "nope" else \
+                "schema" if (name, args) == ("get_weather", "{}") else None
+            streamed.append((name, args, checked if ok else problem or "invalid_json"))
+        if ok:
+            answer.append((name, args))
+        else:
+            withheld += bool(answer)
+        ended = not parallel
+    assert [(c.name, c.arguments) for c in t.calls] == answer and t.ended == ended
     emitted = shape(deltas)
-    for n, (name, args) in enumerate(seen):
+    for n, (name, args, problem) in enumerate(streamed):
         mine = [d for d in emitted if d[1] == n]
         assert mine[0] == ("start", n, name) and mine[-1][0] == "end"
+        assert (mine[-1][2] or "").split(":")[0] == (problem or "")
         assert "".join(d[2] for d in mine[1:-1]) == args and len(mine) >= 3
         assert [d[0] for d in mine].count("end") == 1
-    assert [d[1] for d in emitted] == sorted(d[1] for d in emitted)  # one call after another
+    assert len([d for d in emitted if d[1] == -1]) == withheld  # unsent: only its problem
+    assert [d[1] for d in emitted if d[1] >= 0] == sorted(d[1] for d in emitted if d[1] >= 0)

@@ -17,6 +17,7 @@ import random
 
 import pytest
 
+from mlx_kvserver.chat.call_events import runnable
 from mlx_kvserver.chat.conversation import Tool
 from mlx_kvserver.chat.formats import ChatFormat, format_for
 from mlx_kvserver.chat.output import ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart
@@ -72,10 +73,15 @@ def check_deltas(p, deltas: list) -> None:
     assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == p.text
     assert "".join(d.text for d in deltas if isinstance(d, ReasoningDelta)) == p.reasoning
     starts = [d for d in deltas if isinstance(d, ToolCallStart)]
-    assert [s.name for s in starts] == [c.name for c in p.tool_calls]
-    for s in starts:
+    sent = [c for c in p.calls.read if c.id in {s.id for s in starts}]  # in the stream's order
+    assert [(s.call, s.id, s.name) for s in starts] == \
+        [(n, c.id, c.name) for n, c in enumerate(sent)]
+    for s, c in zip(starts, sent):
         assert "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
-                       and d.call == s.call) == p.tool_calls[s.call].arguments
+                       and d.call == s.call) == c.arguments
+    # the answer's calls: every call read that can be run (each one sent)
+    assert p.tool_calls == [c for c in p.calls.read if runnable(c)]
+    assert all(c in sent for c in p.tool_calls)
 
 
 def _ws(text: str) -> str:

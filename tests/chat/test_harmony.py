@@ -134,7 +134,8 @@ def test_output_that_starts_with_no_header_is_the_final_text() -> None:
 def test_cut_by_max_tokens() -> None:
     p, _ = run(['<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>'
                 '{"city": "Par'], cut=True)
-    assert [(c.name, c.problem) for c in p.tool_calls] == [("get_weather", "truncated")]
+    assert [(c.name, c.problem) for c in p.calls.read] == [("get_weather", "truncated")]
+    assert p.tool_calls == [] and p.finish_reason("length") == "length"  # not a call to run
     p, deltas = run(["<|channel|>final<|message|>Hello <|e"], cut=True)
     assert p.text == "Hello "  # a marker's start is dropped
     p, deltas = run(["<|channel|>final<|message|>Hi<|end|><|start|>assistant<|channel|>fi"],
@@ -146,12 +147,13 @@ def test_bad_output_is_reported_never_raised() -> None:
     head = "<|start|>assistant<|channel|>commentary to=functions.{} <|constrain|>json<|message|>"
     p, _ = run(["<|channel|>analysis<|message|>x<|end|>", head.format("get_weather"),
                 "print('hi')<|call|>"])
-    (c,) = p.tool_calls
+    (c,) = p.calls.read
     assert c.arguments == "print('hi')" and c.problem.startswith("invalid_json")
+    assert p.tool_calls == []  # not JSON: not a call of the answer
     p, _ = run([head.format("nope")[len("<|start|>assistant"):], '{"a": 1}'])
     assert p.tool_calls[0].problem.startswith("unknown_tool")
     p, _ = run([head.format("get_weather")[len("<|start|>assistant"):], "<|call|>"])
-    assert p.tool_calls[0].problem == "invalid_json: no arguments"
+    assert p.calls.read[0].problem == "invalid_json: no arguments" and p.tool_calls == []
     p, _ = run(["<|channel|>" + "x" * MAX_HEADER + " and on"])
     assert p.text.startswith("<|channel|>xxx") and p.text.endswith(" and on")
 

@@ -9,6 +9,7 @@ import re
 
 import pytest
 
+from mlx_kvserver.chat.call_events import runnable
 from mlx_kvserver.chat.conversation import Tool, ToolCall
 from mlx_kvserver.chat.formats import ChatFormat, detect
 from mlx_kvserver.chat.output import (ReasoningDelta, TextDelta, ToolCallDelta, ToolCallEnd,
@@ -16,6 +17,7 @@ from mlx_kvserver.chat.output import (ReasoningDelta, TextDelta, ToolCallDelta, 
 from mlx_kvserver.chat.parse import OutputParser
 from mlx_kvserver.chat.render import fallback_call
 from tests.chat.templates import make_chat_tokenizer
+from tests.chat.test_corpus import check_deltas
 
 TOOLS = [Tool("get_weather", "Weather", {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}}}),
@@ -35,12 +37,7 @@ def run(family: str, text: str, chunks: list[str], tools=TOOLS, in_reasoning=Fal
     assert "".join(chunks) == text
     assert "".join(d.text for d in deltas if isinstance(d, TextDelta)) == p.text
     assert "".join(d.text for d in deltas if isinstance(d, ReasoningDelta)) == p.reasoning
-    starts = [d for d in deltas if isinstance(d, ToolCallStart)]
-    assert [(s.call, s.id, s.name) for s in starts] == \
-        [(i, c.id, c.name) for i, c in enumerate(p.tool_calls)]
-    for c in starts:
-        assert "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
-                       and d.call == c.call) == p.tool_calls[c.call].arguments
+    check_deltas(p, deltas)
     assert all(d.index == 3 for d in deltas)
     return p.text, p.reasoning, [(c.name, json.loads(c.arguments)) for c in p.tool_calls]
 
@@ -126,15 +123,17 @@ def run_raw(family: str, text: str, cut: bool, chunks=None):
     ``chunks``, ended by the model (``cut`` False) or by ``max_tokens``."""
     p = OutputParser(fmt(family), 0, TOOLS)
     deltas = [d for c in (chunks or [text]) for d in p.feed(c)] + p.finish(cut=cut)
-    for c in range(len(p.tool_calls)):
-        assert "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
-                       and d.call == c) == p.tool_calls[c].arguments
+    check_deltas(p, deltas)
+    sent = [c for c in p.calls.read if c.id in {d.id for d in deltas
+                                                 if isinstance(d, ToolCallStart)}]
+    for n, c in enumerate(sent):
         valid = "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta)
-                        and d.call == c and d.valid)
-        assert p.tool_calls[c].arguments.startswith(valid)
+                        and d.call == n and d.valid)
+        assert c.arguments.startswith(valid)
     ends = [d for d in deltas if isinstance(d, ToolCallEnd)]
-    assert [e.problem for e in ends if e.call >= 0] == [c.problem for c in p.tool_calls]
-    calls = [(c.name, c.arguments, c.problem and c.problem.split(":")[0]) for c in p.tool_calls]
+    assert [e.problem for e in ends if e.call >= 0] == [c.problem for c in sent]
+    # every call read (those that cannot be run are not the answer's: check_deltas)
+    calls = [(c.name, c.arguments, c.problem and c.problem.split(":")[0]) for c in p.calls.read]
     return p.text, calls, [e.problem.split(":")[0] for e in ends if e.problem]
 
 
@@ -262,3 +261,44 @@ def test_unknown_tool_names_pass_through() -> None:
     text = '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>'
     assert parse("qwen25", text) == ("", "", [("rm_rf", {})])
     assert OutputParser(fmt("qwen25"), 0, TOOLS).tool_calls == []
+
+
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+FIRST_CUT = '<tool_call>{"name": "get_weather", "arguments": {"city": "Pa'
+
+
+@pytest.mark.parametrize("text, cut, reason, calls, sent", [
+    (CALL, False, "tool_calls", 1, 1),
+    (CALL + "\n" + CALL.replace("Paris", "Rome"), False, "tool_calls", 2, 2),
+    # max_tokens cut a later call (or the start of one): not sent, the answer ends with the
+    # complete calls, and says so (a client acts on tool_calls; on length it would drop them)
+    (CALL + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Ro', True,
+     "tool_calls", 1, 1),
+    (CALL + '\n<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"}', True,
+     "tool_calls", 2, 2),  # its arguments were whole: a complete call
+    (CALL + '\n<tool_call>{"name": "get_wea', True, "tool_calls", 1, 1),
+    (CALL + "\n<tool_c", True, "tool_calls", 1, 1),
+    (CALL + "\n", True, "tool_calls", 1, 1),
+    # the first call cut off: streamed as written, not the answer's; the answer was cut
+    (FIRST_CUT, True, "length", 0, 1),
+    (CALL + " Then the weather is", True, "length", 1, 1),  # cut in text after the calls
+    ("Sure. " + CALL + " Done.", False, "tool_calls", 1, 1),
+    ("Just text", True, "length", 0, 0),
+    ("Just text", False, "stop", 0, 0),
+])
+def test_finish_reason_and_what_is_sent(text, cut, reason, calls, sent) -> None:
+    for chunks in chunkings(text):
+        p = OutputParser(fmt("smollm2"), 0, TOOLS)
+        deltas = [d for c in chunks for d in p.feed(c)] + p.finish(cut=cut)
+        check_deltas(p, deltas)
+        assert p.finish_reason("length" if cut else "stop") == reason, chunks
+        assert len(p.tool_calls) == calls and all(runnable(c) for c in p.tool_calls)
+        assert len([d for d in deltas if isinstance(d, ToolCallStart)]) == sent, chunks
+
+
+def test_a_first_call_cut_off_streams_as_written_and_nothing_is_added() -> None:
+    p = OutputParser(fmt("smollm2"), 0, TOOLS)
+    deltas = p.feed(FIRST_CUT) + p.finish(cut=True)
+    args = "".join(d.arguments for d in deltas if isinstance(d, ToolCallDelta))
+    assert args == '{"city": "Pa' and deltas[-1] == ToolCallEnd(0, 0, "truncated")
+    assert p.tool_calls == [] and [c.problem for c in p.calls.read] == ["truncated"]
