@@ -6,11 +6,12 @@ import argparse
 import gc
 import logging
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 from kv_cache import parse_kv_bits
 
-from .config import ServerConfig, default_cache_dir, env_float
+from .config import ServerConfig, default_cache_dir, env_float, read_settings
 
 log = logging.getLogger("mlx_kvserver")
 D = ServerConfig  # the defaults
@@ -25,151 +26,214 @@ def _kv_bits(text: str) -> tuple[int, int] | int | None:
     return None if kv is None else kv[0] if kv[0] == kv[1] else kv
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentParser:
+    """The server's flags, by topic; ``environ``: where the defaults that environment variables
+    set are read (docs/CONFIGURATION.md is made from this parser: scripts/config_page.py)."""
     p = argparse.ArgumentParser(
         prog="mlx-kvserver",
-        description="OpenAI-compatible chat server on MLX with a paged, persistent KV cache.")
-    p.add_argument("--model", action="append", dest="models", metavar="MODEL",
-                   help="'default' (bundled SmolLM2-135M-Instruct), a .gguf file, an MLX model "
-                        "folder or a Hugging Face repo id; repeat to serve several")
-    p.add_argument("--model-alias", action="append", default=[], dest="model_aliases",
+        description="OpenAI-compatible chat server on MLX with a paged, persistent KV cache.",
+        epilog="Every flag, the settings file and the environment variables: "
+               "docs/CONFIGURATION.md")
+    g = p.add_argument_group("settings file")
+    g.add_argument("--config", type=Path, metavar="FILE",
+                   help="read settings from a TOML file, each a flag's name without '--' "
+                        "(max-batch = 8, model = ['a', 'b']); a flag on the command line wins "
+                        "over the file, and the file over the environment")
+
+    g = p.add_argument_group("models")
+    g.add_argument("--model", action="append", dest="models", metavar="MODEL",
+                   help="'default' (bundled SmolLM2-135M-Instruct, the default), a .gguf file, "
+                        "an MLX model folder or a Hugging Face repo id; repeat to serve several")
+    g.add_argument("--model-alias", action="append", default=[], dest="model_aliases",
                    metavar="NAME=SERVED",
                    help="answer requests for model NAME (a glob such as 'claude-*' is allowed) "
                         "with the served model SERVED ('default': the first); repeatable. "
                         "Agents ask for their own model names: e.g. --model-alias '*=default'")
-    p.add_argument("--allow-models", action="append", default=[], dest="allow_models",
+    g.add_argument("--allow-models", action="append", default=[], dest="allow_models",
                    metavar="PATTERN",
                    help="let a request's model name (or X-Model-Id) that matches PATTERN, a "
                         "glob over folder and .gguf paths and Hugging Face ids (e.g. "
                         "'/models/*', 'mlx-community/*'), be loaded on first use; repeatable "
                         "(default: none, only the --model models are served)")
-    p.add_argument("--allow-download", action="store_true",
+    g.add_argument("--allow-download", action="store_true",
                    help="models allowed on demand may be downloaded from the Hugging Face hub "
                         "(without it, only those already in the local HF cache load)")
-    p.add_argument("--pin", action="append", default=[], dest="pin_models", metavar="MODEL",
+    g.add_argument("--pin", action="append", default=[], dest="pin_models", metavar="MODEL",
                    help="a model loaded on demand that is never unloaded (allowed as if it "
                         "matched --allow-models); repeatable")
-    p.add_argument("--model-ttl", type=float, default=D.model_ttl_s, dest="model_ttl_s",
+    g.add_argument("--model-ttl", type=float, default=D.model_ttl_s, dest="model_ttl_s",
                    metavar="SECONDS",
                    help="unload a model loaded on demand once it has been idle this long "
                         "(default: never; it goes only to make room)")
-    p.add_argument("--model-load-wait", type=float, default=D.model_load_wait_s,
+    g.add_argument("--model-load-wait", type=float, default=D.model_load_wait_s,
                    dest="model_load_wait_s", metavar="SECONDS",
                    help="how long a request waits for its model to load before a 503 with "
                         f"Retry-After (the load goes on; default {D.model_load_wait_s:g})")
-    p.add_argument("--host", default=D.host, help=f"address to bind (default {D.host})")
-    p.add_argument("--port", type=int, default=D.port)
-    p.add_argument("--max-tokens", type=int, default=D.max_tokens,
-                   help="default completion length when a request sets none")
-    p.add_argument("--temp", type=float, default=D.temperature,
-                   help="default sampling temperature")
-    p.add_argument("--kv-cache-dir", type=Path, default=None,
-                   help="where the KV cache persists (default ~/.cache/mlx-kvserver/kv)")
-    p.add_argument("--no-disk-cache", action="store_true",
-                   help="keep the KV cache in memory only")
-    p.add_argument("--kv-store", default=os.environ.get("KV_STORE_URL"), metavar="URL",
-                   help="a page store shared with other servers, below the disk: redis://, "
-                        "rediss://, valkey:// or unix:// (password in the URL or in "
-                        "KV_STORE_PASSWORD; needs the disk cache)")
-    p.add_argument("--kv-store-namespace", default=D.kv_store_namespace,
-                   help=f"key prefix in the shared store (default {D.kv_store_namespace})")
-    p.add_argument("--max-kv-size-gb", type=float,
-                   default=env_float("MAX_KV_SIZE_GB", D.max_kv_size_gb),
-                   help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default "
-                        f"{D.max_kv_size_gb:g})")
-    p.add_argument("--max-kv-ram-gb", type=float,
-                   default=env_float("MAX_KV_RAM_GB", D.max_kv_ram_gb),
-                   help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default "
-                        f"{D.max_kv_ram_gb:g})")
-    p.add_argument("--memory-reserve", type=float, default=None, metavar="GB",
-                   dest="memory_reserve_gb",
-                   help="the part of --memory-limit that the process holds outside MLX "
-                        "(Python, tokenizers, libraries; default: measured once the models "
-                        "have loaded)")
-    p.add_argument("--memory-limit", type=float, default=None, metavar="GB",
+    g.add_argument("--keep-quantized", action="store_true",
+                   help="keep quantized weights on MLX's CPU backend (slower there)")
+
+    g = p.add_argument_group("answers", "what a request gets when it does not say")
+    g.add_argument("--max-tokens", metavar="N", type=int, default=D.max_tokens,
+                   help=f"default completion length when a request sets none (default "
+                        f"{D.max_tokens})")
+    g.add_argument("--temp", metavar="T", type=float, default=D.temperature,
+                   help=f"default sampling temperature (default {D.temperature:g}: greedy)")
+
+    g = p.add_argument_group("batching and speculation")
+    g.add_argument("--max-batch", metavar="N", type=int, default=D.max_batch,
+                   help="answers decoded together in one forward pass, at most (default "
+                        f"{D.max_batch})")
+    g.add_argument("--max-queue", metavar="N", type=int, default=D.max_queue,
+                   help="requests that may wait to start (memory, a place in the batch); one "
+                        "more is answered 429 with Retry-After from the rate prompts start. A "
+                        f"waiting request has no time limit (0: no bound; default {D.max_queue})")
+    g.add_argument("--prefill-chunk", metavar="N", type=int, default=D.prefill_chunk,
+                   help="prompt tokens read per step while other answers stream (default "
+                        f"{D.prefill_chunk})")
+    g.add_argument("--speculate", choices=["off", "ngram", "draft"], default=None,
+                   help="speculative decoding in the batch, which never changes an answer: "
+                        "drafts from the token ids the server holds (ngram, the default), from a "
+                        "draft model (draft, the default with --draft-model), or none (off)")
+    g.add_argument("--num-draft-tokens", metavar="N", type=int, default=D.num_draft_tokens,
+                   help="the most draft tokens one answer verifies per step (default "
+                        f"{D.num_draft_tokens})")
+    g.add_argument("--draft-model", default=None, metavar="PATH|HF-ID",
+                   help="a small model with the served model's tokenizer that drafts where the "
+                        "conversation has nothing to offer")
+
+    g = p.add_argument_group("memory")
+    g.add_argument("--memory-limit", type=float, default=None, metavar="GB",
                    dest="memory_limit_gb",
                    help="all the memory the server may use: weights, KV pages, working buffers "
                         "and passes (default: 75%% of the machine's, on a Mac of the Metal "
                         "working set MLX recommends)")
-    p.add_argument("--page-size", type=int, default=D.page_size, help="tokens per KV page")
-    p.add_argument("--kv-bits", type=_kv_bits, default=D.kv_bits, metavar="K[,V]",
+    g.add_argument("--memory-reserve", type=float, default=None, metavar="GB",
+                   dest="memory_reserve_gb",
+                   help="the part of --memory-limit that the process holds outside MLX "
+                        "(Python, tokenizers, libraries; default: measured once the models "
+                        "have loaded)")
+
+    g = p.add_argument_group("KV cache")
+    g.add_argument("--kv-cache-dir", metavar="DIR", type=Path, default=None,
+                   help="where the KV cache persists (default ~/.cache/mlx-kvserver/kv)")
+    g.add_argument("--no-disk-cache", action="store_true",
+                   help="keep the KV cache in memory only")
+    g.add_argument("--max-kv-size-gb", metavar="GB", type=float,
+                   default=env_float("MAX_KV_SIZE_GB", D.max_kv_size_gb, environ),
+                   help="disk budget of the KV cache (env MAX_KV_SIZE_GB, default "
+                        f"{D.max_kv_size_gb:g})")
+    g.add_argument("--max-kv-ram-gb", metavar="GB", type=float,
+                   default=env_float("MAX_KV_RAM_GB", D.max_kv_ram_gb, environ),
+                   help="memory budget of the KV pages per model (env MAX_KV_RAM_GB, default "
+                        f"{D.max_kv_ram_gb:g})")
+    g.add_argument("--page-size", metavar="N", type=int, default=D.page_size,
+                   help=f"tokens per KV page (default {D.page_size})")
+    g.add_argument("--max-resident-sequences", metavar="N", type=int,
+                   default=D.max_resident_sequences,
+                   help="finished conversations kept with their working buffers, so that their "
+                        f"next turn skips gathering pages (0: none; default "
+                        f"{D.max_resident_sequences})")
+    g.add_argument("--eviction-policy", default=D.eviction_policy,
+                   choices=["lru", "fifo", "s3fifo"],
+                   help=f"which pages go first when the memory or disk budget is full (default "
+                        f"{D.eviction_policy})")
+
+    g = p.add_argument_group("KV pages in bits")
+    g.add_argument("--kv-bits", type=_kv_bits, default=D.kv_bits, metavar="K[,V]",
                    help="hold KV pages in 8 or 4 bits, in memory, on disk and in the store: one "
                         "number for keys and values, or K,V such as 8,4 (keys suffer most from "
                         "rounding); default: the model's precision (a model's own quantized "
                         "caches are still refused)")
-    p.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=D.kv_group_size,
+    g.add_argument("--kv-group-size", type=int, choices=[32, 64, 128], default=D.kv_group_size,
                    help=f"values along head_dim sharing one scale, with --kv-bits (default "
                         f"{D.kv_group_size})")
-    p.add_argument("--kv-rotation", choices=["hadamard", "none"],
+    g.add_argument("--kv-rotation", choices=["hadamard", "none"],
                    default="hadamard" if D.kv_rotate else "none",
                    help="with --kv-bits: rotate each group of keys and values by a fixed "
                         "Hadamard matrix before quantizing, which spreads outlier channels "
                         "(default hadamard)")
-    p.add_argument("--kv-calibration", choices=["on", "off"],
+    g.add_argument("--kv-calibration", choices=["on", "off"],
                    default="on" if D.kv_calibrate else "off",
                    help="with --kv-bits: measure each layer's key offsets and channel weights on "
                         "a fixed text when a model is opened (seconds on a CPU) and shape keys "
                         "by them before quantizing (default off: it helps 8-bit keys a little "
                         "and trades 4-bit keys' short contexts for long ones, BENCHMARKS 14)")
-    p.add_argument("--kv-key-scales", choices=["auto", "page", "position"],
+    g.add_argument("--kv-key-scales", choices=["auto", "page", "position"],
                    default=D.kv_key_scales,
                    help="with --kv-bits: one scale per key channel over each page, coded when "
                         "the page is full (the open page read in full precision), or one per "
                         "position along head_dim; auto: per channel for 4-bit keys, where it "
                         "keeps perplexity within 3%% instead of 8%% (default auto)")
-    p.add_argument("--kv-attention", choices=["auto", "packed", "decoded"],
+    g.add_argument("--kv-attention", choices=["auto", "packed", "decoded"],
                    default=D.kv_attention,
                    help="with --kv-bits: read shared prefixes as their pages store them "
                         "(quantized products) or decoded to float buffers; auto: packed on a "
                         "GPU, decoded on the CPU, where that is faster (default auto)")
-    p.add_argument("--max-resident-sequences", type=int, default=D.max_resident_sequences,
-                   help="finished conversations kept with their working buffers, so that their "
-                        "next turn skips gathering pages (0: none)")
-    p.add_argument("--eviction-policy", default=D.eviction_policy,
-                   choices=["lru", "fifo", "s3fifo"])
-    p.add_argument("--max-batch", type=int, default=D.max_batch,
-                   help="answers decoded together in one forward pass, at most (default "
-                        f"{D.max_batch})")
-    p.add_argument("--max-queue", type=int, default=D.max_queue,
-                   help="requests that may wait to start (memory, a place in the batch); one "
-                        "more is answered 429 with Retry-After from the rate prompts start. A "
-                        f"waiting request has no time limit (0: no bound; default {D.max_queue})")
-    p.add_argument("--prefill-chunk", type=int, default=D.prefill_chunk,
-                   help="prompt tokens read per step while other answers stream (default "
-                        f"{D.prefill_chunk})")
-    p.add_argument("--speculate", choices=["off", "ngram", "draft"], default=None,
-                   help="speculative decoding in the batch, which never changes an answer: "
-                        "drafts from the token ids the server holds (ngram, the default), from a "
-                        "draft model (draft, the default with --draft-model), or none (off)")
-    p.add_argument("--num-draft-tokens", type=int, default=D.num_draft_tokens,
-                   help="the most draft tokens one answer verifies per step (default "
-                        f"{D.num_draft_tokens})")
-    p.add_argument("--draft-model", default=None, metavar="PATH|HF-ID",
-                   help="a small model with the served model's tokenizer that drafts where the "
-                        "conversation has nothing to offer")
-    p.add_argument("--api-key", default=os.environ.get("MLX_KVSERVER_API_KEY"),
+
+    g = p.add_argument_group("shared page store")
+    g.add_argument("--kv-store", default=environ.get("KV_STORE_URL"), metavar="URL",
+                   help="a page store shared with other servers, below the disk: redis://, "
+                        "rediss://, valkey:// or unix:// (env KV_STORE_URL; password in the URL "
+                        "or in KV_STORE_PASSWORD; needs the disk cache)")
+    g.add_argument("--kv-store-namespace", metavar="NAME", default=D.kv_store_namespace,
+                   help=f"key prefix in the shared store (default {D.kv_store_namespace})")
+
+    g = p.add_argument_group("network and access")
+    g.add_argument("--host", metavar="ADDRESS", default=D.host,
+                   help=f"address to bind (default {D.host})")
+    g.add_argument("--port", metavar="N", type=int, default=D.port,
+                   help=f"port to listen on (default {D.port})")
+    g.add_argument("--api-key", metavar="KEY", default=environ.get("MLX_KVSERVER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (env MLX_KVSERVER_API_KEY)")
-    p.add_argument("--cors-origin", action="append", default=[], dest="cors_origins",
+    g.add_argument("--cors-origin", metavar="ORIGIN", action="append", default=[],
+                   dest="cors_origins",
                    help="allow browser requests from this origin (repeatable; default none)")
-    p.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
+    g.add_argument("--allowed-host", action="append", default=[], dest="allowed_hosts",
                    metavar="NAME",
                    help="also answer requests whose Host header is NAME (repeatable; '*' for "
                         "any). Always allowed: localhost, 127.0.0.1, [::1] and --host")
-    p.add_argument("--volatile-rule", action="append", default=[], metavar="REGEX[=>REPL]",
+
+    g = p.add_argument_group("volatile lines",
+                             "lines of a prompt that change per request and mean nothing to the "
+                             "model, removed before rendering so that the cache still matches")
+    g.add_argument("--volatile-rule", action="append", default=[], metavar="REGEX[=>REPL]",
                    help="a line pattern that changes per request and means nothing to the model "
                         "(removed, or replaced by REPL, before rendering); repeatable. See "
                         "mlx_kvserver/chat/normalize.py")
-    p.add_argument("--volatile-rules", action="append", default=[], type=Path, metavar="FILE",
+    g.add_argument("--volatile-rules", action="append", default=[], type=Path, metavar="FILE",
                    help="a file of volatile rules, one REGEX[=>REPL] a line")
-    p.add_argument("--no-volatile-rules", action="store_true",
+    g.add_argument("--no-volatile-rules", action="store_true",
                    help="apply no volatile-line rules, not even the shipped one for Claude "
                         "Code's attribution header")
-    p.add_argument("--keep-quantized", action="store_true",
-                   help="keep quantized weights on MLX's CPU backend (slower there)")
-    p.add_argument("--no-fast-blas", action="store_true",
+
+    g = p.add_argument_group("platform and logging")
+    g.add_argument("--no-fast-blas", action="store_true",
                    help="do not preload a fast BLAS for MLX's CPU backend on Linux")
-    p.add_argument("--log-level", default="info")
+    g.add_argument("--log-level", default="info", metavar="LEVEL",
+                   help="debug, info, warning or error (default info)")
     return p
+
+
+def parse_args(argv: list[str] | None = None,
+               environ: Mapping[str, str] = os.environ) -> argparse.Namespace:
+    """The command line over the settings file it names (``--config``) over the environment
+    over the defaults. A repeatable flag on the command line replaces the file's list."""
+    parser = build_parser(environ)
+    args = parser.parse_args(argv)
+    if args.config is not None:
+        given = _given(argv)
+        for dest, value in read_settings(args.config, parser).items():
+            if dest not in given:
+                setattr(args, dest, value)
+    return args
+
+
+def _given(argv: list[str] | None) -> set[str]:
+    """The dests that the command line ``argv`` sets itself (not by their defaults)."""
+    parser = build_parser({})
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -272,7 +336,7 @@ def load_engine(config: ServerConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     if os.environ.get("MLX_KVSERVER_NO_BLAS") is None and args.no_fast_blas:
         os.environ["MLX_KVSERVER_NO_BLAS"] = "1"
     from .platform import blas

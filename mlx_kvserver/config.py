@@ -1,21 +1,33 @@
-"""Server settings: command-line flags over environment variables over defaults.
+"""Server settings: command-line flags over a settings file over environment variables over
+defaults.
 
 ``ServerConfig`` is the one definition of every setting and its default: the command line
 (``cli.py``) takes its defaults from here, and the engine builds each model's cache and scheduler
-from it (``engine.py``).
+from it (``engine.py``). A settings file (``--config FILE``, TOML) gives the flags' values by
+their names without ``--`` (``max-batch = 8``): ``read_settings`` checks each against its flag
+and converts it as the command line would (docs/CONFIGURATION.md).
 """
 
 from __future__ import annotations
 
+import argparse
+import difflib
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser from PyPI (pyproject.toml)
+    import tomli as tomllib
 
 GB = 1 << 30
 
 
-def env_float(name: str, default: float) -> float:
-    value = os.environ.get(name)
+def env_float(name: str, default: float, environ: Mapping[str, str] = os.environ) -> float:
+    value = environ.get(name)
     if value is None or value == "":
         return default
     try:
@@ -86,3 +98,90 @@ class ServerConfig:
     volatile_rules: bool = True  # the shipped normalizer rules (chat/normalize.py) and these:
     volatile_rule: list[str] = field(default_factory=list)
     volatile_rule_files: list[Path] = field(default_factory=list)
+
+
+# -- the settings file ---------------------------------------------------------------------------
+
+NOT_IN_FILES = ("help", "config")  # flags a settings file cannot give (dests)
+
+
+def file_options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    """The settings a file may give: each flag of ``parser`` by its name without ``--``."""
+    return {a.option_strings[-1][2:]: a for a in parser._actions
+            if a.option_strings and a.dest not in NOT_IN_FILES}
+
+
+def _repeatable(action: argparse.Action) -> bool:
+    return isinstance(action, argparse._AppendAction)
+
+
+# a flag's value type -> what a file gives for it; a converter of the flag's own takes either
+# (``kv-bits = 8`` or ``kv-bits = "8,4"``)
+_KINDS = {int: "integer", float: "number", None: "string", str: "string", Path: "string"}
+_TOML = {"integer": ((int,), "an integer"), "number": ((int, float), "a number"),
+         "string": ((str,), "a string"),
+         "integer or string": ((int, str), "an integer or a string")}
+
+
+def file_kind(action: argparse.Action) -> str:
+    """What a settings file gives for ``action``'s flag, in TOML's words."""
+    if action.nargs == 0:
+        return "true or false"
+    one = _KINDS.get(action.type, "integer or string")
+    return f"list of {one}s (or one {one})" if _repeatable(action) else one
+
+
+def _one(file: Path, key: str, action: argparse.Action, value: Any) -> Any:
+    """One value of a flag as the command line gives it: of its type, converted, among its
+    choices."""
+    types, want = _TOML[_KINDS.get(action.type, "integer or string")]
+    if isinstance(value, bool) or not isinstance(value, types):
+        raise SystemExit(f"{file}: {key} = {value!r}: want {want} for --{key}")
+    if action.type in (int, float):
+        value = action.type(value)
+    elif action.type is not None:
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            raise SystemExit(f"{file}: {key} = {value!r}: {e}")
+    if action.choices is not None and value not in action.choices:
+        raise SystemExit(f"{file}: {key} = {value!r}: want one of "
+                         f"{', '.join(map(repr, action.choices))}")
+    return value
+
+
+def read_settings(file: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The flags' values a TOML settings file gives, by their ``parser`` dests: each key a
+    flag's name without ``--`` at the top level of the file, each value of the flag's type
+    (``file_kind``), converted as the command line would. ``SystemExit`` naming the key for an
+    unknown key, a table, a wrong type or a value the flag refuses."""
+    try:
+        with open(file, "rb") as f:
+            table = tomllib.load(f)
+    except OSError as e:
+        raise SystemExit(f"--config {file}: {e.strerror or e}")
+    except tomllib.TOMLDecodeError as e:
+        raise SystemExit(f"--config {file}: not TOML: {e}")
+    options = file_options(parser)
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        action = options.get(key)
+        if action is None:
+            if isinstance(value, dict):
+                raise SystemExit(f"{file}: [{key}] is a table: settings are flags' names at the "
+                                 "top level of the file, one file for one server "
+                                 "(docs/CONFIGURATION.md)")
+            near = difflib.get_close_matches(key.replace("_", "-"), options, 1)
+            raise SystemExit(f"{file}: {key!r} is no setting"
+                             + (f" (did you mean {near[0]!r}?)" if near else
+                                " (settings are the flags' names without '--')"))
+        if action.nargs == 0:
+            if not isinstance(value, bool):
+                raise SystemExit(f"{file}: {key} = {value!r}: want true or false for --{key}")
+            out[action.dest] = action.const if value else action.default
+        elif _repeatable(action):
+            values = value if isinstance(value, list) else [value]
+            out[action.dest] = [_one(file, key, action, v) for v in values]
+        else:
+            out[action.dest] = _one(file, key, action, value)
+    return out
