@@ -65,10 +65,6 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
                    metavar="SECONDS",
                    help="unload a model loaded on demand once it has been idle this long "
                         "(default: never; it goes only to make room)")
-    g.add_argument("--model-load-wait", type=float, default=D.model_load_wait_s,
-                   dest="model_load_wait_s", metavar="SECONDS",
-                   help="how long a request waits for its model to load before a 503 with "
-                        f"Retry-After (the load goes on; default {D.model_load_wait_s:g})")
     g.add_argument("--keep-quantized", action="store_true",
                    help="keep quantized weights on MLX's CPU backend (slower there)")
 
@@ -261,8 +257,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             check_store_url(args.kv_store)
         except ValueError as e:
             raise SystemExit(f"--kv-store: {e}")
-    if args.model_ttl_s is not None and args.model_ttl_s <= 0 or args.model_load_wait_s <= 0:
-        raise SystemExit("--model-ttl and --model-load-wait must be positive numbers of seconds")
+    if args.model_ttl_s is not None and args.model_ttl_s <= 0:
+        raise SystemExit("--model-ttl must be a positive number of seconds")
     for pin in args.pin_models:
         from .models.on_demand import source_of
 
@@ -282,7 +278,6 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         models=args.models or ["default"], model_aliases=aliases, host=args.host, port=args.port,
         allow_models=args.allow_models, allow_download=args.allow_download,
         pin_models=args.pin_models, model_ttl_s=args.model_ttl_s,
-        model_load_wait_s=args.model_load_wait_s,
         max_tokens=args.max_tokens, temperature=args.temp,
         kv_cache_dir=None if args.no_disk_cache else (args.kv_cache_dir or default_cache_dir()),
         max_kv_size_gb=args.max_kv_size_gb, max_kv_ram_gb=args.max_kv_ram_gb,

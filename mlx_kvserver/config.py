@@ -51,7 +51,6 @@ class ServerConfig:
     allow_download: bool = False  # Hugging Face ids may be fetched (else: only the local cache)
     pin_models: list[str] = field(default_factory=list)  # allowed, and never unloaded
     model_ttl_s: float | None = None  # an idle model loaded on demand is unloaded after it
-    model_load_wait_s: float = 300.0  # how long a request waits for its model to load (503)
     host: str = "127.0.0.1"
     port: int = 8080
     max_tokens: int | None = 512

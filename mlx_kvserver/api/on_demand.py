@@ -3,13 +3,14 @@ first use when ``--allow-models`` (or ``--pin``) lets it (``models/on_demand.py`
 
 - One load at a time, in a thread of its own (neither the event loop nor the engine thread waits
   on the disk or the hub); the model joins the engine between two steps (``Engine.add_model``).
-  Requests for a model that is loading wait for that one load, up to ``--model-load-wait``
-  seconds (then 503 with ``Retry-After``; the load goes on).
+  Requests for a model that is loading wait for that one load, however long it takes (the log
+  and ``/v1/models`` show its phase every few seconds): a wait is not a failure.
 - Room: before loading, the new model's weights and its load's peak are estimated from its files
   (``models/footprint.py``); while the served models' weights and that peak would pass
   ``WEIGHTS_SHARE`` of the memory limit, the least recently used idle model loaded on demand
   (not pinned) is unloaded (``Engine.remove_model``: its cache is flushed to disk and stays
-  there, and in the shared store). Too large even alone: 400; the others busy: 503.
+  there, and in the shared store). Too large even alone: 400; while the models that would make
+  room are busy, the load waits for them to finish their answers (logged once).
 - ``--model-ttl``: a loaded-on-demand model unused that long is unloaded.
 - The models named at start (``--model``) are never unloaded.
 """
@@ -37,17 +38,16 @@ from .validate import unknown_model
 log = logging.getLogger("mlx_kvserver.models")
 
 PROGRESS_S = 5.0  # a loading model's progress line in the log, every this many seconds
-RETRY_AFTER_S = 5
+ROOM_POLL_S = 0.25  # how often a load that waits for busy models looks again
 
 
 def _mb(n: int) -> str:
     return f"{n / (1 << 20):.1f} MB" if n < GB else f"{n / GB:.2f} GB"
 
 
-def _error(status: int, message: str, code: str, type: str = "invalid_request_error",
-           retry_after: float | None = None) -> RequestError:
-    return RequestError(status, message, type=type, param="model", code=code,
-                        retry_after=retry_after)
+def _error(status: int, message: str, code: str,
+           type: str = "invalid_request_error") -> RequestError:
+    return RequestError(status, message, type=type, param="model", code=code)
 
 
 class OnDemand:
@@ -106,7 +106,6 @@ class OnDemand:
         load waited for). NOTE: returns only a model that is served now, with no await between
         that check and the return: the caller submits its job before anything can unload it
         (a job queued before an unload keeps the model busy, and the unload gives up)."""
-        deadline = time.monotonic() + self.config.model_load_wait_s
         while True:
             try:
                 return self.served(name)
@@ -120,13 +119,7 @@ class OnDemand:
             if r.busy is None or r.busy.done():
                 r.busy = asyncio.get_running_loop().create_task(self._load(r))
                 r.busy.add_done_callback(lambda t: t.cancelled() or t.exception())
-            left = deadline - time.monotonic()
-            try:
-                await asyncio.wait_for(asyncio.shield(r.busy), max(0.0, left))
-            except asyncio.TimeoutError:
-                raise _error(503, f"model {name!r} is still loading ({r.phase or r.status}, "
-                             f"{time.monotonic() - r.started:.0f} s so far); try again shortly",
-                             "model_loading", "server_error", RETRY_AFTER_S) from None
+            await asyncio.shield(r.busy)  # a waiter that goes away leaves the load going on
 
     def _used(self, lm: LoadedModel) -> LoadedModel:
         for r in self.residents.values():
@@ -232,12 +225,23 @@ class OnDemand:
 
     async def _make_room(self, r: Resident, need: int) -> None:
         """Unload least recently used models until the weights and ``need`` fit (see the
-        module's docstring): before the load, its peak; 400 when they never can, 503 when the
-        others are busy."""
+        module's docstring): before the load, its peak; 400 when they never can; while the
+        models that would make room are busy, wait for them (their answers make progress)."""
+        told = False
+        while not await self._room_made(r, need):
+            if not told:
+                told = True
+                log.info("model %s waits for room: the models that would make it are answering",
+                         r.name)
+                r.enter("waiting for busy models")
+            await asyncio.sleep(ROOM_POLL_S)
+
+    async def _room_made(self, r: Resident, need: int) -> bool:
+        """One round of :meth:`_make_room`: True once the weights and ``need`` fit."""
         total = await self.engine.call(lambda: self.engine.memory.weights_total)
         cap = self._cap()
         if total + need <= cap:
-            return
+            return True
         candidates = lru(list(self.residents.values()), but=r)
         stays = total - sum(c.weights for c in candidates)
         what = f" while it loads ({_mb(r.weights)} of weights once loaded)" \
@@ -251,9 +255,8 @@ class OnDemand:
         for c in candidates:
             total -= await self._unload(c, f"least recently used, to make room for {r.name}")
             if total + need <= cap:
-                return
-        raise _error(503, figures + "; the models that could make room are busy: try again "
-                     "shortly", "model_no_room", "server_error", RETRY_AFTER_S)
+                return True
+        return False
 
     async def _unload(self, r: Resident, why: str) -> int:
         """Unload ``r`` when the engine finds it idle: the bytes of weights freed (0: busy)."""
