@@ -5,20 +5,24 @@ tests/test_fuzz_api.py).
 :func:`draw` walks a schema (``$ref``, ``oneOf``/``anyOf``, ``enum``/``const``, ``examples``,
 types, ``required`` and optional properties, ``minItems``/``maxItems``/``contains``, numeric and
 length bounds) and makes a body: the minimal one (required fields only, first branches, lowest
-values) or a random one (optional fields at even odds). Integers are drawn near their minimum, so
-that a ``max_tokens`` or an ``n`` keeps generation short; a field with ``examples`` (the served
-model names) takes one of them. :func:`follow_rules` then applies what the description says in
-words because JSON Schema cannot (``openapi_bodies.py``): each tool result answers an earlier
-call, call ids are unique, every call is answered, tool names are unique, and ``tool_choice``
-names one of the tools.
+values) or a random one (optional fields at even odds); an object with rules beside its
+properties (``anyOf``/``allOf``) is drawn again until they hold. Integers are drawn near their
+minimum, so that a ``max_tokens`` or an ``n`` keeps generation short; a field with ``examples``
+(the served model names) takes one of them. :func:`follow_rules` then applies what the
+description says in words because JSON Schema cannot (``openapi_bodies.py``): each tool result
+answers an earlier call, call ids are unique, every call is answered, tool names are unique, and
+``tool_choice`` names one of the tools, a JSON Schema (a tool's parameters, a response format's
+schema) is valid.
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from typing import Any
 
 from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
 
 from mlx_kvserver.api.responses import flat_name
 
@@ -61,7 +65,7 @@ class Document:
         if "enum" in s:
             return pick(s["enum"])
         for key in ("oneOf", "anyOf"):
-            if key in s:
+            if key in s and "properties" not in s:  # (beside properties: a rule on them)
                 return self.draw(pick(s[key]), rng)
         types = s.get("type", "object")
         if isinstance(types, list):
@@ -70,8 +74,12 @@ class Document:
 
     def _object(self, s: dict, rng) -> dict:
         required = s.get("required", [])
-        return {name: self.draw(sub, rng) for name, sub in s.get("properties", {}).items()
-                if name in required or (rng is not None and rng.random() < 0.5)}
+        for _ in range(200):  # drawn again until the rules beside the properties hold
+            out = {name: self.draw(sub, rng) for name, sub in s.get("properties", {}).items()
+                   if name in required or (rng is not None and rng.random() < 0.5)}
+            if not {"anyOf", "allOf", "oneOf"} & s.keys() or not self.errors(s, out):
+                return out
+        raise AssertionError(f"no object drawn keeps the rules of {s}")
 
     def _array(self, s: dict, rng) -> list:
         lo, hi = s.get("minItems", 0), s.get("maxItems", 1 << 30)
@@ -217,13 +225,93 @@ def _responses(body: dict) -> None:
 
 RULES = {"/v1/chat/completions": _chat, "/v1/messages": _messages,
          "/v1/messages/count_tokens": _messages, "/v1/responses": _responses}
+# Where each API's body holds a JSON Schema ("*": every item of a list).
+SCHEMAS = {"/v1/chat/completions": [("tools", "*", "function", "parameters"),
+                                    ("response_format", "json_schema", "schema")],
+           "/v1/messages": [("tools", "*", "input_schema"), ("output_config", "format", "schema"),
+                            ("output_format", "schema")],
+           "/v1/responses": [("tools", "*", "parameters"), ("text", "format", "schema"),
+                             ("tools", "*", "tools", "*", "parameters")]}
+SCHEMAS["/v1/messages/count_tokens"] = SCHEMAS["/v1/messages"]
+
+
+def _holders(node: Any, keys: tuple) -> list[tuple[dict, str]]:
+    """The objects under ``node`` that hold a value at the path ``keys``, with its key."""
+    if len(keys) == 1:
+        return [(node, keys[0])] if isinstance(node, dict) else []
+    if keys[0] == "*":
+        items = node if isinstance(node, list) else []
+    else:
+        items = [node.get(keys[0])] if isinstance(node, dict) else []
+    return [h for item in items for h in _holders(item, keys[1:])]
+
+
+def _valid_schemas(path: str, body: dict) -> None:
+    """Each JSON Schema in ``body`` kept if it is valid JSON Schema, else a plain object's."""
+    for keys in SCHEMAS.get(path, []):
+        for holder, key in _holders(body, keys):
+            if isinstance(holder.get(key), dict):
+                try:
+                    Draft202012Validator.check_schema(holder[key])
+                except SchemaError:
+                    holder[key] = {"type": "object"}
 
 
 def follow_rules(path: str, body: dict) -> dict:
     """``body`` changed to keep the rules the description states in words (see the module)."""
     if path in RULES:
         RULES[path](body)
+        _valid_schemas(path, body)
     return body
+
+
+# -- wrong types -----------------------------------------------------------------------------
+
+# A value of every JSON type (empty and not; 1.0 is an integer to JSON Schema), for
+# :func:`locations` of a valid body to take.
+WRONG_TYPES = [None, False, 0, 1.0, -1.5, "", "x", [], [0], {}, {"x": {}}]
+
+
+def locations(value: Any, at: tuple = ()):
+    """Every place below the root of a JSON ``value``, as a path of keys and indices."""
+    items = value.items() if isinstance(value, dict) else \
+        enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        yield at + (key,)
+        yield from locations(item, at + (key,))
+
+
+def kind_of(value: Any, at: tuple) -> tuple:
+    """The field ``at`` names, whatever the indices: its keys, each with the ``type`` and
+    ``role`` of the object holding it (the branch of a ``oneOf`` it is in)."""
+    out, node = [], value
+    for key in at:
+        tags = (node.get("type"), node.get("role")) if isinstance(node, dict) else ()
+        out.append(("#" if isinstance(key, int) else key,
+                    tuple(t if isinstance(t, str) else None for t in tags)))
+        node = node[key]
+    return tuple(out)
+
+
+def replaced(value: Any, at: tuple, new: Any) -> Any:
+    """A copy of ``value`` with ``new`` at ``at``."""
+    out = copy.deepcopy(value)
+    node = out
+    for key in at[:-1]:
+        node = node[key]
+    node[at[-1]] = new
+    return out
+
+
+def property_names(doc: Document, schema: dict) -> set[str]:
+    """Every property name a schema declares, at any depth, in any branch."""
+    s, out = doc.resolve(schema), set()
+    for name, sub in s.get("properties", {}).items():
+        out |= {name} | property_names(doc, sub)
+    for sub in [*s.get("oneOf", []), *s.get("anyOf", []), *s.get("allOf", []),
+                *([s["items"]] if isinstance(s.get("items"), dict) else [])]:
+        out |= property_names(doc, sub)
+    return out
 
 
 def has_lone_surrogate(value: Any) -> bool:

@@ -140,6 +140,69 @@ def test_null_optional_fields_and_whole_float_integers_are_accepted(server):
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
 
 
+MSG = {"model": "default", "max_tokens": 2, "messages": OK}
+RESP = {"input": "hi", "max_output_tokens": 2}
+CMPL = {"prompt": "hi", "max_tokens": 2}
+WRONG_TYPES = [  # (path, body, param): a value of the wrong type, each API its own shape
+    # the fuzzer's two 500s (an object where a string is looked up), and their kind
+    *[(path, {**MSG, "tool_choice": {"type": kind}}, "tool_choice")
+      for path in ("/messages", "/messages/count_tokens")
+      for kind in ({}, [], ["auto"], {"auto": 1})],
+    ("/messages", {**MSG, "thinking": {"type": {}}}, "thinking"),
+    ("/messages", {**MSG, "output_config": {"format": {"type": []}}}, "output_config.format"),
+    ("/messages", {**MSG, "output_format": {"type": []},
+                   "output_config": {"format": None}}, "output_format"),
+    ("/messages", {**MSG, "tools": [{"name": "f", "input_schema": {}, "type": {}}]}, "tools"),
+    ("/responses", {**RESP, "reasoning": {"effort": {}}}, "reasoning.effort"),
+    ("/responses", {**RESP, "tools": [{"type": "namespace", "name": "ns", "tools": [
+        {"type": {}, "name": "f"}]}]}, "tools"),
+    # a falsy value is not an absent one: only null is
+    ("/completions", {**CMPL, "stream_options": False}, "stream_options"),
+    *[("/chat/completions", {"messages": OK, field: value}, field)
+      for field in ("stream_options", "chat_template_kwargs") for value in (False, 0, "", [])],
+    *[("/messages", {**MSG, field: value}, field)
+      for field in ("metadata", "output_config", "mcp_servers") for value in (False, 0, "")],
+    *[("/responses", {**RESP, field: value}, field)
+      for field in ("text", "reasoning", "include", "metadata") for value in (False, 0, "")],
+    ("/responses", {**RESP, "top_logprobs": "3"}, "top_logprobs"),
+    ("/chat/completions", {"messages": OK, "response_format": {
+        "type": "json_schema", "json_schema": {"schema": {}, "strict": "yes"}}},
+     "response_format.json_schema"),
+    # each API's own tool_choice shape
+    ("/responses", {**RESP, "tools": [{"type": "function", "name": "f"}],
+                    "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ("/chat/completions", {"messages": OK, "tools": [{"type": "function", "function": {
+        "name": "f"}}], "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", WRONG_TYPES,
+                         ids=[f"{p} {sorted(b.keys() - {'model', 'messages'})}" for p, b, _ in
+                              WRONG_TYPES])
+def test_a_wrong_type_is_a_400_in_the_api_s_own_shape(server, path, body, param):
+    r = httpx.post(server + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    if path.startswith("/messages"):
+        assert r.json()["type"] == "error"
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    else:
+        assert r.json()["error"]["param"].startswith(param), r.text
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/completions", {**CMPL, "prompt": [1.0, 2.0, 3], "logprobs": 1.0}),
+    ("/completions", {**CMPL, "prompt": [[4.0, 5]], "model": 0.0}),
+    ("/messages", {**MSG, "thinking": {"type": "enabled", "budget_tokens": 16.0}}),
+    ("/messages", {**MSG, "mcp_servers": []}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "reasoning_content": None, "reasoning": "hm", "content": "x"}]}),
+])
+def test_whole_floats_are_integers_and_nulls_are_absent_in_every_api(server, path, body):
+    r = httpx.post(server + path, json=body, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_server_still_answers_after_bad_requests(server):
     for _, body, _, _ in CASES[:5]:
         httpx.post(f"{server}/chat/completions", json=body if not isinstance(body, bytes)

@@ -13,12 +13,16 @@ served description calls valid must not be refused for its shape (tests/schema_b
 which refusals are not about it). Afterwards the server
 must answer the probe conversation exactly as before, with no page held by a sequence, both
 budgets kept and nothing written outside its cache directory.
+
+And a value of the wrong type anywhere in a body (every field the description has, at every
+depth, each JSON type in turn) is a 400 in the API's own shape, never a 5xx and never accepted.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import struct
 import urllib.parse
@@ -34,7 +38,9 @@ from starlette.routing import Match
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.api.openapi import openapi_spec
 from mlx_kvserver.api.validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLES
-from tests.schema_bodies import Document, has_lone_surrogate, not_about_shape
+from mlx_kvserver.api.http import is_anthropic_path
+from tests.schema_bodies import (WRONG_TYPES, Document, follow_rules, has_lone_surrogate,
+                                 kind_of, locations, not_about_shape, property_names, replaced)
 from tests.server_utils import make_engine, running_server
 from tests.test_load import assert_cache_at_rest, skip_fsync
 
@@ -604,6 +610,64 @@ def test_the_openapi_description_covers_every_route(fuzz_server):
               for r in engine_app(fuzz_server[1]).routes}
     described = {p: {m.upper() for m in ops} for p, ops in SPEC["paths"].items()}
     assert routes == described
+
+
+WRONG_TYPE_BODIES = 60  # valid bodies drawn per operation, each field of each put wrong
+JSON_OPS = sorted(p for p, ops in SPEC["paths"].items() if "post" in ops
+                  and Document(SPEC).body_schema(p))
+
+
+def assert_api_error(path: str, r: httpx.Response) -> None:
+    """``r`` is a 400 in the shape of the API ``path`` belongs to."""
+    body = r.json()
+    if is_anthropic_path(path):
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    else:
+        assert body["error"]["type"] == "invalid_request_error" and "param" in body["error"]
+    assert r.status_code == 400 and isinstance(body["error"]["message"], str), r.text
+
+
+@pytest.mark.parametrize("path", JSON_OPS)
+def test_a_value_of_the_wrong_type_anywhere_in_a_body_is_a_400(fuzz_server, path):
+    """Valid bodies are drawn from the served description; each field of them (every key and
+    item, at every depth, once per kind of field) takes a value of each JSON type in turn. A body
+    the description then calls invalid is a 400 in the API's own shape (never a 5xx, never
+    accepted); one it still calls valid (kept to its rules in words) is accepted, or refused only
+    for what the description cannot know."""
+    base = fuzz_server[0].removesuffix("/v1")
+    http = httpx.Client(timeout=60)
+    doc = Document(http.get(f"{base}/openapi.json").json())
+    schema = doc.body_schema(path)
+    stored = http.post(f"{base}/v1/responses", json={"input": "hi", "max_output_tokens": 1})
+    rng, tried, named, counts, bad = random.Random(path), set(), set(), Counter(), []
+    for i in range(WRONG_TYPE_BODIES):
+        body = follow_rules(path, doc.draw(schema, rng if i else None))
+        if body.get("previous_response_id") is not None:
+            body["previous_response_id"] = stored.json()["id"]
+        for at in locations(body):
+            if kind_of(body, at) in tried:
+                continue
+            tried.add(kind_of(body, at))
+            named.update(k for k in at if isinstance(k, str))
+            for value in WRONG_TYPES:
+                wrong = replaced(body, at, value)
+                if doc.errors(schema, wrong):
+                    r = http.post(base + path, json=wrong)
+                    counts["invalid"] += 1
+                    if r.status_code != 400:
+                        bad.append(("invalid", at, value, r.status_code, r.text[:200]))
+                    else:
+                        assert_api_error(path, r)
+                elif not doc.errors(schema, follow_rules(path, wrong)):
+                    r = http.post(base + path, json=wrong)
+                    counts["valid"] += 1
+                    if not (200 <= r.status_code < 300 or not_about_shape(r)):
+                        bad.append(("valid", at, value, r.status_code, r.text[:200]))
+    print(f"\n{path}: {len(tried)} kinds of field, bodies sent: {dict(counts)}")
+    assert not bad, "\n".join(map(repr, bad))
+    assert property_names(doc, schema) <= named, property_names(doc, schema) - named
+    assert counts["invalid"] >= 5 * len(tried) and counts["valid"] >= len(tried) // 2
+    http.close()
 
 
 def engine_app(engine):

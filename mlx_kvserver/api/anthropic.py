@@ -42,8 +42,9 @@ from ..chat.output import Error, Finish, Usage
 from ..errors import RequestError, bad_request
 from .anthropic_output import message_body, stream
 from .http import SSE_HEADERS, job_events, read_object
-from .validate import (boolean, check_history, check_message_id, json_schema, model_name, number,
-                       obj, stop_list, string, tool, tool_entries, tool_list)
+from .validate import (boolean, check_history, check_message_id, integer, json_schema, model_name,
+                       number, obj, one_of, optional_obj, stop_list, string, tool, tool_entries,
+                       tool_list)
 
 ROLES = ("user", "assistant", "system")
 UNSERVED = ("image", "document", "search_result", "container_upload")
@@ -161,11 +162,9 @@ def _tool_choice(raw: Any, tools: list) -> tuple[ToolChoice, bool]:
     if raw is None:
         return ToolChoice(), True
     raw = obj(raw, "'tool_choice'", "tool_choice")
-    kind = raw.get("type")
     modes = {"auto": "auto", "any": "required", "tool": "function", "none": "none"}
-    if kind not in modes:
-        raise bad_request("'tool_choice.type' must be 'auto', 'any', 'tool' or 'none'",
-                          "tool_choice")
+    kind = one_of(raw.get("type"), modes, "'tool_choice.type' must be 'auto', 'any', 'tool' or "
+                  "'none'", "tool_choice")
     name = string(raw.get("name"), "tool_choice.name", "tool_choice") if kind == "tool" \
         else None
     if kind in ("any", "tool") and not tools:
@@ -185,8 +184,7 @@ def _thinking(raw: Any) -> bool | None:
     kind = raw.get("type")
     if kind == "enabled":
         budget = raw.get("budget_tokens")
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
-                                   or budget < 0):
+        if budget is not None and (integer(budget) is None or budget < 0):
             raise bad_request("'thinking.budget_tokens' must be a non-negative integer",
                               "thinking")
         return True
@@ -196,16 +194,19 @@ def _thinking(raw: Any) -> bool | None:
 
 
 def _output_format(body: dict) -> ResponseFormat:
-    config = obj(body.get("output_config") or {}, "'output_config'", "output_config")
+    """``output_config.format``, else the older beta's ``output_format`` (both checked)."""
+    config = optional_obj(body.get("output_config"), "'output_config'", "output_config")
     effort = config.get("effort")
     if effort is not None and not isinstance(effort, str):
         raise bad_request("'output_config.effort' must be a string", "output_config")
-    fmt, param = config.get("format"), "output_config.format"
-    if fmt is None and body.get("output_format") is not None:  # the older beta's field
-        fmt, param = body["output_format"], "output_format"
-    if fmt is None:
-        return ResponseFormat()
-    fmt = obj(fmt, f"'{param}'", param)
+    formats = [_format(fmt, param) for fmt, param in (
+        (config.get("format"), "output_config.format"),
+        (body.get("output_format"), "output_format")) if fmt is not None]
+    return formats[0] if formats else ResponseFormat()
+
+
+def _format(raw: Any, param: str) -> ResponseFormat:
+    fmt = obj(raw, f"'{param}'", param)
     if fmt.get("type") != "json_schema":
         raise bad_request(f"'{param}.type' must be 'json_schema'", param)
     return ResponseFormat("json_schema", json_schema(fmt.get("schema"), f"{param}.schema"))
@@ -219,10 +220,10 @@ def parse(body: dict, config, count_only: bool = False) -> Conversation:
         raise bad_request("'model' is required", "model")
     if not count_only and body.get("max_tokens") is None:
         raise bad_request("'max_tokens' is required", "max_tokens")
-    if body.get("mcp_servers"):
+    if body.get("mcp_servers") not in (None, []):
         raise bad_request("'mcp_servers': MCP connectors are not served here; run the MCP "
                           "servers in your client", "mcp_servers")
-    obj(body.get("metadata") or {}, "'metadata'", "metadata")  # accepted, never reaches the model
+    optional_obj(body.get("metadata"), "'metadata'", "metadata")  # never reaches the model
     raw = body.get("messages")
     if not isinstance(raw, list) or not raw:
         raise bad_request("'messages' must be a non-empty list", "messages")

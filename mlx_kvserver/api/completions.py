@@ -14,7 +14,7 @@ from ..chat.output import Error, Finish, Start, TextDelta, Usage
 from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .openai_chat import include_usage, sampling, usage_body
-from .validate import boolean, model_name, number, string
+from .validate import boolean, integer, model_name, number, string
 
 MAX_PROMPT_IDS = 1 << 20
 
@@ -26,18 +26,21 @@ def _prompt(raw) -> str | list[int]:
         if not raw:
             raise bad_request("'prompt' must not be empty", "prompt")
         return string(raw, "'prompt'", "prompt")
-    if isinstance(raw, list) and raw and len(raw) <= MAX_PROMPT_IDS and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in raw):
-        return list(raw)
+    if isinstance(raw, list) and raw and len(raw) <= MAX_PROMPT_IDS:
+        # NOTE: 7.0 is an integer to JSON Schema too; the plain list is the common case
+        ids = list(raw) if all(type(t) is int for t in raw) else [integer(t) for t in raw]
+        if None not in ids:
+            return ids  # type: ignore[return-value]
     raise bad_request("'prompt' must be a string, a list of token ids or a list of one of "
                       "those (batches of several prompts are not supported)", "prompt")
 
 
 def parse(body: dict, config) -> Conversation:
     s = sampling(body, config)
-    top = body.get("logprobs")  # completions take an integer: alternatives per token, 0-5
-    if top is not None:
-        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 5:
+    raw = body.get("logprobs")  # completions take an integer: alternatives per token, 0-5
+    if raw is not None:
+        top = integer(raw)
+        if top is None or not 0 <= top <= 5:
             raise bad_request("'logprobs' must be an integer from 0 to 5", "logprobs")
         s.logprobs, s.top_logprobs = True, top
     if body.get("suffix") is not None:

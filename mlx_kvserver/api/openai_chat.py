@@ -22,8 +22,8 @@ from ..chat.output import (Error, Finish, ReasoningDelta, Start, TextDelta, Toke
 from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .validate import (ROLES, boolean, check_history, check_message_id, json_schema, model_name,
-                       number, obj, seed_value, stop_list, string, text_value, tool, tool_entries,
-                       tool_list)
+                       number, obj, one_of, optional_obj, seed_value, stop_list, string,
+                       text_value, tool, tool_entries, tool_list)
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
@@ -84,10 +84,11 @@ def _message(m: Any, i: int) -> Message:
         call_id = string(m.get("tool_call_id"), f"{where}.tool_call_id")
         return Message("tool", [ToolResult(call_id, text)], mid)
     parts: list = []
-    if role == "assistant":
-        thought = m.get("reasoning_content", m.get("reasoning"))
-        if thought is not None:
-            parts.append(Reasoning(string(thought, f"{where}.reasoning_content", empty=True)))
+    if role == "assistant":  # the reasoning under either name (both checked), the first given
+        thoughts = [string(m[k], f"{where}.{k}", empty=True)
+                    for k in ("reasoning_content", "reasoning") if m.get(k) is not None]
+        if thoughts:
+            parts.append(Reasoning(thoughts[0]))
     if text:
         parts.append(Text(text))
     if role == "assistant":
@@ -107,18 +108,24 @@ def _tools(body: dict) -> list:
     return tool_list(out, "tools")
 
 
-def tool_choice(raw: Any, tools: list, param: str = "tool_choice") -> ToolChoice:
-    """OpenAI's ``tool_choice`` (chat and Responses shapes)."""
+def tool_choice(raw: Any, tools: list, param: str = "tool_choice",
+                flat: bool = False) -> ToolChoice:
+    """OpenAI's ``tool_choice``: chat's shape (the name under ``function``) or, ``flat``, the
+    Responses API's (the name beside ``type``)."""
     if raw is None:
         return ToolChoice()
-    if raw in ("auto", "none", "required"):
-        choice = ToolChoice(raw)
+    shape = "{'type': 'function', 'name': ...}" if flat else \
+        "{'type': 'function', 'function': {'name': ...}}"
+    if isinstance(raw, str):
+        choice = ToolChoice(one_of(raw, ("auto", "none", "required"),  # type: ignore[arg-type]
+                                   f"'{param}' must be 'auto', 'none', 'required' or {shape}",
+                                   param))
     elif isinstance(raw, dict) and raw.get("type") == "function":
-        fn = raw.get("function") if isinstance(raw.get("function"), dict) else raw
-        choice = ToolChoice("function", string(fn.get("name"), f"{param}.function.name"))
+        fn = raw if flat else obj(raw.get("function"), f"{param}.function", param)
+        where = f"{param}.name" if flat else f"{param}.function.name"
+        choice = ToolChoice("function", string(fn.get("name"), where))
     else:
-        raise bad_request(f"'{param}' must be 'auto', 'none', 'required' or "
-                          "{'type': 'function', 'function': {'name': ...}}", param)
+        raise bad_request(f"'{param}' must be 'auto', 'none', 'required' or {shape}", param)
     if choice.mode in ("required", "function") and not tools:
         raise bad_request(f"'{param}' asks for a tool call but 'tools' is empty", param)
     if choice.name is not None and choice.name not in {t.name for t in tools}:
@@ -140,9 +147,14 @@ def response_format(raw: Any, param: str = "response_format",
         return ResponseFormat("json_object")
     if kind == "json_schema":
         spec = raw if flat else obj(raw.get("json_schema"), f"{param}.json_schema")
-        where = f"{param}.schema" if flat else f"{param}.json_schema.schema"
-        return ResponseFormat("json_schema", json_schema(spec.get("schema"), where),
-                              spec.get("name"), spec.get("strict") is not False)
+        where = param if flat else f"{param}.json_schema"
+        name, strict = spec.get("name"), spec.get("strict")
+        if name is not None:
+            string(name, f"{where}.name", where, empty=True)
+        if strict is not None and not isinstance(strict, bool):
+            raise bad_request(f"'{where}.strict' must be a boolean", where)
+        return ResponseFormat("json_schema", json_schema(spec.get("schema"), f"{where}.schema"),
+                              name, strict is not False)
     raise bad_request(f"'{param}.type' must be 'text', 'json_object' or 'json_schema'", param)
 
 
@@ -179,8 +191,8 @@ def parse(body: dict, config) -> Conversation:
     s.max_tokens = number(body, "max_completion_tokens", s.max_tokens)
     s.logprobs = boolean(body, "logprobs", False)
     s.top_logprobs = number(body, "top_logprobs", 0)
-    kwargs = body.get("chat_template_kwargs") or {}
-    obj(kwargs, "'chat_template_kwargs'", "chat_template_kwargs")
+    kwargs = optional_obj(body.get("chat_template_kwargs"), "'chat_template_kwargs'",
+                          "chat_template_kwargs")
     return Conversation(
         messages=messages, sampling=s, tools=tools,
         tool_choice=tool_choice(body.get("tool_choice"), tools),
@@ -200,11 +212,13 @@ def _prediction(body: dict) -> str | None:
     raw = obj(raw, "'prediction'", "prediction")
     if raw.get("type") != "content":
         raise bad_request("'prediction.type' must be 'content'", "prediction")
-    return _content(raw.get("content"), "prediction") or None
+    if raw.get("content") is None:
+        raise bad_request("'prediction.content' is required", "prediction.content")
+    return _content(raw["content"], "prediction") or None
 
 
 def include_usage(body: dict) -> bool:
-    options = obj(body.get("stream_options") or {}, "'stream_options'", "stream_options")
+    options = optional_obj(body.get("stream_options"), "'stream_options'", "stream_options")
     return boolean(options, "include_usage", False)
 
 

@@ -1,13 +1,16 @@
 """The request bodies of the generating APIs as JSON Schema, for the OpenAPI description
 (``openapi.py``): what each API's parser requires, taken from the parsers' own constants.
 
-A body these schemas call valid is one the parsers accept, apart from the rules JSON Schema cannot
-state, which the descriptions say in words: a tool result answers a call made earlier in the
-history and not answered yet; call ids are unique; the history does not end with an unanswered
-call; ``tool_choice`` names one of ``tools``, whose names are unique; a tool's parameters are
-valid JSON Schema; a completion's token ids are below the model's vocabulary size; the prompt fits
-the model's context; the model is one the server serves. Where the parsers take a falsy value as
-absent, the schemas allow null only.
+A body these schemas call valid is one the parsers accept, and one they call invalid the parsers
+refuse (a 400), apart from the rules JSON Schema cannot state, which the descriptions say in
+words: a tool result answers a call made earlier in the history and not answered yet; call ids
+are unique; the history does not end with an unanswered call; ``tool_choice`` names one of
+``tools``, whose names are unique; a tool's parameters (a response format's schema) are valid JSON
+Schema; a completion's token ids are below the model's vocabulary size; the prompt fits the
+model's context; the model is one the server serves. An optional field may be null, which is an
+absent one; no other value (``false``, ``0``, ``""``, ``[]``) is taken for absent. ``7.0`` is an
+integer, as to JSON Schema. tests/test_fuzz_api.py puts a value of each JSON type in every field
+of bodies drawn from these schemas; tests/api/test_openapi.py runs schemathesis against them.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from __future__ import annotations
 from .anthropic import ROLES as ANTHROPIC_ROLES
 from .completions import MAX_PROMPT_IDS
 from .openai_chat import EFFORTS
-from .responses import INPUT_ROLES, SUMMARIES, TEXT_PARTS
+from .responses import INPUT_ROLES, MAX_NAMESPACE, MAX_NAMESPACED, SUMMARIES, TEXT_PARTS
 from .validate import MAX_STOP, MAX_TOOLS, RANGES, ROLES, TOOL_NAME
 
 TEXT = {"type": "string"}
@@ -27,7 +30,7 @@ NAME = {"type": "string", "pattern": TOOL_NAME.pattern}
 HISTORY = ("a tool result must answer a call made earlier in the history and not answered yet; "
            "call ids are unique; the history must not end with an unanswered call")
 TOOLS = "tool names are unique; each parameters schema is valid JSON Schema"
-CHOICE = "a tool call is asked for only with tools, and a named tool is one of them"
+CHOICE = "a named tool is one of the tools"
 
 
 def _or_null(schema: dict) -> dict:
@@ -46,6 +49,14 @@ def _obj(required: list[str], note: str | None = None, /, **properties) -> dict:
     """An object with ``properties``, of which ``required``; ``note``: its description."""
     out = {"type": "object", "required": required, "properties": properties}
     return {**out, "description": note} if note else out
+
+
+def _asks_with_tools(asks_none: dict, offered: dict) -> dict:
+    """A ``tool_choice`` that asks for a tool call only with ``tools`` that offer one: either
+    it asks for none (``asks_none``: its values that do not ask for a call, or it is absent), or
+    ``tools`` holds ``offered``."""
+    return {"anyOf": [{"properties": {"tool_choice": asks_none}},
+                      {"required": ["tools"], "properties": {"tools": offered}}]}
 
 
 def _text_or(parts: dict) -> dict:
@@ -76,6 +87,7 @@ PREDICTION = {"type": ["object", "null"], "required": ["type", "content"],
                                      "properties": {"type": {"const": "text"},
                                                     "text": {"type": "string"}}}}]}},
               "description": "the answer as you expect it (OpenAI's Predicted Outputs): a draft"}
+NOT_EMPTY = {"type": "array", "minItems": 1}
 STREAM_OPTIONS = _or_null({"type": "object", "properties": {"include_usage": BOOL}})
 MESSAGE_ID = _or_null({"$ref": "#/components/schemas/MessageId"})
 
@@ -107,7 +119,7 @@ FORMAT = {"oneOf": [_obj(["type"], type={"enum": ["text", "json_object"]}),
 
 
 def chat(models: list[str] | None) -> dict:
-    return _obj(
+    return {**_asks_with_tools({"enum": ["auto", "none", None]}, NOT_EMPTY), **_obj(
         ["messages"], f"{HISTORY}; {TOOLS}",
         messages={"type": "array", "minItems": 1, "items": CHAT_MESSAGE,
                   "description": "a last assistant message is continued"},
@@ -119,7 +131,7 @@ def chat(models: list[str] | None) -> dict:
         reasoning_effort=_or_null({"enum": list(EFFORTS)}), logprobs=BOOL,
         chat_template_kwargs=_or_null(OBJECT), prediction=PREDICTION,
         continue_final_message={**BOOL, "description": "true only after a last assistant "
-                                "message without tool calls"})
+                                "message without tool calls"})}
 
 
 # -- /v1/completions ----------------------------------------------------------------------------
@@ -165,7 +177,8 @@ A_FORMAT = _or_null(_obj(["type", "schema"], type={"const": "json_schema"}, sche
 
 
 def messages(models: list[str] | None, count_only: bool = False) -> dict:
-    return _obj(
+    asks_none = {"anyOf": [{"type": "null"}, {"properties": {"type": {"enum": ["auto", "none"]}}}]}
+    return {**_asks_with_tools(asks_none, NOT_EMPTY), **_obj(
         ["model", "messages"] + ([] if count_only else ["max_tokens"]), f"{HISTORY}; {TOOLS}",
         model=model_field(models, required=True),
         **({} if count_only else {"max_tokens": _number("max_tokens")}),
@@ -176,14 +189,15 @@ def messages(models: list[str] | None, count_only: bool = False) -> dict:
         stop_sequences=STOP, **COMMON,
         tools=_or_null({"type": "array", "maxItems": MAX_TOOLS, "items": A_TOOL}),
         tool_choice=A_CHOICE, metadata=_or_null(OBJECT),
-        mcp_servers={"type": "null", "description": "MCP connectors are not served"},
+        mcp_servers={"type": ["array", "null"], "maxItems": 0,
+                     "description": "MCP connectors are not served"},
         thinking=_or_null({"oneOf": [
             _obj(["type"], type={"const": "enabled"},
                  budget_tokens=_or_null({"type": "integer", "minimum": 0})),
             _obj(["type"], type={"enum": ["disabled", "adaptive"]})]}),
         output_config=_or_null({"type": "object", "properties": {
             "effort": _or_null(TEXT), "format": A_FORMAT}}),
-        output_format={**A_FORMAT, "description": "the older beta's output_config.format"})
+        output_format={**A_FORMAT, "description": "the older beta's output_config.format"})}
 
 
 # -- /v1/responses ------------------------------------------------------------------------------
@@ -208,14 +222,18 @@ R_COUNTS = {"anyOf": [
          content={"anyOf": [WORD, {"type": "array", "contains": _obj(["text"], text=WORD)}]})]}
 R_FUNCTION = _obj(["type", "name"], type={"const": "function"}, name=NAME,
                   description=_or_null(TEXT), parameters=_or_null(JSON_SCHEMA), strict=BOOL)
+R_NAMESPACED = {**R_FUNCTION, "required": ["name"], "properties": {
+    **R_FUNCTION["properties"], "name": {**NAME, "maxLength": MAX_NAMESPACED}}}
 # A namespace's functions are offered as "<namespace>.<name>": the two fit one tool name.
 R_NAMESPACE = _obj(["type", "name", "tools"], type={"const": "namespace"},
-                   name={**NAME, "maxLength": 63},
+                   name={**NAME, "maxLength": MAX_NAMESPACE},
                    tools={"type": "array", "items": {"oneOf": [
-                       {**R_FUNCTION, "required": ["name"],
-                        "properties": {**R_FUNCTION["properties"],
-                                       "name": {**NAME, "maxLength": 64}}},
-                       _obj(["type"], type={"const": "custom"})]}})
+                       R_NAMESPACED, _obj(["type"], type={"const": "custom"})]}})
+# Tools that offer the model a function: a function tool, or a namespace with one.
+R_OFFERED = {"type": "array", "contains": {"oneOf": [
+    {"required": ["type"], "properties": {"type": {"const": "function"}}},
+    {"required": ["type"], "properties": {"type": {"const": "namespace"},
+                                          "tools": {"contains": R_NAMESPACED}}}]}}
 R_HOSTED = _obj(["type"], "a hosted tool: accepted, not offered to the model", type={
     "type": "string", "not": {"enum": ["function", "namespace"]},
     "examples": ["web_search", "file_search", "code_interpreter", "custom"]})
@@ -226,13 +244,21 @@ R_CHOICE = _or_null({"oneOf": [{"enum": ["auto", "none", "required"]}, _obj(
 
 def responses(models: list[str] | None) -> dict:
     sampling = {k: v for k, v in SAMPLING.items() if k != "max_tokens"}
-    return _obj(
+    # The history is not empty: input has an item that becomes a message, or instructions or
+    # a previous response come before it.
+    history = {"anyOf": [
+        {"properties": {"input": {"anyOf": [WORD, {"type": "array", "contains": R_COUNTS}]}}},
+        {"required": ["instructions"], "properties": {"instructions": WORD}},
+        {"required": ["previous_response_id"],
+         "properties": {"previous_response_id": {"type": "string"}}}]}
+    asks = _asks_with_tools({"enum": ["auto", "none", None]}, R_OFFERED)
+    return {"allOf": [history, asks], **_obj(
         ["input"], f"{HISTORY}; {TOOLS}",
-        input={"oneOf": [WORD, {"type": "array", "minItems": 1, "contains": R_COUNTS,
+        input={"oneOf": [WORD, {"type": "array", "minItems": 1,
                                 "items": {"oneOf": R_ITEMS}}]},
         model=model_field(models), instructions=_or_null(TEXT),
-        previous_response_id=_or_null({"type": "string", "description": "a stored response "
-                                       "(else a 404); its history comes before input"}),
+        previous_response_id={**MESSAGE_ID, "description": "a stored response (else a 404); "
+                              "its history comes before input"},
         max_output_tokens=_or_null(_number("max_tokens")), **sampling, **COMMON,
         tools=_or_null({"type": "array", "items": {"oneOf": [R_FUNCTION, R_NAMESPACE,
                                                              R_HOSTED]}}),
@@ -249,4 +275,4 @@ def responses(models: list[str] | None) -> dict:
             "summary": {"enum": list(SUMMARIES)}}}),
         background={"enum": [False, None], "description": "background responses are not "
                     "supported"},
-        conversation={"type": "null", "description": "not supported: use previous_response_id"})
+        conversation={"type": "null", "description": "not supported: use previous_response_id"})}

@@ -42,14 +42,17 @@ from .response_store import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
 from .openai_chat import EFFORTS, response_format, sampling, tool_choice
 from .responses_output import Output, answer_message, usage_body
-from .validate import (boolean, check_history, check_message_id, model_name, number, obj, string,
-                       text_value, tool, tool_entries, tool_list)
+from .validate import (TOOL_NAME, boolean, check_history, check_message_id, model_name, number,
+                       obj, one_of, optional_obj, string, text_value, tool, tool_entries,
+                       tool_list)
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 SUMMARIES = (None, "auto", "concise", "detailed")
 LOGPROBS = "message.output_text.logprobs"
 log = logging.getLogger("mlx_kvserver.api.responses")
 TEXT_PARTS = ("input_text", "output_text", "text", "reasoning_text", "summary_text")
+# A namespace's function is offered as "<namespace>.<name>": the two fit one tool name.
+MAX_NAMESPACE, MAX_NAMESPACED = 63, 64
 
 
 def flat_name(namespace: str, name: str) -> str:
@@ -81,12 +84,12 @@ def _parts_text(content: Any, where: str, param: str = "input") -> str:
 
 def _reasoning_text(item: dict, where: str) -> str:
     """A reasoning item's ``content`` text, else its summary's (we send both the same)."""
-    if item.get("content"):
-        return _parts_text(item["content"], f"{where}.content")
-    summary = item.get("summary") or []
-    if not isinstance(summary, list):
+    content, summary = item.get("content"), item.get("summary")
+    text = "" if content is None else _parts_text(content, f"{where}.content")
+    if summary is not None and not isinstance(summary, list):
         raise bad_request(f"{where}.summary must be a list", "input")
-    return "\n\n".join(_parts_text([p], f"{where}.summary[{k}]") for k, p in enumerate(summary))
+    return text or "\n\n".join(_parts_text([p], f"{where}.summary[{k}]")
+                                for k, p in enumerate(summary or []))
 
 
 def input_messages(raw: Any) -> list[Message]:
@@ -151,21 +154,30 @@ def _tools(raw: Any) -> list:
             out.append(tool(t.get("name"), t.get("description"), t.get("parameters"),
                             t.get("strict"), w))
         elif kind == "namespace":
-            ns = string(t.get("name"), f"{w}.name", "tools")
+            ns = _name(t.get("name"), MAX_NAMESPACE, f"{w}.name")
             inner = t.get("tools")
             if not isinstance(inner, list):
                 raise bad_request(f"{w}.tools must be a list of function tools", "tools")
             for k, f in enumerate(inner):
                 f = obj(f, f"{w}.tools[{k}]", "tools")
-                if f.get("type", "function") == "function":  # custom ones: not offered
-                    out.append(tool(flat_name(ns, string(f.get("name"), f"{w}.tools[{k}].name",
-                                                         "tools")),
-                                    f.get("description"), f.get("parameters"), f.get("strict"),
-                                    f"{w}.tools[{k}]"))
+                if one_of(f.get("type", "function"), ("function", "custom"),
+                          f"{w}.tools[{k}].type must be 'function' or 'custom'",
+                          "tools") == "function":  # custom ones: not offered
+                    name = _name(f.get("name"), MAX_NAMESPACED, f"{w}.tools[{k}].name")
+                    out.append(tool(flat_name(ns, name), f.get("description"),
+                                    f.get("parameters"), f.get("strict"), f"{w}.tools[{k}]"))
         elif not isinstance(kind, str):
             raise bad_request(f"{w}.type must be a string", "tools")
         # NOTE: hosted tools (web_search, file_search, ...) are not offered: we do not run them.
     return tool_list(out, "tools")
+
+
+def _name(raw: Any, longest: int, where: str) -> str:
+    """A namespace's name or one of its functions' (together they make one tool name)."""
+    if not isinstance(raw, str) or not TOOL_NAME.match(raw) or len(raw) > longest:
+        raise bad_request(f"{where} must be 1-{longest} letters, digits, '_', '.', ':' or '-'",
+                          "tools")
+    return raw
 
 
 def namespaces(raw_tools: Any) -> dict[str, tuple[str, str]]:
@@ -180,12 +192,12 @@ def namespaces(raw_tools: Any) -> dict[str, tuple[str, str]]:
 
 
 def _text_format(body: dict) -> ResponseFormat:
-    text = obj(body.get("text") or {}, "'text'", "text")
+    text = optional_obj(body.get("text"), "'text'", "text")
     return response_format(text.get("format"), "text.format", flat=True)
 
 
 def _reasoning(body: dict) -> tuple[dict, bool | None]:
-    r = obj(body.get("reasoning") or {}, "'reasoning'", "reasoning")
+    r = optional_obj(body.get("reasoning"), "'reasoning'", "reasoning")
     effort, summary = r.get("effort"), r.get("summary")
     if effort is not None and effort not in EFFORTS:
         raise bad_request(f"'reasoning.effort' must be one of {', '.join(EFFORTS)}",
@@ -218,7 +230,7 @@ def parse(body: dict, config, previous: list[Message] | None = None) -> Conversa
     tools = _tools(body.get("tools"))
     raw_choice = body.get("tool_choice")
     if isinstance(raw_choice, dict) and raw_choice.get("namespace") is not None:
-        raw_choice = {"type": "function", "name": flat_name(
+        raw_choice = {"type": raw_choice.get("type"), "name": flat_name(
             string(raw_choice["namespace"], "'tool_choice.namespace'", "tool_choice"),
             string(raw_choice.get("name"), "'tool_choice.name'", "tool_choice"))}
     try:
@@ -228,18 +240,20 @@ def parse(body: dict, config, previous: list[Message] | None = None) -> Conversa
             e.param, e.message = "max_output_tokens", e.message.replace("'max_tokens'",
                                                                         "'max_output_tokens'")
         raise
-    include = body.get("include") or []
-    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list)
+                                or not all(isinstance(x, str) for x in include)):
         raise bad_request("'include' must be a list of strings", "include")
-    s.logprobs = LOGPROBS in include
-    s.top_logprobs = number(body, "top_logprobs", 0) if s.logprobs else 0
-    kwargs = obj(body.get("chat_template_kwargs") or {}, "'chat_template_kwargs'",
-                 "chat_template_kwargs")
-    if body.get("metadata") is not None:
-        obj(body["metadata"], "'metadata'", "metadata")
+    s.logprobs = LOGPROBS in (include or [])
+    top_logprobs = number(body, "top_logprobs", 0)
+    s.top_logprobs = top_logprobs if s.logprobs else 0
+    kwargs = optional_obj(body.get("chat_template_kwargs"), "'chat_template_kwargs'",
+                          "chat_template_kwargs")
+    optional_obj(body.get("metadata"), "'metadata'", "metadata")
     boolean(body, "store", True)
     return Conversation(
-        messages=messages, sampling=s, tools=tools, tool_choice=tool_choice(raw_choice, tools),
+        messages=messages, sampling=s, tools=tools,
+        tool_choice=tool_choice(raw_choice, tools, flat=True),
         parallel_tool_calls=boolean(body, "parallel_tool_calls", True),
         response_format=_text_format(body), thinking=_reasoning(body)[1],
         template_kwargs=dict(kwargs), model=model_name(body),

@@ -56,21 +56,37 @@ def check_message_id(value: Any, param: str) -> str | None:
     return text_value(value, param, param)
 
 
+def integer(value: Any) -> int | None:
+    """``value`` as an int when JSON Schema calls it an integer (``7``, ``7.0``; never ``true``),
+    else None."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def one_of(value: Any, allowed, message: str, param: str) -> str:
+    """``value`` if it is one of the strings ``allowed``; a 400 (``message``) for anything else,
+    whatever its type: a list or an object from the body is never looked up (unhashable)."""
+    if isinstance(value, str) and value in allowed:
+        return value
+    raise bad_request(message, param)
+
+
 def number(body: dict, name: str, default):
-    lo, hi, integer = RANGES[name]
+    lo, hi, whole = RANGES[name]
     value = body.get(name, default)
     if value is None:
         return default
-    kind = "an integer" if integer else "a number"
+    kind = "an integer" if whole else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad_request(f"'{name}' must be {kind}", name)
     # NOTE: compare before any float conversion: a JSON integer may be far beyond float range.
     if isinstance(value, float) and not math.isfinite(value) or not lo <= value <= hi:
         shown = repr(value) if isinstance(value, float) or abs(value) < 10**30 else "a huge number"
         raise bad_request(f"'{name}' must be between {lo} and {hi}, got {shown}", name)
-    if integer and isinstance(value, float) and not value.is_integer():
+    if whole and isinstance(value, float) and not value.is_integer():
         raise bad_request(f"'{name}' must be {kind}", name)
-    return int(value) if integer else float(value)
+    return int(value) if whole else float(value)
 
 
 def boolean(body: dict, name: str, default: bool) -> bool:
@@ -100,27 +116,36 @@ def stop_list(body: dict, name: str = "stop") -> list[str]:
 
 def seed_value(body: dict) -> int | None:
     seed = body.get("seed")
-    if isinstance(seed, float) and seed.is_integer() and 0 <= seed < 2**63:
-        seed = int(seed)  # 7.0 is an integer to JSON Schema, as to the other integer fields
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
-                             or not 0 <= seed < 2**63):
+    if seed is None:
+        return None
+    value = integer(seed)  # 7.0 is an integer to JSON Schema, as to the other integer fields
+    if value is None or not 0 <= value < 2**63:
         raise bad_request("'seed' must be a non-negative integer", "seed")
-    return seed
+    return value
 
 
 def model_name(body: dict) -> str | None:
+    """A model's name or index (a string or an integer), or None."""
     model = body.get("model")
-    if model is not None and not isinstance(model, (str, int)) or isinstance(model, bool):
-        raise bad_request("'model' must be a string", "model")
+    if model is None:
+        return None
     if isinstance(model, str):
-        text_value(model, "'model'", "model")
-    return None if model is None else str(model)
+        return text_value(model, "'model'", "model")
+    if integer(model) is None:
+        raise bad_request("'model' must be a string", "model")
+    return str(integer(model))
 
 
 def obj(value: Any, what: str, param: str | None = None) -> dict:
     if not isinstance(value, dict):
         raise bad_request(f"{what} must be an object", param or what)
     return value
+
+
+def optional_obj(value: Any, what: str, param: str) -> dict:
+    """An optional object field: ``{}`` when absent or null. Any other value that is not an
+    object is a 400: ``false``, ``0``, ``""`` or ``[]`` is not taken for an absent one."""
+    return {} if value is None else obj(value, what, param)
 
 
 def string(value: Any, what: str, param: str | None = None, empty: bool = False) -> str:
