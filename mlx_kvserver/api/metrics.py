@@ -265,7 +265,7 @@ MEMORY_GAUGES = (
     ("working_bytes", "Bytes MLX holds beyond weights and pages: working buffers, views"),
     ("mlx_active_bytes", "Bytes MLX holds now"), ("mlx_cache_bytes", "MLX's buffer cache"),
     ("mlx_peak_bytes", "The most MLX has held since the process started, loads included"),
-    ("load_peak_bytes", "The most MLX held up to the end of the last model load"),
+    ("load_peak_bytes", "The most MLX held while a model was loading"),
     ("outside_mlx_bytes", "What the process holds outside MLX (measured, or --memory-reserve)"),
     ("margin_bytes", "Kept free for what the process adds between two of the budget's checks"))
 

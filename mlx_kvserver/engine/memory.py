@@ -106,7 +106,7 @@ class MemoryBudget:
         self.shapes: dict[str, Shape] = {}
         self.refused = 0  # requests refused because they cannot fit even alone
         self.pressure_events = 0
-        self.load_peak = 0  # the most MLX held up to the end of the last model load
+        self.load_peak = 0  # the most MLX held while a model was loading
         self.load_estimate = 0  # the most a model's load was estimated to hold (its files)
         self.outside = reserve or 0  # what the process holds outside MLX (``measure_outside``)
         # kept free for what grows between two checks (none with a fixed --memory-reserve)
@@ -159,7 +159,8 @@ class MemoryBudget:
         self.shapes[lm.name] = Shape.of(lm)
         # NOTE: MLX's peak is never reset: ``mlx_peak_bytes`` is the most MLX held since the
         # process started, its loads included (each checked before it allocates: ``check_load``)
-        self.load_peak = max(self.load_peak, int(mx.get_peak_memory()))
+        self.load_peak = max(self.load_peak, getattr(lm, "load_peak", 0)
+                             or int(mx.get_peak_memory()))
         self.load_estimate = max(self.load_estimate, getattr(lm, "load_peak_estimate", 0))
 
     def check_load(self, name: str, estimate: Any) -> None:

@@ -56,6 +56,7 @@ class LoadedModel:
     cache_spec: CacheSpec | None = None  # every cache slot: paged groups and recurrent states
     chat: Any = None  # chat.support.ChatSupport, built on first use
     load_peak_estimate: int = 0  # bytes: what its load was estimated to hold at its peak
+    load_peak: int = 0  # bytes: MLX's peak since the process started, when its load ended
 
 
 def default_model_path() -> Path:
@@ -131,16 +132,17 @@ def _finish(name: str, source: str, model: nn.Module, tok: ChatTokenizer, config
     _materialize(model)  # after the probe: it may have stored arrays on the model too
     fp = _fingerprint(model, weight_files, config, tok, spec)
     mx.clear_cache()  # what the load freed (its sources), resident until given back
+    peak = int(mx.get_peak_memory())
     log.info("%s: %.1f MiB of weights; MLX's peak since the process started %.1f MiB, the "
-             "load's estimated %.1f MiB", name, estimate.weights / (1 << 20),
-             mx.get_peak_memory() / (1 << 20), estimate.peak / (1 << 20))
+             "load's estimated %.1f MiB", name, estimate.weights / (1 << 20), peak / (1 << 20),
+             estimate.peak / (1 << 20))
     g0 = spec.groups[0] if spec.groups else None
     return LoadedModel(name=name, model=model, tokenizer=tok, fingerprint=fp,
                        context_length=context_length, source=source,
                        num_layers=spec.num_slots, num_kv_heads=g0.num_kv_heads if g0 else 0,
                        head_dim=g0.head_dim if g0 else 0,
                        dtype=g0.mx_dtype if g0 else mx.float32, dequantized=dequantized,
-                       cache_spec=spec, load_peak_estimate=estimate.peak)
+                       cache_spec=spec, load_peak_estimate=estimate.peak, load_peak=peak)
 
 
 def _gguf_name(path: Path) -> str:

@@ -56,7 +56,8 @@ def measured_load(spec: str, dequantize: bool) -> tuple[int, int]:
     base = mx.get_active_memory()
     mx.reset_peak_memory()  # this load's own peak (a test, not the server: it never resets)
     lm = resolve_and_load(spec, dequantize=dequantize)
-    return mx.get_peak_memory() - base, weights_bytes(lm.model)
+    assert lm.load_peak == mx.get_peak_memory()  # what the model says its load reached
+    return lm.load_peak - base, weights_bytes(lm.model)
 
 
 @pytest.mark.parametrize("kind", ["quantized folder", "float16 gguf"])
