@@ -207,8 +207,8 @@ def run(base: str, model: str, workload: str, clients: int, max_tokens: int,
              if n > 1 and o["last"] > o["first"]]
     span = (max(o["last"] for _, o in timed) - min(o["first"] for _, o in timed)) if timed else 0
     steps = [o["usage"].get("decode_steps") for o in outs]
-    acc = sum(_details(o["usage"]).get("accepted_prediction_tokens", 0) for o in outs)
-    rej = sum(_details(o["usage"]).get("rejected_prediction_tokens", 0) for o in outs)
+    acc = sum(_details(o["usage"]).get("accepted_draft_tokens", 0) for o in outs)
+    rej = sum(_details(o["usage"]).get("rejected_draft_tokens", 0) for o in outs)
     return {"clients": clients, "tokens": toks, "texts": [o["text"] for o in outs],
             "decode_tok_s_median": statistics.median(rates) if rates else None,
             "aggregate_tok_s": (sum(toks) - len(toks)) / span if span > 0 else None,

@@ -10,20 +10,20 @@ from ..chat.conversation import ToolCall
 from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta,
                            ToolCallStart, Usage)
 from .http import anthropic_error_body, job_events, sse
+from .openai_chat import tokens_details
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
 def usage_body(u: Usage) -> dict:
     """Anthropic's usage: input + cache read = the prompt; ``output_tokens`` includes thinking
-    (as Anthropic counts it). This server's own: ``output_tokens_details`` (of the output, the
-    thinking; draft tokens taken and refused), ``decode_steps`` (forward passes that wrote the
+    (as Anthropic counts it). This server's own: ``output_tokens_details`` (OpenAI's: of the
+    output, the thinking; a prediction's tokens that appeared and not; draft tokens taken and
+    refused: ``openai_chat.tokens_details``), ``decode_steps`` (forward passes that wrote the
     output) and ``kv_cache_divergence`` when prompt tokens were read again."""
     body = {"input_tokens": u.prompt_tokens - u.cached_tokens, "cache_creation_input_tokens": 0,
             "cache_read_input_tokens": u.cached_tokens, "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens,
-                                      "accepted_prediction_tokens": u.draft_accepted,
-                                      "rejected_prediction_tokens": u.draft_rejected},
+            "output_tokens_details": tokens_details(u),
             "decode_steps": u.decode_steps}
     if u.divergence is not None:
         body["kv_cache_divergence"] = u.divergence.as_dict()

@@ -7,7 +7,8 @@ counts. Three sources feed it:
   are fixed labels; a ``message_id`` in a path never becomes a label value);
 - :class:`ChatWatch`, fed the events of each chat completion by the API layer: time to first
   token (from the request reaching its handler, queue wait included), decode tokens/s (tokens
-  after the first over the time they took), prompt, cached and completion tokens;
+  after the first over the time they took), prompt, cached and completion tokens, and the
+  tokens of requests' predictions that appeared in the completion or not;
 - a snapshot of the engine's cache stats taken at scrape time (:meth:`Metrics.scrape`): RAM
   pages held, cached and shared, bytes against the budget, disk bytes and entries against the
   budget, hits, evictions; speculative decoding (``engine/speculate.py``): draft tokens verified
@@ -89,6 +90,10 @@ class Metrics:
                                      "unparsed, dropped)", ["model", "kind"], registry=r)
         self.reasoning_tokens = Counter(P + "reasoning_tokens", "Generated tokens inside "
                                         "reasoning", ["model"], registry=r)
+        self.prediction_tokens = Counter(P + "prediction_tokens", "Tokens of requests' "
+                                         "predictions (Predicted Outputs) that appeared in the "
+                                         "completion (accepted) or not (rejected)",
+                                         ["model", "outcome"], registry=r)
         self.queue_depth = Gauge(P + "queue_depth", "Requests submitted whose prompt has not "
                                  "started (the queue --max-queue bounds)",
                                  registry=r)
@@ -130,7 +135,9 @@ SPECULATION_COUNTERS = (  # (metric, key of the snapshot's "speculation", help)
      "first token; one pass serves the whole batch)"),
     ("decode_step_tokens", "tokens", "Tokens those forward passes produced"),
     ("speculation_verify_steps", "verify_steps", "Of those passes, the ones that verified drafts"),
-    ("speculation_draft_tokens", "drafted", "Draft tokens verified"),
+    ("speculation_draft_tokens", "drafted", "Draft tokens verified (every source: the "
+     "sequence, the cache, a draft model, a grammar, a prediction; usage's accepted_draft_tokens "
+     "+ rejected_draft_tokens)"),
     ("speculation_accepted_tokens", "accepted", "Draft tokens the answers took"))
 
 
@@ -158,6 +165,9 @@ class ChatWatch:
                 m.call_problems.labels(model, kind if kind in CALL_PROBLEMS else "other").inc()
         elif isinstance(event, Usage):
             m.reasoning_tokens.labels(model).inc(event.reasoning_tokens)
+            if event.prediction_accepted or event.prediction_rejected:
+                m.prediction_tokens.labels(model, "accepted").inc(event.prediction_accepted)
+                m.prediction_tokens.labels(model, "rejected").inc(event.prediction_rejected)
             m.prompt_tokens.labels(model).inc(event.prompt_tokens)
             m.cached_tokens.labels(model).inc(event.cached_tokens)
             m.completion_tokens.labels(model).inc(event.completion_tokens)

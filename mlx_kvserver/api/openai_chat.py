@@ -231,14 +231,26 @@ def logprobs_body(lps) -> dict:
                          "top_logprobs": [entry(a, v) for a, _, v in t.top]} for t in lps]}
 
 
+def tokens_details(u: Usage) -> dict:
+    """The completion's tokens in detail (OpenAI's ``completion_tokens_details``; the Responses
+    and Anthropic usage's ``output_tokens_details``): ``reasoning_tokens``; OpenAI's
+    ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``, the request's
+    ``prediction`` tokens that appeared in the completion / that did not (0 without one,
+    whether or not anything was drafted from it); and this server's
+    ``accepted_draft_tokens`` / ``rejected_draft_tokens``, the draft tokens speculative decoding
+    verified (from every source, a prediction among them) that the answer took / refused."""
+    return {"reasoning_tokens": u.reasoning_tokens,
+            "accepted_prediction_tokens": u.prediction_accepted,
+            "rejected_prediction_tokens": u.prediction_rejected,
+            "accepted_draft_tokens": u.draft_accepted,
+            "rejected_draft_tokens": u.draft_rejected}
+
+
 def usage_body(u: Usage) -> dict:
     body = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
             "total_tokens": u.total_tokens,
             "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-            "completion_tokens_details": {
-                "reasoning_tokens": u.reasoning_tokens,
-                "accepted_prediction_tokens": u.draft_accepted,
-                "rejected_prediction_tokens": u.draft_rejected},
+            "completion_tokens_details": tokens_details(u),
             "decode_steps": u.decode_steps}
     if u.divergence is not None:  # this server's: why prompt tokens were read again
         body["kv_cache_divergence"] = u.divergence.as_dict()

@@ -7,16 +7,14 @@ import uuid
 
 from ..chat.conversation import Message, Reasoning, Text
 from ..chat.output import Finish, Usage
-from .openai_chat import logprobs_body
+from .openai_chat import logprobs_body, tokens_details
 
 
 def usage_body(u: Usage) -> dict:
     body = {"input_tokens": u.prompt_tokens,
             "input_tokens_details": {"cached_tokens": u.cached_tokens},
             "output_tokens": u.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens,
-                                     "accepted_prediction_tokens": u.draft_accepted,
-                                     "rejected_prediction_tokens": u.draft_rejected},
+            "output_tokens_details": tokens_details(u),
             "decode_steps": u.decode_steps, "total_tokens": u.total_tokens}
     if u.divergence is not None:  # this server's: why prompt tokens were read again
         body["kv_cache_divergence"] = u.divergence.as_dict()

@@ -130,8 +130,14 @@ class Usage:
     cached_tokens: int
     divergence: Divergence | None = None  # why prompt tokens were read again, when they were
     reasoning_tokens: int = 0  # of the completion tokens, those inside reasoning
-    draft_accepted: int = 0  # draft tokens (speculation, a prediction) the answer took
-    draft_rejected: int = 0  # draft tokens verified and not taken
+    # draft tokens speculative decoding verified (every source: the sequence, the cache, a draft
+    # model, a grammar, a prediction) that the answer took / did not take
+    draft_accepted: int = 0
+    draft_rejected: int = 0
+    # the client's prediction (OpenAI's Predicted Outputs): its tokens that appeared in the
+    # completion / that did not (engine/prediction.py); 0 and 0 without one
+    prediction_accepted: int = 0
+    prediction_rejected: int = 0
     decode_steps: int = 0  # forward passes that produced the completion after its first token
 
     @property

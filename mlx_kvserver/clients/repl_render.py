@@ -40,8 +40,8 @@ def draft_figures(usage: dict) -> list[str]:
     1.00 without drafts), and the drafts taken where there were drafts."""
     steps, done = usage.get("decode_steps") or 0, usage.get("completion_tokens") or 0
     details = usage.get("completion_tokens_details") or {}
-    taken = details.get("accepted_prediction_tokens") or 0
-    drafted = taken + (details.get("rejected_prediction_tokens") or 0)
+    taken = details.get("accepted_draft_tokens") or 0  # the server's drafts, every source
+    drafted = taken + (details.get("rejected_draft_tokens") or 0)
     out = [f"{done / steps:.2f} tok/pass"] if steps > 0 else []
     return out + ([f"drafts: {taken} of {drafted} taken"] if drafted else [])
 

@@ -3,13 +3,21 @@
 An agent's answer is mostly text already in its conversation (an edit's ``old_string``, a file
 rewritten with one change, context lines of a patch), so the tokens that followed the latest
 earlier occurrence of the answer's last few tokens are a good guess of what comes next (prompt
-lookup). Sources, in order:
+lookup). Sources:
 
-1. a client's prediction (OpenAI's Predicted Outputs): followed from its start while the answer
-   matches it, found again by its n-grams where the answer left it;
-2. the sequence's own prompt and answer so far;
-3. the token ids of other entries the cache saved (:class:`SharedIndex`: a file another session
-   read, an answer being regenerated), matched on longer n-grams.
+- a client's prediction (OpenAI's Predicted Outputs): where the answer is in it
+  (``prediction.py``: from its start, found again where the answer left it);
+- the sequence's own prompt and answer so far;
+- the token ids of other entries the cache saved (:class:`SharedIndex`: a file another session
+  read, an answer being regenerated), matched on longer n-grams.
+
+No source comes first: while the answer follows the source of its last draft, that one goes on;
+where it leaves it, each source that has a continuation offers it, and the one that agrees with
+the most of the answer's last tokens (``_agreement``) drafts. A prediction's start is where the
+answer starts, which counts as some agreement (``ANCHOR``), so a client's prediction drafts the
+start of an answer unless another source agrees with more of what came before (the saved
+sequence of the same request, regenerated: its exact token ids, where the prediction's text may
+tokenize otherwise).
 
 Each source is an :class:`NgramIndex` (n-gram -> where its latest occurrence ended), kept up to
 date as tokens arrive, so a step costs a few dictionary lookups, never a scan of the history.
@@ -25,8 +33,12 @@ from typing import Sequence
 
 import numpy as np
 
+from .prediction import Prediction
+
 _BITS = 20  # token ids below 2**20 pack three to an int64 key (the length above them)
 _MASK = (1 << _BITS) - 1
+AGREE = 32  # the most answer tokens a source's agreement counts (``Drafter._agreement``)
+ANCHOR = 8  # the agreement a prediction's start has at the answer's start
 
 
 def _keys(arr: np.ndarray, n: int, lo: int, hi: int) -> np.ndarray:
@@ -148,11 +160,7 @@ class Drafter:
         self.context, self.max_len, self.shared = context, max_len, shared
         self.start = len(context) if start is None else start  # where the answer begins
         self.own = NgramIndex()
-        self.prediction = list(prediction)
-        self.pred_index: NgramIndex | None = None
-        if self.prediction:
-            self.pred_index = NgramIndex((3, 2, 1))
-            self.pred_index.extend(self.prediction, len(self.prediction))
+        self.prediction = Prediction(prediction) if prediction else None
         self.length = min(4, max_len)
         self.hits, self.fails = 1.0, 1.0  # draft tokens taken / drafts cut short (decaying)
         self.misses = 0  # drafts in a row of which nothing was taken
@@ -160,9 +168,7 @@ class Drafter:
         self.backoff = 4
         self.source = ""  # where the last draft came from
         self.seen = self.start  # the context's tokens taken in by _follow
-        # the copy the answer follows: (source tokens, position, name); a prediction from its start
-        self.copy: tuple[list[int], int, str] | None = \
-            (self.prediction, 0, "prediction") if self.prediction else None
+        self.copy: tuple[list[int], int, str] | None = None  # (source tokens, position, name)
 
     def propose(self, room: int) -> list[int]:
         """A draft of at most ``room`` tokens to follow the context (may be empty)."""
@@ -173,23 +179,31 @@ class Drafter:
         if self.pause > 0:
             self.pause -= 1
             return []
-        if self.pred_index is not None and (self.copy is None or self.copy[2] != "prediction"):
-            hit = self.pred_index.lookup(self.context, len(self.context), own=False) \
-                if len(self.context) > self.start else None
-            if hit is not None:  # the client's guess comes first wherever it fits
-                self.copy = (self.prediction, hit[0], "prediction")
         if self.copy is not None:  # the answer is copying a source: go on with it
             src, pos, source = self.copy
             d = self._slice(src, pos, k)
             if d:
                 self.source = source
                 return d
+        best, draft = -1, []
         for source, src, pos in self._found():
             d = self._slice(src, pos, k)
-            if d:
-                self.copy, self.source = (src, pos, source), source
-                return d
-        return []
+            score = self._agreement(src, pos, source) if d else -1
+            if score > best:  # NOTE: a tie keeps the earlier source, in ``_found``'s order
+                best, draft, self.copy, self.source = score, d, (src, pos, source), source
+        return draft
+
+    def _agreement(self, src: list[int], pos: int, source: str) -> int:
+        """How many of the answer's last tokens (up to ``AGREE``) equal those before ``pos`` in
+        ``src``: the longer, the likelier its continuation is the answer's. A prediction that
+        agrees back to its start, where the answer starts, gets ``ANCHOR`` more (the client
+        said the answer starts there)."""
+        ctx, end, n = self.context, len(self.context), 0
+        while n < AGREE and n < pos and src[pos - n - 1] == ctx[end - n - 1]:
+            n += 1
+        if source == "prediction" and n == pos and end - n == self.start:
+            n += ANCHOR
+        return n
 
     def _slice(self, src: list[int], pos: int, k: int) -> list[int]:
         """``k`` tokens of ``src`` from ``pos``. In the answer's own context a copy that
@@ -206,10 +220,14 @@ class Drafter:
 
     def _follow(self) -> None:
         """Take in the tokens the answer got since the last draft: a copy it was following
-        goes on where they match it (they are compared, never the whole answer)."""
+        goes on where they match it (they are compared, never the whole answer), and the
+        prediction follows the answer (``prediction.py``)."""
         ctx, end = self.context, len(self.context)
         new = ctx[self.seen:end]
         self.seen = end
+        if self.prediction is not None:
+            for t in new:
+                self.prediction.add(t)
         if self.copy is not None and new:
             src, pos, source = self.copy
             if src[pos:pos + len(new)] == new:
@@ -218,10 +236,13 @@ class Drafter:
                 self.copy = None
 
     def _found(self):
-        """Where the answer's last tokens occurred before: in its own context, in other saved
-        entries (each a (source name, token list, position after)); the prediction is looked at
-        first, in ``propose``."""
+        """Where the answer may go on from (each a (source name, token list, position after)):
+        the prediction, where the answer is in step with it; where the answer's last tokens
+        occurred before in its own context; in other saved entries."""
         ctx, end = self.context, len(self.context)
+        p = self.prediction
+        if p is not None and p.in_step:
+            yield "prediction", p.tokens, p.pos
         self.own.extend(ctx, end - 1)
         hit = self.own.lookup(ctx, end)
         if hit is not None:

@@ -33,6 +33,7 @@ from ..config import GB, ServerConfig
 from ..errors import RequestError
 from ..models.calibration import calibration_tokens
 from ..models.loading import LoadedModel
+from ..platform import heap
 from .request import Job
 from .draft_model import DraftModel, DraftModelError, check_draft_model
 from .memory import MemoryBudget
@@ -223,9 +224,11 @@ class Engine:
         back to the system. While answers run it may grow into what the budget has free
         (``MemoryBudget``), which spares a pass allocating afresh; kept at rest, it held 1.6 GB
         after 200 mixed requests of a tiny model on this CPU, the server's resident memory 1.60x
-        what it was after 100 (docs/BENCHMARKS.md section 18)."""
+        what it was after 100 (docs/BENCHMARKS.md section 18). What the passes and the requests
+        freed through the C allocator goes back too (``platform/heap.py``)."""
         if mx.get_cache_memory():
             mx.clear_cache()
+            heap.give_back()
 
     def _step(self) -> None:
         """One step of every busy model (a method of its own: its locals, the last scheduler

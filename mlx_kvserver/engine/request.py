@@ -25,6 +25,7 @@ from ..chat.render import encode
 from ..chat.support import chat_support
 from ..errors import RequestError
 from ..models.loading import LoadedModel
+from .prediction import Prediction
 from .sampling import Sampler, StopMatcher, token_logprob
 
 
@@ -88,6 +89,8 @@ class Choice:
         self.draft_source = ""  # where the last draft came from
         self.steps = 0  # decode forward passes this choice took part in
         self.drafted = self.accepted = 0  # draft tokens verified, and of them taken
+        # where the answer is in the client's prediction (its usage), with or without drafts
+        self.predicted = Prediction(request.prediction) if request.prediction else None
 
     @property
     def done(self) -> bool:
@@ -105,6 +108,8 @@ class Choice:
             return self._finish("stop")
         self.sampler.advance(token)
         self.tokens.append(token)
+        if self.predicted is not None:
+            self.predicted.add(token)
         if r.top_logprobs is not None and logits is not None:
             lp = token_logprob(logits, token, r.top_logprobs, r.lm.tokenizer.decode)
             self.logprobs.append(lp)
@@ -244,4 +249,6 @@ class Request:
                      reasoning_tokens=sum(c.reasoning_tokens for c in cs),
                      draft_accepted=sum(c.accepted for c in cs),
                      draft_rejected=sum(c.drafted - c.accepted for c in cs),
+                     prediction_accepted=sum(c.predicted.accepted for c in cs if c.predicted),
+                     prediction_rejected=sum(c.predicted.rejected for c in cs if c.predicted),
                      decode_steps=sum(c.steps for c in cs))

@@ -1,7 +1,8 @@
 """Speculative decoding inside the running batch: :class:`Speculation`.
 
-Each decode step, every running choice may bring a draft (``drafts.py``: prompt lookup over its
-own tokens, a client's prediction, other saved entries' tokens; a grammar's forced tokens). One
+Each decode step, every running choice may bring a draft (a grammar's forced tokens first, they
+cannot fail; else ``drafts.py``: a client's prediction, prompt lookup over its own tokens, other
+saved entries' tokens, whichever agrees with the answer's last tokens; else a draft model's). One
 forward pass then verifies them all (``Runner.verify``): each sequence feeds its last sampled
 token and its draft, drafts of different lengths side by side with choices that have none, and
 the logits of every position come back. Each choice takes its own:
@@ -17,6 +18,11 @@ grammars and streaming see them as if decoded singly. The positions of the rejec
 are trimmed off the sequence before anything is committed to pages (they live only in its
 private working buffers, never in a page another sequence shares). A model with recurrent state
 (which cannot rewind) decodes without speculation, and the log says so.
+
+Each choice counts the draft tokens it verified and took, from every source (usage's
+``accepted_draft_tokens`` / ``rejected_draft_tokens``, the stats' ``drafted`` / ``accepted``).
+How much of a client's prediction the answer matched is another count, kept whether or not
+anything was drafted (``prediction.py``: OpenAI's ``accepted_prediction_tokens``).
 """
 
 from __future__ import annotations

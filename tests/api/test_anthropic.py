@@ -277,7 +277,9 @@ def test_stream_event_sequence_closes_each_block_in_order():
                               "cache_read_input_tokens": 4, "output_tokens": 0,
                               "output_tokens_details": {"reasoning_tokens": 0,
                                                         "accepted_prediction_tokens": 0,
-                                                        "rejected_prediction_tokens": 0},
+                                                        "rejected_prediction_tokens": 0,
+                                                        "accepted_draft_tokens": 0,
+                                                        "rejected_draft_tokens": 0},
                               "decode_steps": 0}
     blocks = [p for k, p in out if k == "content_block_start"]
     assert [b["index"] for b in blocks] == [0, 1, 2]

@@ -112,8 +112,9 @@ def test_metrics_need_the_key_parse_and_move_with_requests(tiny_lm, tmp_path):
 
 def test_speculation_counters_move_with_the_usage(tiny_lm):
     """A plain answer (speculate: false), then the same question with the model's own greedy
-    answer as the prediction: the draft and decode-pass counters move by what each usage says,
-    and match the speculation figures of the cache stats."""
+    answer as the prediction: the draft and decode-pass counters move by what each usage says
+    (its draft tokens, every source), the prediction counter by the prediction's own counts,
+    and they match the speculation figures of the cache stats."""
     config = ServerConfig(api_key=KEY, max_tokens=24)
     with running_server([tiny_lm], config) as url:
         m = tiny_lm.name
@@ -128,7 +129,9 @@ def test_speculation_counters_move_with_the_usage(tiny_lm):
         def figures(samples: dict) -> dict:
             return {k: value(samples, k + "_total", model=m) for k in (
                 "decode_steps", "decode_step_tokens", "speculation_verify_steps",
-                "speculation_draft_tokens", "speculation_accepted_tokens")}
+                "speculation_draft_tokens", "speculation_accepted_tokens")} | {
+                o: value(samples, "prediction_tokens_total", model=m, outcome=o)
+                for o in ("accepted", "rejected")}
 
         def moved(a: dict, b: dict) -> dict:
             return {k: b[k] - a[k] for k in a}
@@ -141,15 +144,16 @@ def test_speculation_counters_move_with_the_usage(tiny_lm):
         assert u["completion_tokens"] == 24 and u["decode_steps"] == 23  # one token a pass
         assert moved(figures(start), figures(after_plain)) == {
             "decode_steps": 23, "decode_step_tokens": 23, "speculation_verify_steps": 0,
-            "speculation_draft_tokens": 0, "speculation_accepted_tokens": 0}
+            "speculation_draft_tokens": 0, "speculation_accepted_tokens": 0, "accepted": 0,
+            "rejected": 0}
 
         text = plain["choices"][0]["message"]["content"]
         predicted = ask(prediction={"type": "content", "content": text})
         after = scrape(url)
         u = predicted["usage"]
         details = u["completion_tokens_details"]
-        taken = details["accepted_prediction_tokens"]
-        refused = details["rejected_prediction_tokens"]
+        taken = details["accepted_draft_tokens"]
+        refused = details["rejected_draft_tokens"]
         assert predicted["choices"][0]["message"]["content"] == text  # greedy: the same answer
         assert taken > 0 and 0 < u["decode_steps"] < u["completion_tokens"] - 1
         d = moved(figures(after_plain), figures(after))
@@ -158,6 +162,9 @@ def test_speculation_counters_move_with_the_usage(tiny_lm):
         assert d["decode_steps"] == u["decode_steps"]
         assert d["decode_step_tokens"] == u["completion_tokens"] - 1  # after the first token
         assert 1 <= d["speculation_verify_steps"] <= d["decode_steps"]
+        shown = details["accepted_prediction_tokens"], details["rejected_prediction_tokens"]
+        assert (d["accepted"], d["rejected"]) == shown and shown[0] > 0
+        assert sum(shown) == len(tiny_lm.tokenizer.encode(text))  # the prediction, all of it
 
         spec = httpx.get(f"{url}/kv_cache/stats", headers=AUTH).json()["models"][m]["speculation"]
         total = figures(after)

@@ -439,8 +439,11 @@ def spec_answer(mid: str, text: str, completion: int, steps: int, taken: int,
     chunks[-1] = {"choices": [], "usage": {
         "prompt_tokens": 10, "completion_tokens": completion, "decode_steps": steps,
         "prompt_tokens_details": {"cached_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": taken,
-                                      "rejected_prediction_tokens": refused}}}
+        # a prediction's counts are not the drafts the line shows (the server's, every source)
+        "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 5,
+                                      "rejected_prediction_tokens": 6,
+                                      "accepted_draft_tokens": taken,
+                                      "rejected_draft_tokens": refused}}}
     return chunks
 
 

@@ -138,9 +138,12 @@ def test_repl_regen_fork_back_send_the_right_history():
 
 
 def drafted(taken, refused):
+    # a prediction's counts are not the drafts the line shows (the server's, every source)
     return {"completion_tokens_details": {"reasoning_tokens": 0,
-                                          "accepted_prediction_tokens": taken,
-                                          "rejected_prediction_tokens": refused}}
+                                          "accepted_prediction_tokens": 5,
+                                          "rejected_prediction_tokens": 6,
+                                          "accepted_draft_tokens": taken,
+                                          "rejected_draft_tokens": refused}}
 
 
 def test_status_line_shows_tokens_per_pass_and_drafts_taken_when_there_were_drafts():

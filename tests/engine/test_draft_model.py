@@ -58,16 +58,18 @@ def test_greedy_answers_equal_without_speculation(models, which):
     with serve(target, draft) as url:
         got = [ask(url, target, p) for p in prompts]
     assert [g["choices"][0]["message"]["content"] for g in got] == want
-    taken = sum(g["usage"]["completion_tokens_details"]["accepted_prediction_tokens"]
-                for g in got)
+    taken = sum(g["usage"]["completion_tokens_details"]["accepted_draft_tokens"] for g in got)
+    assert all(g["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] ==
+               g["usage"]["completion_tokens_details"]["rejected_prediction_tokens"] == 0
+               for g in got)  # the draft model's drafts are no prediction
     steps = sum(g["usage"]["decode_steps"] for g in got)
     tokens = sum(g["usage"]["completion_tokens"] for g in got)
     if which == "same":  # a draft model that is the model: everything it drafts is taken
         assert taken >= tokens // 2 and steps < tokens // 3
-        assert sum(g["usage"]["completion_tokens_details"]["rejected_prediction_tokens"]
+        assert sum(g["usage"]["completion_tokens_details"]["rejected_draft_tokens"]
                    for g in got) == 0
     else:
-        assert sum(g["usage"]["completion_tokens_details"]["rejected_prediction_tokens"]
+        assert sum(g["usage"]["completion_tokens_details"]["rejected_draft_tokens"]
                    for g in got) > 0
 
 
@@ -94,7 +96,7 @@ def test_batched_answers_and_the_next_turn_from_the_draft_cache(models):
                  "message_id": mid}, {"role": "user", "content": "and lakes?"}]
         r = httpx.post(url + "/chat/completions", timeout=120, json={
             "model": target.name, "messages": msgs, "temperature": 0}).json()
-        assert r["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] > 0
+        assert r["usage"]["completion_tokens_details"]["accepted_draft_tokens"] > 0
         # the next turn's draft sequence started from the first one's (not from nothing)
         assert engine.draft.manager.report()["tokens_served"] > before
 

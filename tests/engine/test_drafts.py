@@ -2,7 +2,8 @@
 
 ``NgramIndex`` is checked against a brute-force search for the latest earlier occurrence of a
 suffix, built in steps of one token and in bulk (the numpy path); ``SharedIndex`` on saved
-sequences and its bound; ``Drafter`` on its sources' order and its adaptive draft length.
+sequences and its bound; ``Drafter`` on the source it picks (the one the answer follows, else
+the one that agrees with more of the answer) and its adaptive draft length.
 """
 
 from __future__ import annotations
@@ -175,8 +176,10 @@ def test_a_prediction_is_found_again_after_the_answer_leaves_it():
     assert d.propose(100) == [16, 17, 18, 19] and d.source == "prediction"
     ctx += [40, 41]  # somewhere the prediction never was: nothing from it
     assert d.propose(100) == []
-    ctx += [23]  # back on it by one token
-    assert d.propose(100) == [24, 25, 26, 27]
+    ctx += [23]  # one token of it: no evidence enough
+    assert d.propose(100) == []
+    ctx += [24]  # two: back on it
+    assert d.propose(100) == [25, 26, 27, 28] and d.source == "prediction"
 
 
 def test_own_context_then_the_shared_index_when_nothing_else_matches():
@@ -194,7 +197,7 @@ def test_own_context_then_the_shared_index_when_nothing_else_matches():
     assert both.propose(100) == [1, 2, 3, 4] and both.source == "context"  # own context first
 
 
-def test_a_prediction_comes_before_the_context():
+def test_a_predictions_start_comes_before_a_shorter_match_in_the_context():
     ctx = [1, 2, 3, 4, 5, 1, 2, 3]
     d = Drafter(ctx, 8, prediction=[50, 51, 52], start=len(ctx))
     assert d.propose(100) == [50, 51, 52] and d.source == "prediction"
@@ -202,6 +205,52 @@ def test_a_prediction_comes_before_the_context():
     d2.context.append(99)  # off the prediction, no n-gram of it: the context's lookup
     d2.context += [1, 2]
     assert d2.propose(100) == [3, 99, 1, 2] and d2.source == "context"  # latest "1 2"
+
+
+def test_a_saved_sequence_that_agrees_with_more_drafts_before_the_prediction():
+    """A regenerated answer: the cache holds the same prompt and the answer's exact token ids,
+    which agree with everything before the answer; the prediction (the answer's text, here
+    tokenized otherwise from its third token) only with where the answer starts."""
+    prompt = list(range(60, 80))
+    answer = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    shared = SharedIndex()
+    shared.add(prompt + answer)
+    pred = [10, 11, 99, 13, 14, 15, 16, 17, 18, 19]
+    ctx = list(prompt)
+    d = Drafter(ctx, 8, pred, shared=shared)
+    d.length = 8
+    assert d.propose(100) == answer[:8] and d.source == "cache"
+    alone = Drafter(list(prompt), 8, pred)  # no saved sequence: the prediction's start
+    assert alone.propose(4) == pred[:4] and alone.source == "prediction"
+
+
+def test_a_copy_the_answer_follows_is_not_left_for_the_prediction():
+    """The answer copies a line of its prompt; the prediction holds that line's last tokens too
+    (elsewhere): the copy goes on while the answer follows it."""
+    line = [20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31]
+    ctx = [1, 2] + line + [3, 4]
+    pred = [40, 41, 21, 22, 42, 43, 44, 45]
+    d = Drafter(ctx, 8, pred, start=len(ctx))
+    ctx += [20, 21]  # the prediction's start was not the answer's; the line's was
+    assert d.propose(100) == line[2:6] and d.source == "context"
+    ctx += [22]  # "21 22": the prediction's tokens too, where it would go on with 42
+    d.taken(4, 1)
+    assert d.propose(100) == line[3:5] and d.source == "context"
+    assert d.prediction.in_step and d.prediction.draft(2) == [42, 43]  # (not taken)
+
+
+def test_after_a_change_the_source_that_agrees_with_more_drafts():
+    """The answer leaves the copy it followed; the prediction and the context both have its
+    last tokens: the one whose tokens before them agree with more of the answer drafts."""
+    pred = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    ctx = [5, 6, 14, 15, 70, 71, 72]  # "14 15" in the context, after other tokens
+    d = Drafter(ctx, 8, pred, start=len(ctx))
+    ctx += [10, 11, 12, 13, 77, 14, 15]  # a token changed, then the prediction again
+    assert d.propose(100) == [16, 17, 18, 19] and d.source == "prediction"
+    ctx2 = [5, 13, 77, 14, 15, 70, 71, 72]  # the context agrees with "13 77 14 15"
+    d2 = Drafter(ctx2, 8, pred, start=len(ctx2))
+    ctx2 += [10, 11, 12, 13, 77, 14, 15]
+    assert d2.propose(100) == [70, 71, 72, 10] and d2.source == "context"
 
 
 def test_the_draft_length_grows_shrinks_and_pauses_with_a_growing_backoff():

@@ -187,3 +187,21 @@ def test_an_idle_engine_gives_mlx_buffer_cache_back(served, tiny_lm):
     while mx.get_cache_memory() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert mx.get_cache_memory() == 0
+
+
+def test_an_idle_engine_gives_the_c_allocators_free_pages_back(served, tiny_lm, monkeypatch):
+    """What the passes and requests freed through the C allocator goes back to the system once
+    nothing runs (``platform/heap.py``): kept, such free chunks were most of what a server's
+    resident memory grew by over 1,000 mixed requests (docs/BENCHMARKS.md section 18)."""
+    from mlx_kvserver.platform import heap
+
+    url, engine = served
+    calls = []
+    monkeypatch.setattr(heap, "give_back", lambda: calls.append(engine.busy) or True)
+    client = openai.OpenAI(base_url=url, api_key="x", max_retries=0)
+    client.chat.completions.create(model=tiny_lm.name, max_tokens=8, temperature=0,
+                                   messages=[{"role": "user", "content": "Hi " * 30}])
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert calls and not any(calls)  # given back, and only while nothing ran

@@ -4,6 +4,9 @@ A random-weight model's answer is random text, so drafts are made to be taken: a
 of the answer without speculation (whole, or with a few tokens changed: taken in part), or the
 same request asked before with ``speculate: false`` (its saved token ids are a draft source).
 The usage shows drafts verified, taken and, where intended, rejected: nothing passes vacuously.
+Apart from those (``accepted_draft_tokens`` / ``rejected_draft_tokens``, every source), the
+prediction's own counts (``accepted_prediction_tokens`` / ``rejected_prediction_tokens``) are its
+tokens that appeared in the answer and not, whatever was drafted: 0 and 0 without one.
 """
 
 from __future__ import annotations
@@ -63,9 +66,18 @@ def text(r: dict, i: int = 0) -> str:
     return r["choices"][i]["message"]["content"]
 
 
+def details(u: dict) -> dict:
+    return u.get("completion_tokens_details") or u["output_tokens_details"]
+
+
 def drafts(u: dict) -> tuple[int, int]:
-    d = u.get("completion_tokens_details") or u["output_tokens_details"]
-    return d["accepted_prediction_tokens"], d["rejected_prediction_tokens"]
+    """Draft tokens verified, every source: taken, refused."""
+    return details(u)["accepted_draft_tokens"], details(u)["rejected_draft_tokens"]
+
+
+def predicted(u: dict) -> tuple[int, int]:
+    """The prediction's tokens that appeared in the answer, and that did not."""
+    return details(u)["accepted_prediction_tokens"], details(u)["rejected_prediction_tokens"]
 
 
 def predict(t: str) -> dict:
@@ -85,8 +97,13 @@ def test_one_client_same_answer_with_whole_and_partial_predictions(urls, tiny_lm
     p = "Tell me about the sea."
     ref = chat(off, tiny_lm, p)
     want = text(ref)
-    assert ref["usage"]["completion_tokens"] == MAX
-    assert drafts(chat(off, tiny_lm, p, prediction=predict(want))["usage"]) == (0, 0)
+    assert ref["usage"]["completion_tokens"] == MAX and predicted(ref["usage"]) == (0, 0)
+    plain = chat(off, tiny_lm, p, prediction=predict(want))
+    assert drafts(plain["usage"]) == (0, 0)
+    # the prediction's tokens that appeared: counted without a draft (a random model's text
+    # re-encodes to other tokens in places: not all of them)
+    counted = predicted(plain["usage"])
+    assert sum(counted) == len(tiny_lm.tokenizer.encode(want)) and counted[0] >= MAX // 2
     no = chat(on, tiny_lm, p, speculate=False, prediction=predict(want))
     assert text(no) == want and drafts(no["usage"]) == (0, 0)
     assert no["usage"]["decode_steps"] == MAX - 1
@@ -97,8 +114,13 @@ def test_one_client_same_answer_with_whole_and_partial_predictions(urls, tiny_lm
         assert r["usage"]["completion_tokens"] == MAX
         assert r["usage"]["decode_steps"] < MAX // 2
     assert drafts(whole["usage"])[0] >= MAX // 2
-    accepted, rejected = drafts(part["usage"])
-    assert accepted >= MAX // 3 and rejected > 0
+    assert predicted(whole["usage"]) == predicted(no["usage"]) == counted  # the same answer
+    # (the saved ids of ``no`` agree with more than a changed prediction: they are drafted,
+    # so the drafts taken in part are the scheduler tests' below, on token-id predictions)
+    assert drafts(part["usage"])[0] >= MAX // 3
+    bent = predicted(part["usage"])
+    assert sum(bent) == len(tiny_lm.tokenizer.encode(corrupt(want)))
+    assert 0 < bent[0] < counted[0] and bent[1] > counted[1]
 
 
 def test_n_choices_each_take_their_drafts(urls, tiny_lm):
@@ -108,8 +130,10 @@ def test_n_choices_each_take_their_drafts(urls, tiny_lm):
     assert text(chat(on, tiny_lm, p, speculate=False)) == want  # its ids: drafts
     r = chat(on, tiny_lm, p, n=3, prediction=predict(corrupt(want)))
     assert [text(r, i) for i in range(3)] == [want] * 3
-    accepted, rejected = drafts(r["usage"])
-    assert accepted >= 3 * (MAX // 2) and rejected >= 3
+    assert drafts(r["usage"])[0] >= 3 * (MAX // 2)
+    one = chat(on, tiny_lm, p, prediction=predict(corrupt(want)))  # each choice counts its own
+    assert predicted(r["usage"]) == tuple(3 * n for n in predicted(one["usage"]))
+    assert predicted(one["usage"])[0] > 0
     assert r["usage"]["decode_steps"] <= 3 * (MAX // 2)
 
 
@@ -163,7 +187,7 @@ def test_logprobs_are_the_same_token_for_token(urls, tiny_lm):
     p = "Describe a river."
     kw = {"logprobs": True, "top_logprobs": 3, "max_tokens": 16}
     ref = chat(off, tiny_lm, p, **kw)
-    assert text(chat(on, tiny_lm, p, speculate=False, max_tokens=16)) == text(ref)  # drafts
+    # no saved ids of it: the changed prediction drafts, taken in part
     r = chat(on, tiny_lm, p, prediction=predict(corrupt(text(ref))), **kw)
     assert text(r) == text(ref)
     assert drafts(r["usage"])[0] > 0 and drafts(r["usage"])[1] > 0
@@ -200,7 +224,29 @@ def test_each_api_same_answer_and_usage(urls, tiny_lm, api):
     assert answer(first) == answer(again) == answer(ref) != ""
     assert drafts(first["usage"]) == (0, 0) == drafts(ref["usage"])
     assert drafts(again["usage"])[0] >= MAX // 2
+    assert predicted(again["usage"]) == (0, 0)  # drafts, and no prediction
     assert again["usage"]["decode_steps"] < first["usage"]["decode_steps"] == MAX - 1
+
+
+def test_a_regenerated_answer_takes_no_more_steps_with_its_text_as_prediction(urls, tiny_lm):
+    """A regenerate: the answer asked again with the first one's text as ``prediction``. The
+    cache holds the first answer's token ids (a draft source that agrees with the whole prompt);
+    the prediction is its text, which a random model's answer re-encodes to other tokens in
+    places. The prediction is one source among the others, never forced ahead of the saved ids:
+    no more decode steps than without it, the same answer, and its own counts."""
+    on, off = urls
+    for p in ("Regenerate this answer.", "Once more, please.", "Say that again."):
+        want = text(chat(off, tiny_lm, p))
+        first = chat(on, tiny_lm, p, speculate=False)  # its ids: saved, a draft source
+        assert text(first) == want
+        without = chat(on, tiny_lm, p)
+        with_ = chat(on, tiny_lm, p, prediction=predict(want))
+        assert text(without) == text(with_) == want
+        steps = (with_["usage"]["decode_steps"], without["usage"]["decode_steps"])
+        assert steps[0] <= steps[1] < MAX - 1, (p, steps)
+        assert predicted(without["usage"]) == (0, 0)
+        assert sum(predicted(with_["usage"])) == len(tiny_lm.tokenizer.encode(want))
+        assert predicted(with_["usage"])[0] > 0
 
 
 def test_a_turn_restored_from_disk_and_the_turn_after_a_rejected_draft(tiny_lm, urls,
@@ -334,6 +380,10 @@ def test_drafts_of_different_lengths_in_one_batch(tiny_lm):
     assert u[1].draft_accepted >= 16 and u[1].draft_rejected > 0
     assert (u[2].draft_accepted, u[2].draft_rejected, u[2].decode_steps) == (0, 0, 31)
     assert u[4].draft_accepted + u[4].draft_rejected <= 3
+    # the predictions' own counts: their tokens in the answer, whether drafted or not (u[2]
+    # does not speculate); two tokens changed are two that did not appear
+    assert [(x.prediction_accepted, x.prediction_rejected) for x in u] == \
+        [(32, 0), (30, 2), (32, 0), (0, 0), (3, 0)]
 
 
 SCHEMA = {"type": "object", "required": ["color", "size", "tags"], "additionalProperties": False,

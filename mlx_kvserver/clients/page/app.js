@@ -254,7 +254,7 @@ async function generate(conv) {
   if (usage) {
     const n = usage.completion_tokens;
     const details = usage.completion_tokens_details ?? {};
-    const accepted = details.accepted_prediction_tokens ?? 0;
+    const accepted = details.accepted_draft_tokens ?? 0; // the server's drafts, every source
     reply.stats = {
       ttft: tFirst == null ? null : (tFirst - t0) / 1000,
       rate: tFirst != null && n > 1 && tEnd > tFirst ? (n - 1) / ((tEnd - tFirst) / 1000) : null,
@@ -262,7 +262,7 @@ async function generate(conv) {
       cached_tokens: usage.prompt_tokens_details?.cached_tokens ?? 0,
       divergence: usage.kv_cache_divergence ?? null,
       decode_steps: usage.decode_steps ?? null,
-      accepted, drafted: accepted + (details.rejected_prediction_tokens ?? 0),
+      accepted, drafted: accepted + (details.rejected_draft_tokens ?? 0),
     };
   }
   const kept = Boolean(reply.content || reply.tool_calls?.length || usage);
