@@ -15,7 +15,8 @@ from typing import Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from kv_cache.model.attention import Reads, fetched
+from kv_cache.model.attention import fetched
+from kv_cache.model.reads import Reads
 from kv_cache.model.layer_cache import PagedLayerCache
 from kv_cache.model.sequence import PagedSequence
 

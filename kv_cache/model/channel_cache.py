@@ -30,7 +30,7 @@ from typing import Optional
 
 import mlx.core as mx
 
-from kv_cache.model.attention import Reads
+from kv_cache.model.reads import Reads
 from kv_cache.model.layer_cache import PagedLayerCache
 
 Floats = tuple[int, mx.array, mx.array]  # first position, keys, values ([1, heads, n, dim])

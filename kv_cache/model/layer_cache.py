@@ -23,7 +23,8 @@ from typing import Any, Optional, Sequence
 import mlx.core as mx
 from mlx_lm.models.base import create_causal_mask
 
-from kv_cache.model.attention import Reads, fetched
+from kv_cache.model.attention import fetched
+from kv_cache.model.reads import Reads
 from kv_cache.layout.kinds import FullAttention, PagedKind, SlidingWindow
 from kv_cache.layout.quant import KVQuant
 from kv_cache.layout.spec import GroupSpec

@@ -9,7 +9,8 @@ import mlx.core as mx
 import pytest
 
 from kv_cache.model import attention
-from kv_cache.model.attention import Reads, split_attention
+from kv_cache.model.attention import split_attention
+from kv_cache.model.reads import Reads
 
 
 def fused(q, k, v, mask=None, sinks=None):

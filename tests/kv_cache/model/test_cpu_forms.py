@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from kv_cache.model import cpu_forms
-from kv_cache.model.attention import Reads, split_attention
+from kv_cache.model.attention import split_attention
+from kv_cache.model.reads import Reads
 
 
 def test_exp_is_exp_to_a_few_units_in_the_last_place():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 
-from kv_cache.model.attention import Reads
+from kv_cache.model.reads import Reads
 from kv_cache.model.masks import build_mask
 
 
