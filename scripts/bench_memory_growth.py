@@ -12,10 +12,12 @@ memory (``/proc/PID/status`` VmRSS, VmHWM) and the memory figures of ``/v1/kv_ca
 (MLX active, pages, working, MLX buffer cache, peak) with the page pool's counts.
 
 Reported: level(last)/level(first checkpoint at 100 requests) for RSS and MLX active (goal <=
-1.05), and the plot of the series.
+1.05), and the plot of the series. The raw result goes to
+``benchmarks/results/bench_memory_growth/<run start, UTC>.json`` (and ``.png``) unless ``--json``
+(``--plot``) names another file.
 
-Usage: python scripts/bench_memory_growth.py [--quick] [--json docs/bench_memory_growth.json]
-       [--plot docs/bench_memory_growth.png] [--model default --requests 200] [-- server flags]
+Usage: python scripts/bench_memory_growth.py [--quick] [--json FILE] [--plot FILE]
+       [--model default --requests 200] [-- server flags]
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_results import write_result  # noqa: E402
+from bench_results import STAMP, write_result  # noqa: E402
 from bench_ttft import Server, free_port  # noqa: E402
 
 WORDS = ("river mill harbour forest glass station library railway marsh tower bridge ledger "
@@ -49,6 +51,11 @@ SCHEMA = {"type": "object", "properties": {"town": {"type": "string", "maxLength
 KINDS = [("short", 30), ("long", 12), ("cancel", 15), ("n", 10), ("turn", 23), ("schema", 5),
          ("shared", 5)]
 MB = 1 << 20
+
+
+def default_result(script: str, ext: str) -> Path:
+    """Where a run of ``scripts/<script>.py`` keeps its raw result by default."""
+    return ROOT / "benchmarks" / "results" / script / f"{STAMP}.{ext}"
 
 
 def text(rng: random.Random, n_words: int) -> str:
@@ -209,8 +216,8 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--max-kv-ram-gb", type=float, default=0.02)
     ap.add_argument("--quick", action="store_true", help="120 requests, checkpoints every 20")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--json", type=Path, default=default_result("bench_memory_growth", "json"))
+    ap.add_argument("--plot", type=Path, default=default_result("bench_memory_growth", "png"))
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
     args = ap.parse_args()
     if args.quick:
@@ -257,7 +264,8 @@ def main():
     slope = {k: round(fit_slope([r["requests"] for r in after], [r[k] for r in after])
                       * 100 / MB, 3) for k in ("VmRSS", "mlx_active_bytes", "pages_bytes")}
     summary = {"model": args.model, "band_over_base_min_max": band,
-               "slope_mib_per_100_requests": slope, "requests": last["requests"], "base_at": base["requests"],
+               "slope_mib_per_100_requests": slope, "requests": last["requests"],
+               "base_at": base["requests"],
                "ratio_last_over_base": ratios, "goal": 1.05,
                "met": all(v <= 1.05 for k, v in ratios.items() if k != "mlx_active_less_pages"),
                "counts": dict(sorted(mix.counts.items())), "seconds": last["t_s"],

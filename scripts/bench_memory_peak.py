@@ -5,20 +5,23 @@ the probe server reports it (``outside_mlx_bytes``: Python, the tokenizer, libra
 ``--extras`` GB, so that the budget binds) and each cell
 (``--contexts`` prompt tokens x ``--batches`` requests sent at once), a fresh server process is
 started on the default model (real weights; on MLX's CPU backend dequantized to float32) with
-``--memory-limit``; at rest its resident memory (VmRSS) and MLX's figures are read; then the
-cell's requests are sent together to ``/v1/completions`` as token-id prompts of exactly that
-length (distinct per request, so nothing is shared), ``--max-tokens`` answer tokens each. A
-request answered 503 (memory busy) is sent again after its Retry-After, as a client would; a 400
-(cannot fit alone) is counted as refused. At the end: the process's peak resident memory
-(``/proc/PID/status`` VmHWM) and MLX's peak (``mlx_peak_bytes`` of ``/v1/kv_cache/stats``).
+``--memory-limit``; at rest its resident memory (VmRSS), its peak so far (VmHWM: the model's
+load) and MLX's figures are read (the load's MLX peak and its estimate from the files among
+them); then the cell's requests are sent together to ``/v1/completions`` as token-id prompts of
+exactly that length (distinct per request, so nothing is shared), ``--max-tokens`` answer tokens
+each. A request answered 503 (memory busy) is sent again after its Retry-After, as a client
+would; a 400 (cannot fit alone) is counted as refused. At the end: the process's peak resident
+memory (``/proc/PID/status`` VmHWM) and MLX's peak (``mlx_peak_bytes`` of
+``/v1/kv_cache/stats``), both from the process's start: nothing is reset, the load counts.
 
-Reported per cell: MLX peak / limit (the budget governs what MLX allocates: goal <= 1.0) and
-VmHWM / (limit + what the process holds outside MLX at rest: VmRSS at rest less MLX's active and
-cached bytes then: Python, the tokenizer, libraries), with VmHWM / limit alongside.
+Reported per cell, against the limit (goal <= 1.0 for each): MLX's peak, the process's peak
+resident memory (VmHWM), and both again at rest (the model's load); VmHWM / (limit + what the
+process holds outside MLX at rest: VmRSS at rest less MLX's active and cached bytes then) beside
+them. The raw result goes to ``benchmarks/results/bench_memory_peak/<run start, UTC>.json`` (and
+``.png``) unless ``--json`` (``--plot``) names another file.
 
-Usage: python scripts/bench_memory_peak.py [--quick] [--json docs/bench_memory_peak.json]
-       [--plot docs/bench_memory_peak.png] [--extras 0.3 0.6 1.2] [--contexts 512 2000 6000]
-       [--batches 1 4 8] [-- server flags]
+Usage: python scripts/bench_memory_peak.py [--quick] [--json FILE] [--plot FILE]
+       [--extras 0.3 0.6 1.2] [--contexts 512 2000 6000] [--batches 1 4 8] [-- server flags]
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_memory_growth import proc_status  # noqa: E402
+from bench_memory_growth import default_result, proc_status  # noqa: E402
 from bench_results import write_result  # noqa: E402
 from bench_ttft import Server, free_port  # noqa: E402
 
@@ -111,9 +114,7 @@ def cell(limit: int, ctx: int, batch: int, args, work: Path, seed: int) -> dict:
     pid = server.proc.pid
     try:
         time.sleep(2)
-        rest, rest_mem = proc_status(pid), memory(server.url)
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")  # VmHWM from here on: the requests' peak, not the model load's
+        rest, rest_mem = proc_status(pid), memory(server.url)  # VmHWM so far: the load's
         rng = random.Random(seed)
         outs = [{} for _ in range(batch)]
         threads = [threading.Thread(target=send, args=(
@@ -149,13 +150,16 @@ def cell(limit: int, ctx: int, batch: int, args, work: Path, seed: int) -> dict:
            "weights_bytes": rest_mem["weights_bytes"], "vm_hwm": end["VmHWM"],
            "reserved_outside_mlx": rest_mem.get("outside_mlx_bytes"),
            "load_peak": rest_mem.get("load_peak_bytes"),
+           "load_estimate": rest_mem.get("load_estimate_bytes"),
            "end_rss": end["VmRSS"], "end_rss_anon": end["RssAnon"], "end_rss_file": end["RssFile"],
            "rest_rss_file": rest["RssFile"], "mlx_peak": end_mem["mlx_peak_bytes"],
            "end_mlx_active": end_mem["mlx_active_bytes"],
            "end_mlx_cache": end_mem["mlx_cache_bytes"], "end_pages": end_mem["pages_bytes"],
            "pressure_events": end_mem["pressure_events"], "refused": end_mem["refused"],
            "seconds": [o["seconds"] for o in outs]}
-    row["mlx_peak_over_limit"] = round(row["mlx_peak"] / limit, 4)
+    row["mlx_peak_over_limit"] = round(row["mlx_peak"] / limit, 4)  # from the process's start
+    row["load_mlx_peak_over_limit"] = round(row["rest_mlx_peak"] / limit, 4)
+    row["load_hwm_over_limit"] = round(row["rest_vm_hwm"] / limit, 4)
     row["hwm_over_limit_plus_outside"] = round(row["vm_hwm"] / (limit + outside), 4)
     row["hwm_over_limit"] = round(row["vm_hwm"] / limit, 4)
     return row
@@ -173,11 +177,11 @@ def plot(rows: list[dict], path: Path) -> None:
         x = range(len(cells))
         w = 0.27
         ax.bar([i - w for i in x], [r["mlx_peak_over_limit"] for r in cells], w,
-               label="MLX peak / limit")
+               label="MLX peak / limit (from the process's start)")
         ax.bar(list(x), [r["hwm_over_limit_plus_outside"] for r in cells], w,
                label="VmHWM / (limit + outside MLX at rest)")
         ax.bar([i + w for i in x], [r["hwm_over_limit"] for r in cells], w,
-               label="VmHWM / limit", alpha=0.5)
+               label="VmHWM / limit (from the start)", alpha=0.5)
         for i, r in enumerate(cells):
             note = "hung (spinning)" if r["hung"] else (
                 f"{r['refused_400']} refused" if r["refused_400"] else "")
@@ -202,8 +206,8 @@ def main():
     ap.add_argument("--no-cache", action="store_true", help="requests with use_kv_cache false")
     ap.add_argument("--cell-timeout", type=float, default=1800)
     ap.add_argument("--quick", action="store_true", help="one limit, 512 and 2000 x 1 and 4")
-    ap.add_argument("--json", type=Path)
-    ap.add_argument("--plot", type=Path)
+    ap.add_argument("--json", type=Path, default=default_result("bench_memory_peak", "json"))
+    ap.add_argument("--plot", type=Path, default=default_result("bench_memory_peak", "png"))
     ap.add_argument("server_args", nargs="*", help="extra server flags (after --)")
     args = ap.parse_args()
     if args.quick:
@@ -229,13 +233,17 @@ def main():
                       f" VmHWM {r['vm_hwm'] / MB:.0f} MiB (/(limit+outside) "
                       f"{r['hwm_over_limit_plus_outside']}, /limit {r['hwm_over_limit']}), "
                       f"outside MLX at rest {r['outside_mlx_at_rest'] / MB:.0f} MiB, "
-                      f"pressure {r['pressure_events']}"
+                      f"pressure {r['pressure_events']}; at rest (the load): MLX peak "
+                      f"{r['load_mlx_peak_over_limit']}, VmHWM {r['load_hwm_over_limit']}"
                       + (f"; HUNG ({r['hung']['why']})" if r["hung"] else ""), flush=True)
                 if args.json:  # saved as it goes
                     write_result(args.json, json.dumps({"rows": rows}, indent=1))
     worst = {k: max(r[k] for r in rows) for k in
-             ("mlx_peak_over_limit", "hwm_over_limit_plus_outside", "hwm_over_limit")}
+             ("mlx_peak_over_limit", "hwm_over_limit_plus_outside", "hwm_over_limit",
+              "load_mlx_peak_over_limit", "load_hwm_over_limit")}
     summary = {"weights_bytes": weights, "outside_mlx_bytes": outside, "extras_gb": args.extras,
+               "load_peak_bytes": rows[0]["load_peak"], "load_estimate_bytes": rows[0][
+                   "load_estimate"], "peaks_from": "the process's start (nothing reset)",
                "contexts": args.contexts,
                "batches": args.batches, "max_tokens": args.max_tokens, "worst": worst,
                "goal": 1.0, "all_finished_or_refused": all(
