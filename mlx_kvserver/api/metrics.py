@@ -299,14 +299,10 @@ def _queue(q: dict | None):
     """The requests waiting to start, all models (``engine/backlog.py``)."""
     if not q:
         return
-    for name, key, doc in (
-            ("oldest_wait_seconds", "oldest_wait_s", "Seconds the longest-waiting request has "
-             "waited to start"),
-            ("start_rate_per_second", "start_rate_per_s", "Prompts started a second, lately "
-             "(what a 429's Retry-After is computed from)")):
-        g = GaugeMetricFamily(P + "queue_" + name, doc)
-        g.add_metric([], float(q.get(key) or 0))
-        yield g
+    g = GaugeMetricFamily(P + "queue_oldest_wait_seconds", "Seconds the longest-waiting "
+                          "request has waited to start")
+    g.add_metric([], float(q.get("oldest_wait_s") or 0))
+    yield g
     c = CounterMetricFamily(P + "queue_refused", "Requests refused with a 429: --max-queue "
                             "requests were waiting")
     c.add_metric([], float(q.get("refused") or 0))

@@ -87,9 +87,8 @@ class Backlog:
         return 0.0 if first is None else self._clock() - first
 
     def report(self) -> dict:
-        rate = self.rate()
+        """What waits now and what waited: the same at rest however long it rests."""
         return {"waiting": len(self), "max_queue": self.limit, "oldest_wait_s":
                 round(self.oldest_s(), 3), "started": self.started,
                 "mean_wait_s": round(self.waited_s / self.started, 3) if self.started else 0.0,
-                "start_rate_per_s": None if rate is None else round(rate, 3),
                 "refused": self.refused}
