@@ -8,14 +8,30 @@ Each turn's usage must show the cache was read. Then every turn is asked again, 
 history, of a second server with ``use_kv_cache: false`` and an empty cache folder: the answers
 (every output block or item, text and tool calls) and the output token counts must be the same,
 and so must the prompt's token count (what was read from the cache plus what was computed).
+
+At 2,048+ keys (the last test, driven through the scheduler): several sequences batched on one
+shared document and one on its own, speculation off and on, with and without the cache, every
+answer the one each prompt gets alone without the cache, token for token. A verify pass there
+reads the long prefix with several queries a sequence, a plain step with one, and each form of
+attention they take may round differently: equal greedy answers are what must hold (floating-
+point near-ties aside, which these answers do not come near).
 """
 
 from __future__ import annotations
 
-import httpx
+from pathlib import Path
 
+import httpx
+import pytest
+
+from kv_cache.model import prefix_part
 from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.engine.pass_cost import PassCost
+from mlx_kvserver.models.loading import resolve_and_load
+from tests.engine.test_scheduler import Collect, text
+from tests.engine.test_speculate import ask, bent, make_scheduler, reference, serve, usage, watch
 from tests.server_utils import running_server
+from tests.tiny_model import make_tiny_model, tiny_config, write_model_dir
 
 SYSTEM = "You are a helpful assistant."
 LONG = "Tell me about the sea and the mountains, and which is older. " * 3
@@ -169,3 +185,68 @@ def test_responses_answers_equal_the_uncached_ones_by_id_and_after_a_restart(tin
     for key in ("output_tokens", "input_tokens"):
         assert [o["usage"][key] for o in off] == [a["usage"][key] for a in answers], key
     assert [o["status"] for o in off] == [a["status"] for a in answers]
+
+
+# -- 2,048+ keys, batched, speculation off and on -----------------------------------------------
+
+LONG_CONTEXT = 8192
+
+
+@pytest.fixture(scope="module")
+def long_lm(tmp_path_factory):
+    """The tiny model with room for prompts of thousands of tokens."""
+    cfg = {**tiny_config(), "max_position_embeddings": LONG_CONTEXT}
+    path = Path(tmp_path_factory.mktemp("tiny-long"))
+    write_model_dir(path, make_tiny_model(0), cfg, max_length=LONG_CONTEXT)
+    return resolve_and_load(str(path))
+
+
+def long_body(i: int) -> dict:
+    """Sequences 0-3 on one ~2,300-token document, sequence 4 on its own; a short question."""
+    doc = text(7, 560) if i < 4 else text(50 + i, 560)
+    return ask([{"role": "system", "content": doc},
+                {"role": "user", "content": text(200 + i, 3 + i)}], 24)
+
+
+def test_greedy_answers_at_thousands_of_keys_batched_speculation_off_and_on(long_lm,
+                                                                           monkeypatch):
+    """Five prompts of 2,300+ tokens batched: with the cache and speculation off, then again on
+    the same cache (warm: every prompt read from it) with speculation on, and without the cache
+    with speculation on. Drafts come from prompt lookup, and for three answers from a
+    prediction (whole, or with two tokens changed: taken in part, then refused); the verify
+    passes read the shared prefix with up to nine queries a sequence, the plain steps with one.
+    Every answer is the one its prompt gets alone, without the cache or speculation."""
+    monkeypatch.setattr(PassCost, "relative", lambda self, seqs, width: 1.0)  # drafts whole
+    reads: list = []  # (query rows, prefix keys) of every read of a prefix
+    scores = prefix_part.scores
+    monkeypatch.setattr(prefix_part, "scores", lambda q, p: reads.append(
+        (q.shape[-2], p[0].shape[-2])) or scores(q, p))
+    refs = [reference(long_lm, long_body(i)) for i in range(5)]
+    preds = [None, bent(refs[1][1]), refs[2][1], None, bent(refs[4][1])]
+
+    def batch(s, cache: bool, speculate: bool, predictions=()) -> list:
+        jobs = [Collect({**long_body(i), "use_kv_cache": cache, "speculate": speculate}, long_lm)
+                for i in range(5)]
+        reqs = serve(s, jobs, predictions)
+        assert [j.answers()[0][0] for j in jobs] == [t for t, _ in refs]
+        assert [list(r.choices[0].tokens) for r in reqs] == [ids for _, ids in refs]
+        assert all(len(r.prompt) > 2_300 for r in reqs)
+        return [usage(j) for j in jobs]
+
+    s = make_scheduler(long_lm, "ngram")
+    cold = batch(s, True, False)
+    assert s.manager.views is not None and s.manager.views.views  # the document, shared
+    assert all(u.decode_steps == 23 and u.draft_accepted == 0 for u in cold)
+    seen: list = []
+    watch(s, seen)
+    warm = batch(s, True, True, preds)  # drafts: the answers saved by the cold run
+    assert all(u.cached_tokens > 2_048 for u in warm)
+    assert all(u.draft_accepted >= 16 and u.draft_rejected == 0 for u in warm)
+    uncached = batch(make_scheduler(long_lm, "ngram"), False, True, preds)
+    assert all(u.cached_tokens == 0 for u in uncached)
+    assert sum(u.draft_accepted for u in uncached) >= 32
+    assert uncached[1].draft_rejected > 0 and uncached[3].draft_rejected > 0  # lookup's too
+    assert any(len(step) >= 4 and max(len(d) for _, d, *_ in step) == 8 for step in seen)
+    # the shared document (4 sequences, 2 query heads a key head) read by a plain step and
+    # by a verify pass of nine tokens a sequence
+    assert {4 * 2, 4 * 2 * 9} <= {r for r, n in reads if n >= 2_048}, reads
