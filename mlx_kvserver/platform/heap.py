@@ -32,7 +32,7 @@ def _release() -> Callable[[], object] | None:
     """The allocator's call that hands its free pages back, or None where there is none."""
     try:
         libc = ctypes.CDLL(None)
-    except OSError:
+    except (OSError, TypeError):  # TypeError: Windows, which loads no library by None
         return None
     if sys.platform == "darwin":
         fn = getattr(libc, "malloc_zone_pressure_relief", None)
