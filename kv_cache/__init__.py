@@ -5,16 +5,14 @@ A user (the server) opens one model's cache with ``open_cache`` and works throug
 it resident, ``report`` and ``describe`` for stats, ``share_prefixes`` once the model is known to
 batch) and the names below (the runner's ``forward``/``install``/``batch_caches`` (or
 ``ragged_caches`` where ``can_go_ragged``) around a forward pass; ``with_kv_bits`` for pages in
-bits, ``key_block_for`` for their keys' scales, ``key_stats`` to shape their keys;
-``check_store_url`` for ``--kv-store``); ``layout/``, ``pages/``, ``model/`` and ``tiers/`` are
-the library's own layers.
+bits, ``key_block_for`` for their keys' scales; ``check_store_url`` for ``--kv-store``);
+``layout/``, ``pages/``, ``model/`` and ``tiers/`` are the library's own layers.
 """
 
 from kv_cache.errors import FormatError, OutOfBlocksError
 from kv_cache.manager import CacheManager, Match
 from kv_cache.model.attention import OWN_KEYS_APART, forward, install
 from kv_cache.model.batch import batch_caches, can_go_ragged, finish_batch, ragged_caches
-from kv_cache.model.calibrate import key_stats
 from kv_cache.model.sequence import PagedSequence
 from kv_cache.layout.quant import parse_bits as parse_kv_bits
 from kv_cache.layout.spec import CacheSpec, key_block_for, with_kv_bits
@@ -29,5 +27,4 @@ __all__ = ["CacheManager", "CacheSpec", "FormatError", "Match", "OWN_KEYS_APART"
            "OutOfBlocksError", "PagedSequence", "TransferError", "atomic_fs", "batch_caches",
            "boundaries", "can_go_ragged", "check_store_url", "common_prefix", "export_entry",
            "export_key", "finish_batch", "forward", "import_entry", "install", "key_block_for",
-           "key_stats", "open_cache", "parse_kv_bits", "ragged_caches", "spec_of_model",
-           "with_kv_bits"]
+           "open_cache", "parse_kv_bits", "ragged_caches", "spec_of_model", "with_kv_bits"]

@@ -19,13 +19,12 @@ from kv_cache.tiers.store.tiered import TieredStore
 class Queries:
     """(``self.pool``, ``self.store``, ``self.stats``, ``self.views`` are the manager's.)"""
 
-    def share_prefixes(self, attention: str = "auto") -> None:
+    def share_prefixes(self) -> None:
         """Sequences started from now on read their leading full pages through shared prefix
         views (``kv_cache.model.attention``). Only for a model whose attention that module
-        routes and whose batched passes agree with single ones: the caller has checked.
-        ``attention``: how views of pages in bits are read (``packed_attention.MODES``)."""
+        routes and whose batched passes agree with single ones: the caller has checked."""
         if self.views is None:
-            self.views = PrefixViews(self.pool, mode=attention)
+            self.views = PrefixViews(self.pool)
 
     def report(self) -> dict:
         """Counters and sizes of both tiers, as plain values (after the pending disk writes)."""

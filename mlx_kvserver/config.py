@@ -63,19 +63,11 @@ class ServerConfig:
     memory_limit_gb: float | None = None  # all the server may use (engine/memory.py); None: a
     # safe fraction of the machine (Metal: of MLX's recommended working set)
     page_size: int = 32
-    # pages in 8 or 4 bits, or (key bits, value bits) (kv_cache/layout/quant.py); None: model's
+    # pages in 8 or 4 bits, or (key bits, value bits); None: the model's precision. The codec
+    # picks the rest (kv_cache/layout/quant.py, spec.py key_block_for): groups of 64 along
+    # head_dim (32 where 64 does not divide it), rotated, keys per channel over a page wherever
+    # the model has no recurrent state (docs/BENCHMARKS.md section 14)
     kv_bits: int | tuple[int, int] | None = None
-    kv_group_size: int = 64  # values sharing one scale and bias, with kv_bits
-    kv_rotate: bool = True  # with kv_bits: each group rotated (Hadamard) before quantizing
-    # with kv_bits: keys' offsets and channel weights measured on a fixed text when a model is
-    # opened (kv_cache/layout/key_shape.py); off by default: docs/BENCHMARKS.md section 14
-    kv_calibrate: bool = False
-    # with kv_bits: keys' scales per channel over a page, or per position along head_dim; auto:
-    # per channel for 4-bit keys (kv_cache/layout/channel_keys.py)
-    kv_key_scales: str = "auto"
-    # with kv_bits: shared prefixes read packed (quantized products) or decoded; auto: packed on
-    # a GPU (kv_cache/model/packed_attention.py)
-    kv_attention: str = "auto"
     max_resident_sequences: int = 8  # (8 agents each on its own files: each next turn at once)
     max_batch: int = 32  # answers decoded together
     # NOTE: measured on the development CPU (2 cores, default model): 256 prompt tokens take

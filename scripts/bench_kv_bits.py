@@ -1,9 +1,10 @@
 """KV pages in 8 and 4 bits against full precision, on this machine (docs/BENCHMARKS.md).
 
   attention  30 layers of attention (the default model's shape) over a shared prefix of
-             ``--history`` positions, for 1 and 256 queries: a packed view (``mx.quantized_matmul``
-             with the rotation, ``--kv-attention packed``) against a decoded one (float buffers),
-             and decoding at every step; the coding of new keys and values (``KVQuant.fresh``).
+             ``--history`` positions, for 1 and 256 queries: a decoded view (float buffers, what
+             the server reads) against decoding the pages at every step; the coding of new keys
+             and values (``KVQuant.fresh``). (Its packed view, read by ``mx.quantized_matmul``,
+             went with ``--kv-attention``: docs/BENCHMARKS.md section 14 has its figures.)
   serving    with the default model, each setting through the cache as the server's engine
              sets it up (prefix views, the runner): bytes per token of KV in memory and on
              disk for ~2,266 tokens of history; turn 4 of the ~2,400-token chat (25 new tokens)
@@ -39,12 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kv_cache.layout.quant import make_quant  # noqa: E402
-from kv_cache.model.packed_attention import PackedKV  # noqa: E402
 
-# each setting's name, its --kv-bits (rotated: the default) and --kv-key-scales (auto: keys per
-# channel over a page for 4-bit keys, per position for 8-bit keys)
-SETTINGS = {"full": (None, "auto"), "q8": (8, "auto"), "q8_4": ((8, 4), "auto"),
-            "q4": (4, "auto"), "q4_position": (4, "position")}
+# each setting's name, its --kv-bits and whether keys are per channel over a page (as the server
+# picks for the default model) or per position (as for a model with recurrent state)
+SETTINGS = {"full": (None, True), "q8": (8, True), "q8_4": ((8, 4), True),
+            "q4": (4, True), "q4_position": (4, False)}
 LAYERS, Q_HEADS, KV_HEADS, HEAD_DIM = 30, 9, 3, 64
 
 
@@ -62,9 +62,8 @@ def _median_ms(fn, reps: int) -> float:
 
 def attention(history: int, reps: int, queries: int = 1) -> dict:
     """Milliseconds for ``queries`` query positions attending to a shared prefix of ``history``
-    keys in every layer: float32 buffers (a decoded view), then for each setting the packed
-    view (``PackedKV``: quantized products, the rotation of queries and output included) and
-    decoding the pages at every step; and the coding of one step's fresh keys and values."""
+    keys in every layer: float32 buffers (a decoded view), then for each setting decoding the
+    pages at every step; and the coding of one step's fresh keys and values."""
     key = mx.random.key(0)
     shape = (1, KV_HEADS, history, HEAD_DIM)
     ks = [mx.random.normal(shape, key=mx.random.split(key, 2 * LAYERS)[i]) for i in range(2 * LAYERS)]
@@ -80,26 +79,13 @@ def attention(history: int, reps: int, queries: int = 1) -> dict:
                 for i in range(LAYERS)]
 
     out["float32_buffers_ms"] = _median_ms(lambda: dense(ks), reps)
-    for name, (bits, scales) in list(SETTINGS.items())[1:]:
-        if scales != "auto":
-            continue  # per position: the packed products are those of the settings above
+    for name, (bits, per_channel) in list(SETTINGS.items())[1:]:
+        if not per_channel:
+            continue  # q4 above times the same codec (pages decoded per position)
         c = make_quant(bits)
         rows = [c.fresh(ks[2 * i], ks[2 * i + 1])[2:] for i in range(LAYERS)]
-        packed = [PackedKV(c.packed(kw[0], c.bits, mx.float32),
-                           c.packed(vw[0], c.value_bits, mx.float32), c, history)
-                  for kw, vw in rows]
-        mx.eval(rows, packed)
-        qs = (q[0] * scale).reshape(KV_HEADS, -1, HEAD_DIM)  # the split path's prefix part
+        mx.eval(rows)
 
-        def quantized():  # what a packed prefix view computes (packed_attention)
-            outs = []
-            for p in packed:
-                s = p.scores(qs)
-                w = mx.softmax(s.astype(mx.float32), axis=-1)
-                outs.append(p.weighted_values(w))
-            return outs
-
-        out[f"{name}_packed_ms"] = _median_ms(quantized, reps)
         def decoded():  # decoding the pages at every step, then float attention
             pages = [c.decode(c.join(kw, vw), mx.float32, HEAD_DIM) for kw, vw in rows]
             return dense([x for d in pages for x in (d[:, 0], d[:, 1])])
@@ -115,16 +101,16 @@ SYSTEM, TURN = 200, (60, 140)  # a 20-turn conversation: system prompt, then use
 
 
 def _setup(lm, setting: tuple, root: Path | None):
-    """A manager and runner for ``setting`` (``--kv-bits``, ``--kv-key-scales``) as the engine
+    """A manager and runner for ``setting`` (``--kv-bits``, keys per channel) as the engine
     sets them up (disk under ``root``)."""
     from kv_cache.model.views import PrefixViews
     from kv_cache.opening import open_cache
     from kv_cache.layout.spec import key_block_for, with_kv_bits
     from mlx_kvserver.engine.runner import Runner
 
-    bits, scales = setting
-    spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, 64, True, None,
-                            key_block_for(lm.cache_spec, bits, scales, 32))
+    bits, per_channel = setting
+    block = key_block_for(lm.cache_spec, bits, 32) if per_channel else 0
+    spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, block)
     m = open_cache(spec, fp, page_size=32, max_ram_bytes=4 << 30, policy="lru", disk_dir=root,
                    max_disk_bytes=1 << 36, max_resident=4)
     m.views = PrefixViews(m.pool)

@@ -15,29 +15,30 @@ All settings in one run, on the default model's real weights (docs/BENCHMARKS.md
               how many tokens each answer keeps before its first difference from full
               precision, and the share of positions that agree.
 
-Settings: full precision, 8, 8,4 (keys 8, values 4), 4, as the server holds them by default
-(the Hadamard rotation), and ``_calibrated``: keys also shaped by offsets and channel weights
-calibrated on the server's own fixed text (``--kv-calibration on``,
-``kv_cache.layout.key_shape``); for reference ``_plain`` (no rotation), ``mx.quantize``'s own
-round trip at 4 bits (not exact, so not usable for pages), ``q4_g32``: 4 bits in groups of 32
-(``--kv-group-size 32``), ``q4_8``: keys 4, values 8 (which side the loss is on).
+Settings: full precision, 8, 8,4 (keys 8, values 4), 4, keys and values per position (the
+Hadamard rotation, groups of 64: what a sliding window or a model with recurrent state holds);
+for reference ``mx.quantize``'s own round trip at 4 bits (not exact, so not usable for pages),
+``q4_g32``: 4 bits in groups of 32 (what a head_dim that 64 does not divide gets), ``q4_8``:
+keys 4, values 8 (which side the loss is on). The settings of flags that are gone
+(``--kv-calibration on``, ``--kv-rotation none``; their figures: docs/BENCHMARKS.md section 14)
+are in this script's git history.
 
 SIMULATIONS, not usable for pages (``scripts/kivi_sim.py``): ``q4_kivi``: KIVI-style keys, 4 bits
 per (layer, kv head, channel) over page-aligned blocks of 32 consecutive positions, the trailing
 incomplete block in full precision, each query reading what a token-by-token decode would (its
 own block float, earlier blocks decoded), values as ``--kv-bits 4`` codes them (rotation, groups
-of 64); ``q4_kivi_g16``: blocks of 16; ``q4_kivi_norot``: values not rotated;
-``kivi4_values_float``: the same keys, values in full precision (the keys' share of the loss);
-``q4_open_float``: the control, keys coded per position as ``--kv-bits 4`` does but the open
-block of 32 float as in ``q4_kivi`` (what the float tail alone gives).
+of 64); ``q4_kivi_g16``: blocks of 16; ``kivi4_values_float``: the same keys, values in full
+precision (the keys' share of the loss); ``q4_open_float``: the control, keys coded per
+position as ``--kv-bits 4`` does there but the open block of 32 float as in ``q4_kivi`` (what
+the float tail alone gives).
 
 THROUGH THE REAL PAGED CACHE (``PagedSequence`` over a page pool, pages of 32, as the server
 runs it: prompt pieces committed to pages, answers decoded together by ``batch_caches``):
 ``full_pages``: full precision (the control: what the paged path alone changes);
-``q4_pages``: ``--kv-bits 4`` as the server holds it by default (``--kv-key-scales auto``: keys
-per channel over a page, ``kv_cache.layout.channel_keys``); ``q4_position_pages``: the same
-with ``--kv-key-scales position``; ``q8_pages``, ``q8_4_pages``: 8 and 8,4 (keys per position
-there, as ``auto`` does for 8-bit keys).
+``q4_pages``: ``--kv-bits 4`` as the server holds the default model's pages (keys per channel
+over a page, ``kv_cache.layout.channel_keys``); ``q4_position_pages``: the same with keys per
+position (what a model with recurrent state gets); ``q8_pages``, ``q8_4_pages``: 8 and 8,4 as
+the server holds them.
 
 Usage: python scripts/bench_kv_quality.py [--gen 200] [--context 4096] [--json out.json]
 """
@@ -58,11 +59,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kv_cache import (batch_caches, install, key_block_for, key_stats, open_cache,  # noqa: E402
-                      with_kv_bits)
-from kv_cache.layout.quant import KVQuant  # noqa: E402
+from kv_cache import batch_caches, install, key_block_for, open_cache, with_kv_bits  # noqa: E402
+from kv_cache.layout.quant import KVQuant, make_quant  # noqa: E402
 from kivi_sim import KiviSim  # noqa: E402
-from mlx_kvserver.models.calibration import calibration_tokens  # noqa: E402
 
 PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
@@ -85,7 +84,7 @@ class MxQuantizeRoundTrip:
     def __init__(self, bits: int, group_size: int = 64):
         self.bits, self.group_size = bits, group_size
 
-    def round_trip_pair(self, keys, values, slot=None):
+    def round_trip_pair(self, keys, values):
         def rt(x):
             q = mx.quantize(x, group_size=self.group_size, bits=self.bits)
             return mx.dequantize(*q, group_size=self.group_size, bits=self.bits).astype(x.dtype)
@@ -94,62 +93,53 @@ class MxQuantizeRoundTrip:
 
 
 class Paged:
-    """A setting read through the real paged cache: ``--kv-bits`` and ``--kv-key-scales``."""
+    """A setting read through the real paged cache: ``--kv-bits``, and keys per channel over a
+    page as the server picks them (``key_block_for``) or per position (``per_channel`` off)."""
 
-    def __init__(self, bits, key_scales: str = "auto", page_size: int = 32):
-        self.bits, self.key_scales, self.page_size = bits, key_scales, page_size
+    def __init__(self, bits, per_channel: bool = True, page_size: int = 32):
+        self.bits, self.per_channel, self.page_size = bits, per_channel, page_size
 
 
-# name: (--kv-bits, --kv-group-size, --kv-rotation hadamard, --kv-calibration on)
-SETTINGS = {"full": None, "q8": (8, 64, True, False), "q8_4": ("8,4", 64, True, False),
-            "q4": (4, 64, True, False), "q8_calibrated": (8, 64, True, True),
-            "q8_4_calibrated": ("8,4", 64, True, True), "q4_calibrated": (4, 64, True, True),
-            "q8_plain": (8, 64, False, False), "q4_plain": (4, 64, False, False),
-            "q4_g32": (4, 32, True, False), "q4_g32_plain": (4, 32, False, False),
-            "q4_8": ("4,8", 64, True, False), "mx_quantize_q4": MxQuantizeRoundTrip(4),
+# name: (--kv-bits, group size), keys and values per position
+SETTINGS = {"full": None, "q8": (8, 64), "q8_4": ("8,4", 64), "q4": (4, 64),
+            "q4_g32": (4, 32), "q4_8": ("4,8", 64), "mx_quantize_q4": MxQuantizeRoundTrip(4),
             # SIMULATIONS (scripts/kivi_sim.py): keys per channel over blocks of positions
             "q4_kivi": KiviSim(32, 4, KVQuant(4)), "q4_kivi_g16": KiviSim(16, 4, KVQuant(4)),
-            "q4_kivi_norot": KiviSim(32, 4, KVQuant(4, rotate=False)),
             "kivi4_values_float": KiviSim(32, 4, None),
             "q4_open_float": KiviSim(32, 4, KVQuant(4), per_channel=False),
             # the real paged cache (pages of 32)
             "full_pages": Paged(None), "q4_pages": Paged(4),
-            "q4_position_pages": Paged(4, "position"),
+            "q4_position_pages": Paged(4, per_channel=False),
             "q8_pages": Paged(8), "q8_4_pages": Paged("8,4")}
-GREEDY = ("full", "q8", "q8_4", "q4", "q8_calibrated", "q8_4_calibrated",
-          "q4_calibrated", "q4_plain", "full_pages", "q4_pages", "q4_position_pages", "q8_pages",
+GREEDY = ("full", "q8", "q8_4", "q4", "full_pages", "q4_pages", "q4_position_pages", "q8_pages",
           "q8_4_pages")  # the settings whose answers are compared
 
 
 class Setting:
     """A setting's codec per model slot, as the server makes it (``Engine._open``)."""
 
-    def __init__(self, lm, setting, stats):
+    def __init__(self, lm, setting):
         self.by_slot: dict = {}
         self.quant = None
         self.kivi = setting if isinstance(setting, KiviSim) else None
         self.manager = None
         if isinstance(setting, Paged):
-            block = key_block_for(lm.cache_spec, setting.bits, setting.key_scales,
-                                  setting.page_size)
-            spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, setting.bits, 64, True, None,
-                                    block)
+            block = key_block_for(lm.cache_spec, setting.bits, setting.page_size) \
+                if setting.per_channel else 0
+            spec, fp = with_kv_bits(lm.cache_spec, lm.fingerprint, setting.bits, block)
             self.quant = spec.groups[0].quant
             self.manager = open_cache(spec, fp, page_size=setting.page_size,
                                       max_ram_bytes=4 << 30, policy="lru", disk_dir=None,
                                       max_disk_bytes=0, max_resident=0)
             install(lm.model)
         elif isinstance(setting, tuple):
-            bits, group, rotate, calibrate = setting
-            spec, _ = with_kv_bits(lm.cache_spec, lm.fingerprint, bits, group, rotate,
-                                   stats if calibrate else None)
-            self.by_slot = {s: g.quant for g in spec.groups for s in g.layers}
-            self.quant = spec.groups[0].quant
+            self.quant = make_quant(*setting)
+            self.by_slot = {s: self.quant for g in lm.cache_spec.groups for s in g.layers}
         elif setting is not None and self.kivi is None:
             self.by_slot = {i: setting for i in range(len(lm.model.layers))}
 
     def round_trip_pair(self, keys, values, slot):
-        return self.by_slot[slot].round_trip_pair(keys, values, slot)
+        return self.by_slot[slot].round_trip_pair(keys, values)
 
     def cache(self, slot: int):
         """The model's cache for layer ``slot`` under this setting (a ``KVCache``)."""
@@ -273,14 +263,9 @@ def main() -> None:
     out: dict = {"model": lm.name, "text": source, "text_tokens": len(text),
                  "context": args.context, "prompts": len(prompts), "generated": args.gen,
                  "device": str(mx.default_device()), "settings": {}}
-    t = time.perf_counter()
-    calib = calibration_tokens(tok)
-    stats = key_stats(lm.model, calib, lm.cache_spec)
-    out["calibration"] = {"tokens": len(calib), "seconds": round(time.perf_counter() - t, 2),
-                          "text": "mlx_kvserver/models/calibration.py"}
     answers: dict = {}
     for name in args.settings:
-        quant = Setting(lm, SETTINGS[name], stats)
+        quant = Setting(lm, SETTINGS[name])
         t = time.perf_counter()
         row = perplexity(lm.model, text, quant, args.context)
         if name in GREEDY:
@@ -294,7 +279,6 @@ def main() -> None:
         if quant.quant is not None:
             row["bytes_per_position_and_head"] = quant.quant.kv_bytes(64, mx.float32)
             row["setting"] = quant.quant.label()
-            row["keys_shaped"] = quant.quant.keys is not None
         if quant.kivi is not None:
             row["bytes_per_position_and_head"] = quant.kivi.kv_bytes(64)
             row["setting"] = quant.kivi.label()

@@ -1,5 +1,5 @@
 """KIVI-style keys, SIMULATED for ``bench_kv_quality.py``: the reference that the page format
-``--kv-key-scales page`` (``kv_cache.layout.channel_keys``, ``kv_cache.model.channel_cache``)
+of keys per channel over a page (``kv_cache.layout.channel_keys``, ``kv_cache.model.channel_cache``)
 was built from and is tested against (``tests/kv_cache/model/test_channel_cache.py``).
 
 KIVI (Liu et al. 2024, "KIVI: a tuning-free asymmetric 2bit quantization for KV cache")

@@ -25,7 +25,7 @@ port = 8081
 temp = 0.5
 max-batch = 8
 kv-bits = "8,4"
-kv-rotation = "none"
+page-size = 16
 memory-limit = 12
 no-disk-cache = true
 eviction-policy = "s3fifo"
@@ -34,12 +34,12 @@ kv-cache-dir = "kv"
     c = config_from_args(parse_args(["--config", f], environ={}))
     assert c.models == ["/models/a", "/models/b"] and c.model_aliases == [("*", "default")]
     assert (c.port, c.temperature, c.max_batch, c.kv_bits) == (8081, 0.5, 8, (8, 4))
-    assert c.kv_rotate is False and c.memory_limit_gb == 12.0
+    assert c.page_size == 16 and c.memory_limit_gb == 12.0
     assert c.kv_cache_dir is None and c.eviction_policy == "s3fifo"
     # the same settings as flags give the same config
     flags = ["--model", "/models/a", "--model", "/models/b", "--model-alias", "*=default",
              "--port", "8081", "--temp", "0.5", "--max-batch", "8", "--kv-bits", "8,4",
-             "--kv-rotation", "none", "--memory-limit", "12", "--no-disk-cache",
+             "--page-size", "16", "--memory-limit", "12", "--no-disk-cache",
              "--eviction-policy", "s3fifo", "--kv-cache-dir", "kv"]
     assert config_from_args(parse_args(flags, environ={})) == c
 
@@ -76,3 +76,17 @@ def test_a_files_values_meet_the_flags_checks(tmp_path):
 def test_no_file_no_change():
     assert vars(parse_args(["--max-batch", "3"], environ={}))["max_batch"] == 3
     assert parse_args([], environ={}).config is None
+
+
+def test_kv_bits_for_a_model_whose_head_dim_takes_no_group_stops_the_start_saying_so(tmp_path):
+    """Groups of 64, or 32 where 64 does not divide head_dim: a head_dim of 16 takes neither,
+    and the start stops with the reason (not a draft model's)."""
+    from mlx_kvserver.cli import load_engine
+    from tests.tiny_model import make_tiny_model_dir
+
+    path = make_tiny_model_dir(tmp_path / "m", hidden=64, heads=4)  # head_dim 16
+    config = config_from_args(parse_args(["--model", str(path), "--kv-bits", "4",
+                                          "--no-disk-cache"], environ={}))
+    with pytest.raises(SystemExit, match=r"^--kv-bits needs a head_dim that is a multiple of "
+                                         r"32, not 16$"):
+        load_engine(config)

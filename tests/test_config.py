@@ -19,10 +19,10 @@ def read(tmp_path: Path, text: str) -> dict:
 
 def test_values_come_back_as_the_flags_give_them(tmp_path):
     got = read(tmp_path, 'model = "a/b"\nkv-bits = 8\nkv-cache-dir = "kv"\nmax-kv-size-gb = 3\n'
-                         'allow-download = true\nno-disk-cache = false\nkv-group-size = 32\n')
+                         'allow-download = true\nno-disk-cache = false\npage-size = 16\n')
     assert got == {"models": ["a/b"], "kv_bits": 8, "kv_cache_dir": Path("kv"),
                    "max_kv_size_gb": 3.0, "allow_download": True, "no_disk_cache": False,
-                   "kv_group_size": 32}
+                   "page_size": 16}
     assert isinstance(got["max_kv_size_gb"], float)
 
 
@@ -42,7 +42,7 @@ def test_values_come_back_as_the_flags_give_them(tmp_path):
     ("kv-bits = 5", r"kv-bits = 5: .*--kv-bits"),
     ('kv-bits = [8]', r"kv-bits = \[8\]: want an integer or a string for --kv-bits"),
     ('eviction-policy = "random"', r"eviction-policy = 'random': want one of 'lru', 'fifo'"),
-    ("kv-group-size = 48", r"kv-group-size = 48: want one of 32, 64, 128"),
+    ('kv-rotation = "none"', r"'kv-rotation' is no setting"),  # gone: --kv-bits picks it
     ("max-batch = ", r"not TOML"),
 ])
 def test_a_bad_setting_stops_with_its_key(tmp_path, text, message):
@@ -58,7 +58,7 @@ def test_a_missing_file_says_so(tmp_path):
 
 def test_every_flag_has_a_key_and_a_kind():
     options = file_options(build_parser({}))
-    assert "help" not in options and "config" not in options and len(options) > 40
+    assert "help" not in options and "config" not in options and len(options) > 30
     kinds = {key: file_kind(a) for key, a in options.items()}
     assert kinds["max-batch"] == "integer" and kinds["temp"] == "number"
     assert kinds["host"] == "string" and kinds["kv-cache-dir"] == "string"

@@ -1,4 +1,4 @@
-"""Keys per channel over a page (``--kv-key-scales page``): the key half of a page codec.
+"""Keys per channel over a page (the default of pages in bits): the key half of a page codec.
 
 KIVI (Liu et al. 2024) quantizes keys **per channel along positions**: a key's channels differ
 in range far more than its positions do (a few channels carry large offsets), so one scale and

@@ -1,21 +1,21 @@
-"""KV pages in 8 or 4 bits: the page codec (``--kv-bits K[,V]``, ``--kv-group-size``).
+"""KV pages in 8 or 4 bits: the page codec (``--kv-bits K[,V]``).
 
-Keys and values are quantized along ``head_dim`` in groups of ``group_size`` into MLX's affine
-layout (packed ``uint32`` codes, one scale and one bias a group), so ``mx.dequantize`` and
-``mx.quantized_matmul`` read them as they are. Keys and values may have their own bits
-(``8,4``: keys suffer most from rounding, values least). With ``key_block`` (``--kv-key-scales
-page``, the default where it applies) keys are instead coded per channel over a page
+Keys and values are quantized along ``head_dim`` in groups of ``group_size`` (64, or 32 where
+64 does not divide the model's ``head_dim``: ``group_size_for``; groups of 32 measured no better
+once rotated, docs/BENCHMARKS.md section 14) in MLX's affine layout (packed ``uint32`` codes,
+one scale and one bias a group). Keys and values may have their own bits (``8,4``: keys suffer
+most from rounding, values least). With ``key_block`` (the default where it applies:
+``kv_cache.layout.spec.key_block_for``) keys are instead coded per channel over a page
 (``kv_cache.layout.channel_keys``), and a page's keys and values are coded when the page is full
 (``seal``; ``kv_cache.model.channel_cache`` reads the open page as float).
 
-Rotation (on by default): each group of a key or value is rotated before it is quantized,
+Rotation (always): each group of a key or value is rotated before it is quantized,
 ``y = H (s * x) / g`` with ``H`` the ``g x g`` Sylvester Hadamard matrix (entries +-1) and ``s``
 fixed signs, an orthogonal map up to the factor ``g``. It spreads an outlier channel over the
-whole group, so the group's range, and with it the rounding step, shrinks. What a page gives
-back is ``x = s * (H y)``: the model reads keys and values in their own basis, so its attention
-is unchanged (the float path, any model, routed or not); attention that reads the packed codes
-itself (``mx.quantized_matmul``) rotates the queries by ``H s`` and its output back instead
-(``rotate_queries`` / ``unrotate``).
+whole group, so the group's range, and with it the rounding step, shrinks (4-bit keys: +6.2%
+perplexity rotated against +14.5% not, section 14). What a page gives back is ``x = s * (H y)``:
+the model reads keys and values in their own basis, so its attention is unchanged (any model,
+routed or not).
 
 The one rule that makes a quantized cache exact (greedy output with the cache equals output
 without it, a restored turn equals the warm one bit for bit): the page holds the integers and
@@ -23,20 +23,13 @@ scales as the truth, what the model reads of a fresh key is the decoded value of
 integers and scales (``fresh``), and nothing decoded is quantized again (a commit writes the
 codes ``fresh`` made, ``kv_cache.model.layer_cache``). So the scales need not be powers of two:
 they are MLX's own affine scales, ``(max - bias) / levels``, rounded up to a float16 (bfloat16
-for bfloat16 pages) with few enough significant bits that every product in the decode is exact:
-
-- without rotation ``x = code * scale + bias``: the product is exact (code <= 8 bits, scale <=
-  11), so the only rounding is the one addition, correctly rounded on every backend, fused or
-  not;
-- with rotation ``x = s * (H (code * scale + bias))`` is computed as ``s * (scale * (codes @ H) +
-  bias * g * e0)``: ``codes @ H`` sums integers below ``2**24`` (exact in float32 in any order,
-  so any BLAS, GEMV or GPU kernel gives the same), ``scale`` keeps at most ``24 - log2(g *
-  levels)`` significant bits so ``scale * I`` is exact, ``H``'s first column is all ones and the
-  others sum to zero, so only channel 0 of a group adds the bias (one rounding) and the others
-  are exact products;
-- with shaped keys (``kv_cache.layout.key_shape``: ``x = w * x' + m``, ``w`` of 3 significant
-  bits, ``m`` a float16 value) the scales give up 3 more bits, each product times ``w`` stays
-  exact, and the decode is ``(P + B) + m``: the two sums round, in that order, on every backend.
+for bfloat16 pages) with few enough significant bits that every product in the decode is exact.
+``x = s * (H (code * scale + bias))`` is computed as ``s * (scale * (codes @ H) + bias * g *
+e0)``: ``codes @ H`` sums integers below ``2**24`` (exact in float32 in any order, so any BLAS,
+GEMV or GPU kernel gives the same), ``scale`` keeps at most ``24 - log2(g * levels)``
+significant bits so ``scale * I`` is exact, ``H``'s first column is all ones and the others sum
+to zero, so only channel 0 of a group adds the bias (one rounding) and the others are exact
+products.
 
 Hence the decoded floats depend only on the stored bits, never on the shape, batch or kernel
 that decodes them: a fresh key, a gathered page, a prefix view and a restored page agree bit for
@@ -52,18 +45,15 @@ from typing import Any
 import mlx.core as mx
 
 from kv_cache.layout import channel_keys
-from kv_cache.layout.key_shape import D_BITS, KeyShape
 from kv_cache.layout.rounding import MANTISSA, round_down, round_up
 
-QuantizedKV = tuple[mx.array, mx.array, mx.array]  # packed codes, scales, biases
-
 BITS = (4, 8)
-GROUP_SIZES = (32, 64, 128)
+GROUP_SIZES = (64, 32)  # the first that divides a model's head_dim (``group_size_for``)
 ROTATION = "hadamard-signs-v1"  # the rotation's name in the description (change it with H or s)
 SCALES = "affine-exact-v2"  # scales stored as the truth, rounded so that the decode is exact
 
 
-__all__ = ["KVQuant", "QuantizedKV", "make_quant", "parse_bits", "scale_dtype"]
+__all__ = ["KVQuant", "group_size_for", "make_quant", "parse_bits", "scale_dtype"]
 
 _COMPILED: dict = {}
 
@@ -77,14 +67,11 @@ def scale_dtype(dtype: mx.Dtype) -> mx.Dtype:
 @dataclass(frozen=True, slots=True)
 class KVQuant:
     """How pages are quantized: ``bits`` per key, ``value_bits`` per value (0: as keys), one
-    scale and bias per ``group_size`` values, each group rotated first unless ``rotate`` is
-    off."""
+    scale and bias per ``group_size`` values, each group rotated first."""
 
     bits: int
     group_size: int = 64
     value_bits: int = 0
-    rotate: bool = True
-    keys: KeyShape | None = None  # keys shaped before they are quantized (``key_shape``)
     key_block: int = 0  # keys per channel over pages of this many positions (``channel_keys``)
 
     def __post_init__(self):
@@ -94,45 +81,41 @@ class KVQuant:
             if b not in BITS:
                 raise ValueError(f"--kv-bits must be one of {BITS}, not {b}")
         if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"--kv-group-size must be one of {GROUP_SIZES}, not "
-                             f"{self.group_size}")
-        if self.key_block and self.keys is not None:
-            raise ValueError("keys per channel over a page are not shaped (--kv-calibration)")
-
-    @property
-    def key_bits(self) -> int:
-        return self.bits
-
-    @property
-    def levels(self) -> int:
-        """Levels of the keys' codes."""
-        return (1 << self.bits) - 1
+            raise ValueError(f"groups of {self.group_size}: the page codec takes groups of "
+                             f"{' or '.join(map(str, GROUP_SIZES))}")
 
     def check(self, head_dim: int) -> None:
         """``ValueError`` unless ``head_dim`` is a whole number of groups."""
         if head_dim % self.group_size:
-            raise ValueError(f"--kv-group-size {self.group_size} does not divide the model's "
-                             f"head_dim {head_dim}")
+            raise ValueError(f"groups of {self.group_size} do not divide the model's head_dim "
+                             f"{head_dim}")
 
     def describe(self) -> dict[str, Any]:
-        """What enters the model's fingerprint (pages of different settings never mix)."""
+        """What enters the model's fingerprint (pages of different settings never mix). NOTE:
+        the same words as before the rotation and the group size stopped being settings, so
+        pages written then still restore (tests/kv_cache/layout/test_spec.py)."""
         return {"kv_bits": self.bits, "kv_value_bits": self.value_bits,
-                "kv_group_size": self.group_size, "kv_scales": SCALES,
-                "kv_rotation": ROTATION if self.rotate else "none",
-                **({"kv_key_scales": f"channel-page-{self.key_block}"} if self.key_block else {}),
-                **(self.keys.describe() if self.keys is not None else {})}
+                "kv_group_size": self.group_size, "kv_scales": SCALES, "kv_rotation": ROTATION,
+                **({"kv_key_scales": f"channel-page-{self.key_block}"} if self.key_block else {})}
 
     @classmethod
     def from_description(cls, d: dict[str, Any]) -> "KVQuant":
+        """The codec ``describe`` gave ``d``; ``ValueError`` for a codec this version does not
+        hold pages in (not rotated, or keys shaped by calibration: settings that are gone)."""
+        if d.get("kv_rotation") != ROTATION or "kv_key_shape" in d:
+            raise ValueError(f"pages coded as {d.get('kv_rotation')!r}"
+                             f"{' with shaped keys' if 'kv_key_shape' in d else ''}: not a "
+                             "codec of this version")
         block = int(d["kv_key_scales"].rsplit("-", 1)[1]) if "kv_key_scales" in d else 0
         return cls(int(d["kv_bits"]), int(d["kv_group_size"]), int(d["kv_value_bits"]),
-                   d["kv_rotation"] != "none", key_block=block)
+                   key_block=block)
 
     def label(self) -> str:
-        """``8``, ``8,4``, with ``/g32`` and ``/plain`` where not the defaults."""
+        """``8``, ``8,4``, with ``/g32`` where not the default and ``/channel`` with
+        ``key_block``."""
         s = str(self.bits) if self.bits == self.value_bits else f"{self.bits},{self.value_bits}"
         return s + ("" if self.group_size == 64 else f"/g{self.group_size}") \
-            + ("" if self.rotate else "/plain") + ("/channel" if self.key_block else "")
+            + ("/channel" if self.key_block else "")
 
     # -- sizes ------------------------------------------------------------------------------------
 
@@ -174,21 +157,16 @@ class KVQuant:
             fns = _COMPILED[key] = Codec(self, dtype, head_dim)
         return fns
 
-    def fresh(self, keys: mx.array, values: mx.array, slot: int | None = None
+    def fresh(self, keys: mx.array, values: mx.array
               ) -> tuple[mx.array, mx.array, mx.array, mx.array]:
-        """New keys and values ``[..., kv_heads, n, head_dim]`` of the model's cache slot
-        ``slot`` (with shaped keys; None: ``[layers, kv_heads, n, head_dim]`` of the whole
-        group): what the model reads of them (the decoded values of their codes, in their dtype)
-        and their stored words (key words, value words), in one compiled call. With
-        ``key_block``: they are read as they are until their page is full (``seal``), and have
-        no words yet (None)."""
+        """New keys and values ``[..., kv_heads, n, head_dim]``: what the model reads of them
+        (the decoded values of their codes, in their dtype) and their stored words (key words,
+        value words), in one compiled call. With ``key_block``: they are read as they are until
+        their page is full (``seal``), and have no words yet (None)."""
         self.check(keys.shape[-1])
         if self.key_block:  # float until their page is full (seal): no words yet
             return keys, values, None, None
-        fns = self._fns(keys.dtype, keys.shape[-1])
-        if self.keys is None:
-            return fns.fresh(keys, values)
-        return fns.fresh(keys, values, *self.keys.layer(slot))
+        return self._fns(keys.dtype, keys.shape[-1]).fresh(keys, values)
 
     def _widths(self, keys: mx.array) -> tuple[int, int]:
         d, dt = keys.shape[-1], keys.dtype
@@ -203,15 +181,14 @@ class KVQuant:
         v, vw = self._fns(values.dtype, values.shape[-1]).fresh_values(values)
         return k, v, kw, vw
 
-    def round_trip_pair(self, keys: mx.array, values: mx.array, slot: int | None = None
-                        ) -> tuple[mx.array, mx.array]:
+    def round_trip_pair(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         """What the model reads of new keys and values (``fresh`` without the words)."""
-        k, v, _, _ = self.fresh(keys, values, slot)
+        k, v, _, _ = self.fresh(keys, values)
         return k, v
 
-    def round_trip(self, x: mx.array, slot: int | None = None) -> mx.array:
+    def round_trip(self, x: mx.array) -> mx.array:
         """What the model reads of new keys ``x`` (key bits)."""
-        return self.round_trip_pair(x, x, slot)[0]
+        return self.round_trip_pair(x, x)[0]
 
     def join(self, key_words: mx.array, value_words: mx.array) -> mx.array:
         """Key words ``[..., n, wk]`` and value words ``[..., n, wv]`` (leading axes: kv heads)
@@ -251,40 +228,10 @@ class KVQuant:
             kw, vw = mx.concatenate([skw, kw], axis=-2), mx.concatenate([svw, vw], axis=-2)
         return self.join(kw, vw)
 
-    def decode(self, page: mx.array, dtype: mx.Dtype, head_dim: int | None = None) -> mx.array:
+    def decode(self, page: mx.array, dtype: mx.Dtype, head_dim: int) -> mx.array:
         """The values a stored ``page`` holds ``[..., 2, heads, n, head_dim]``, in ``dtype``
         (the model's): bit for bit what ``fresh`` gave the model."""
-        if head_dim is None:
-            head_dim = self._dim(page.shape[-1], lambda d: self.words(d, dtype))
-        fns = self._fns(dtype, head_dim)
-        return fns.decode(page) if self.keys is None else fns.decode(page, *self.keys.layer(None))
-
-    def _dim(self, words: int, width) -> int:
-        """The head_dim whose ``width(head_dim)`` is ``words`` (a page's last axis)."""
-        for d in range(self.group_size, 4097, self.group_size):
-            if width(d) == words:
-                return d
-        raise ValueError(f"no head_dim gives {words} words")
-
-    # -- packed attention (mx.quantized_matmul) ----------------------------------------------------
-
-    def packed(self, words: mx.array, bits: int, dtype: mx.Dtype) -> QuantizedKV:
-        """One side's words ``[..., w]`` as MLX's ``(codes, scales, biases)`` of the rotated
-        values (what ``mx.quantized_matmul`` reads; scales and biases in ``dtype``)."""
-        head_dim = self._dim(words.shape[-1], lambda d: self.side_words(bits, d, dtype))
-        n = head_dim * bits // 32
-        sb = words[..., n:].view(scale_dtype(dtype)).astype(dtype)
-        g = head_dim // self.group_size
-        return words[..., :n], sb[..., :g], sb[..., g:]
-
-    def rotate_queries(self, q: mx.array) -> mx.array:
-        """Queries ``[..., head_dim]`` in the basis the codes hold (``q . x == rotated(q) . y``);
-        unchanged without rotation."""
-        return self._fns(q.dtype, q.shape[-1]).rotate_queries(q) if self.rotate else q
-
-    def unrotate(self, out: mx.array) -> mx.array:
-        """A weighted sum of rotated values ``[..., head_dim]`` back in the model's basis."""
-        return self._fns(out.dtype, out.shape[-1]).unrotate(out) if self.rotate else out
+        return self._fns(dtype, head_dim).decode(page)
 
 
 # -- the codec's compiled functions (``Codec``), and the fixed rotation they use -------------------
@@ -321,63 +268,41 @@ class Codec:
         # thread").
         mx.eval(self.signs, self.h, self.e0)
 
-        def fresh(keys, values, *shape):
-            k, kw = self._side(keys, q.bits, shape)
+        def fresh(keys, values):
+            k, kw = self._side(keys, q.bits)
             v, vw = self._side(values, q.value_bits)
             return k, v, kw, vw
 
-        def decode(page, *shape):
+        def decode(page):
             if q.key_block:
                 kw, vw = q.split(page, head_dim, dtype)
                 return mx.stack([channel_keys.decode(kw, q.bits, q.key_block, dtype, head_dim),
                                  self._decode_words(vw, q.value_bits)], axis=-4)
             if q.bits == q.value_bits:  # the halves are the keys' and the values' own words
-                if not shape:
-                    return self._decode_words(page, q.bits)
-                kw, vw = page[..., 0, :, :, :], page[..., 1, :, :, :]
-            else:
-                kw, vw = q.split(page, head_dim, dtype)
-            return mx.stack([self._decode_words(kw, q.bits, shape),
+                return self._decode_words(page, q.bits)
+            kw, vw = q.split(page, head_dim, dtype)
+            return mx.stack([self._decode_words(kw, q.bits),
                              self._decode_words(vw, q.value_bits)], axis=-4)
-
-        def rotate_queries(x):
-            y = (x.astype(mx.float32) * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h
-            return y.reshape(x.shape).astype(x.dtype)
-
-        def unrotate(y):
-            x = (y.astype(mx.float32).reshape(*y.shape[:-1], -1, g) @ self.h)
-            return (x.reshape(y.shape) * self.signs).astype(y.dtype)
 
         self.fresh = mx.compile(fresh)
         self.fresh_values = mx.compile(lambda values: self._side(values, q.value_bits))
         self.decode = mx.compile(decode)
-        self.rotate_queries = mx.compile(rotate_queries)
-        self.unrotate = mx.compile(unrotate)
 
-    def _mantissa(self, bits: int, shaped: bool = False) -> int:
-        """Significant bits a scale keeps so that ``scale * (codes @ H)`` is exact in float32
-        (times a shaped key's 3-bit channel weight: ``kv_cache.layout.key_shape``)."""
-        top = self.q.group_size * ((1 << bits) - 1) if self.q.rotate else (1 << bits) - 1
-        return min(MANTISSA[self.sdt], 24 - math.ceil(math.log2(top + 1))
-                   - (D_BITS if shaped else 0))
+    def _mantissa(self, bits: int) -> int:
+        """Significant bits a scale keeps so that ``scale * (codes @ H)`` is exact in float32."""
+        top = self.q.group_size * ((1 << bits) - 1)
+        return min(MANTISSA[self.sdt], 24 - math.ceil(math.log2(top + 1)))
 
-    def _side(self, x: mx.array, bits: int, shape: tuple = ()) -> tuple[mx.array, mx.array]:
-        """Keys or values ``[..., head_dim]``: what the model reads, and their words; ``shape``:
-        the keys' ``(offsets, scales)`` (``kv_cache.layout.key_shape``)."""
+    def _side(self, x: mx.array, bits: int) -> tuple[mx.array, mx.array]:
+        """Keys or values ``[..., head_dim]``: what the model reads, and their words."""
         g, levels = self.q.group_size, (1 << bits) - 1
         y = x.astype(mx.float32)
-        if shape:
-            y = (y - shape[0]) / shape[1]
-        if self.q.rotate:
-            y = ((y * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h) * (1.0 / g)
-        else:
-            y = y.reshape(*x.shape[:-1], -1, g)
+        y = ((y * self.signs).reshape(*x.shape[:-1], -1, g) @ self.h) * (1.0 / g)
         lo, hi = y.min(axis=-1, keepdims=True), y.max(axis=-1, keepdims=True)
         bias = round_down(lo, self.sdt)
-        scale = round_up((hi - bias) * (1.0 / levels), self._mantissa(bits, bool(shape)),
-                          self.sdt)
+        scale = round_up((hi - bias) * (1.0 / levels), self._mantissa(bits), self.sdt)
         codes = mx.clip(mx.round((y - bias) / scale), 0, levels)
-        read = self._values(codes, scale, bias, x.shape, shape)
+        read = self._values(codes, scale, bias, x.shape)
         per = 32 // bits
         c = codes.astype(mx.uint32).reshape(*x.shape[:-1], -1, per)
         packed = (c << (mx.arange(per, dtype=mx.uint32) * bits)).sum(axis=-1).astype(mx.uint32)
@@ -385,31 +310,14 @@ class Codec:
         return read, mx.concatenate([packed, sb.view(mx.uint32)], axis=-1)
 
     def _values(self, codes: mx.array, scale: mx.array, bias: mx.array,
-                shape: tuple[int, ...], key_shape: tuple = ()) -> mx.array:
+                shape: tuple[int, ...]) -> mx.array:
         """Codes ``[..., groups, g]`` (float32 integers), scales and biases ``[..., groups, 1]``
-        as the model reads them: exact products, one rounding (see the module's note); shaped
-        keys: exact products, then ``(P + B) + offset``, two roundings in that order."""
-        if key_shape:
-            off, w = key_shape  # [..., 1, head_dim]: float16 offsets, 3-bit weights
-            if self.q.rotate:
-                # NOTE: codes @ H: exact integers; scale * I * (w * s): exact (the scale gave
-                # up w's bits); bias * g * (w * s): exact; so only the two sums round.
-                f = w * self.signs
-                p = (scale * (codes @ self.h)).reshape(shape) * f
-                b = (bias * self.e0).reshape(shape) * f
-            else:
-                p = (codes * scale).reshape(shape) * w
-                b = mx.broadcast_to(bias, codes.shape).reshape(shape) * w
-            return ((p + b) + off).astype(self.dtype)
-        if self.q.rotate:
-            # NOTE: codes @ H sums integers < 2**24: exact, whatever the kernel's order.
-            x = scale * (codes @ self.h) + bias * self.e0
-            x = x.reshape(shape) * self.signs
-        else:
-            x = (codes * scale + bias).reshape(shape)
-        return x.astype(self.dtype)
+        as the model reads them: exact products, one rounding (see the module's note)."""
+        # NOTE: codes @ H sums integers < 2**24: exact, whatever the kernel's order.
+        x = scale * (codes @ self.h) + bias * self.e0
+        return (x.reshape(shape) * self.signs).astype(self.dtype)
 
-    def _decode_words(self, words: mx.array, bits: int, shape: tuple = ()) -> mx.array:
+    def _decode_words(self, words: mx.array, bits: int) -> mx.array:
         g, per, mask = self.q.group_size, 32 // bits, (1 << bits) - 1
         lead, n = words.shape[:-1], self.d * bits // 32
         groups = self.d // g
@@ -417,7 +325,7 @@ class Codec:
         codes = (words[..., :n, None] >> (mx.arange(per, dtype=mx.uint32) * bits)) & mask
         codes = codes.reshape(*lead, groups, g).astype(mx.float32)
         return self._values(codes, sb[..., :groups, None], sb[..., groups:, None],
-                            (*lead, self.d), shape)
+                            (*lead, self.d))
 
 
 def parse_bits(text: str | int | tuple | None) -> tuple[int, int] | None:
@@ -443,8 +351,19 @@ def parse_bits(text: str | int | tuple | None) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
-def make_quant(bits: int | str | tuple | None, group_size: int = 64,
-               rotate: bool = True) -> KVQuant | None:
+def group_size_for(head_dims) -> int:
+    """The group size of pages in bits for a model whose paged groups have ``head_dims``: 64,
+    or 32 where 64 does not divide one of them (groups of 32 cost bytes and measured no better
+    once rotated: 4-bit keys +6.3% against +6.2%, docs/BENCHMARKS.md section 14)."""
+    dims = list(head_dims)
+    for g in GROUP_SIZES:
+        if all(d % g == 0 for d in dims):
+            return g
+    raise ValueError(f"--kv-bits needs a head_dim that is a multiple of "
+                     f"{min(GROUP_SIZES)}, not {', '.join(map(str, sorted(set(dims))))}")
+
+
+def make_quant(bits: int | str | tuple | None, group_size: int = 64) -> KVQuant | None:
     """The codec for ``--kv-bits`` (None or 0: pages at the model's precision)."""
     kv = parse_bits(bits)
-    return KVQuant(kv[0], group_size, kv[1], rotate) if kv else None
+    return KVQuant(kv[0], group_size, kv[1]) if kv else None

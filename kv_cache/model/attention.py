@@ -24,8 +24,8 @@ keys first, their products in the forms OpenBLAS runs fastest (``cpu_forms.keys_
 fused kernel returns no log-sum-exp, so the split path is plain MLX ops. A sequence alone with
 no view goes through mlx-lm's function (the fused kernel) except on the CPU on x86, where that
 kernel's softmax is the slow ``exp`` and ``_alone`` computes the same with ``_exp`` (a prompt's
-attention a third faster there). A view of pages in bits may be held packed
-(``packed_attention``). Own keys of ``OWN_KEYS_APART`` positions or more (sequences that read no
+attention a third faster there).
+Own keys of ``OWN_KEYS_APART`` positions or more (sequences that read no
 view, or read long past it: eight clients each on its own file) are never padded into one batch
 array, which copied every sequence's keys and values once a layer and step (on the CPU half of a
 step of eight 2,000-token sequences): each sequence's products run on its own buffers, and on
@@ -56,7 +56,7 @@ from mlx_lm.models import base as mlx_base
 from kv_cache.model import prefix_part
 from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, warm
 from kv_cache.model.masks import alone_mask, build_mask as _build_mask, ragged_index
-from kv_cache.model.packed_attention import prefix_length
+from kv_cache.model.prefix_part import prefix_length
 from kv_cache.model.reads import Reads, pad
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
@@ -298,7 +298,7 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     if mask is not None:
         s_own = (s_own.reshape(B, Hkv, rep, T, N) + mask).reshape(B, Hkv, rep * T, N)
     m = s_own.max(axis=-1, keepdims=True)
-    prefix = reads[0].prefix  # [Hkv, c, D] (or packed), the same for every row of the group
+    prefix = reads[0].prefix  # [Hkv, c, D], the same for every row of the group
     if prefix is not None:
         shared = prefix_part.scores(q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D), prefix)
         m = mx.maximum(m, shared.maxima.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3))
@@ -319,11 +319,11 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
         out = e_own.astype(vo.dtype) @ vo  # [B, Hkv, rep*T, D]
     if prefix is not None:
         out_p, denom_p = prefix_part.weighted(
-            shared, m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1), queries.dtype)
+            shared, m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1))
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
     if any(mine):
-        parts = [prefix_part.weighted(p, m[i], queries.dtype) if p is not None else None
+        parts = [prefix_part.weighted(p, m[i]) if p is not None else None
                  for i, p in enumerate(mine)]
         out = prefix_part.by_rows(mx.add, out, [p[0][None] if p else None for p in parts])
         denom = prefix_part.by_rows(mx.add, denom, [p[1][None] if p else None for p in parts])

@@ -54,7 +54,7 @@ class BatchLayer:
         quant = self.members[0].quant  # pages in bits: code the whole batch in one call
         words = None
         if quant is not None:
-            keys, values, *words = quant.fresh(keys, values, self.members[0].layer)
+            keys, values, *words = quant.fresh(keys, values)
         for i, m in enumerate(self.members):
             n = keys.shape[2] if self.lengths is None else self.lengths[i]
             stored = None if words is None or words[0] is None \

@@ -110,7 +110,7 @@ class PagedLayerCache:
             # restored from pages computes what the warm one did, and cache on equals cache off
             # under the same setting.
             if stored is None:
-                keys, values, *stored = self.quant.fresh(keys, values, self.layer)
+                keys, values, *stored = self.quant.fresh(keys, values)
             self._keep_words(*stored)
         prev = self.offset - self.base
         if self.keys is None or prev + keys.shape[2] > self.keys.shape[2]:

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 import mlx.core as mx
 
-from kv_cache.model.packed_attention import PackedKV, packed_layers, packed_pays
 from kv_cache.pages.holders import VIEW
 
 if TYPE_CHECKING:
@@ -18,36 +17,30 @@ if TYPE_CHECKING:
 
 class PrefixView:
     """The keys and values of ``length`` positions held by sealed pages (one table per
-    full-attention group), contiguous per layer: ``[kv_heads, length, head_dim]``, or with
-    ``packed`` (pages in bits) as the pages store them (``kv_cache.model.packed_attention``)."""
+    full-attention group), contiguous per layer: ``[kv_heads, length, head_dim]`` (pages in
+    bits decoded)."""
 
     def __init__(self, pool: "PagePool", tables: list[tuple[int, ...]], length: int,
-                 groups: list[int], packed: bool = False):
+                 groups: list[int]):
         self.pool, self.tables, self.length, self.groups = pool, tables, length, groups
         self.users = 0
         self.serial = 0  # its place among the views made (PrefixViews.since)
-        self.kv: dict[int, Any] = {}  # model layer slot -> (K, V) or PackedKV
+        self.kv: dict[int, Any] = {}  # model layer slot -> (K, V)
         self.copied = 0  # bytes of K/V copied for the view (0: the pages' own run array)
         for g, blocks in zip(groups, tables):
             pool.hold_all(blocks, VIEW)
             layers = pool.groups[g].layers
-            run = None if packed else pool.run_array(list(blocks), length)
-            if packed:
-                kv = packed_layers(pool.groups[g], pool.gather(list(blocks), length))
-                self.copied += sum(p.nbytes for p in kv)
-            elif run is not None:  # pages restored together: their array is already contiguous
+            run = pool.run_array(list(blocks), length)
+            if run is not None:  # pages restored together: their array is already contiguous
                 kv = [(run[i, 0], run[i, 1]) for i in range(len(layers))]
             else:
                 kv = [(k[0], v[0]) for k, v in pool.gather_layers(list(blocks), length)]
                 self.copied += sum(k.nbytes + v.nbytes for k, v in kv)
             self.kv.update(zip(layers, kv))
-        mx.eval([a for kv in self.kv.values()
-                 for a in ((*kv.keys, *kv.values) if packed else kv)])
+        mx.eval([a for kv in self.kv.values() for a in kv])
 
-    def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array] | PackedKV:
-        if isinstance(kv := self.kv[slot], PackedKV):
-            return kv.head(n)
-        k, v = kv
+    def prefix(self, slot: int, n: int) -> tuple[mx.array, mx.array]:
+        k, v = self.kv[slot]
         if n == self.length:
             return k, v
         return k[:, :n, :], v[:, :n, :]
@@ -70,12 +63,10 @@ class PrefixViews:
     pages; a running sequence takes up a new view of its pages at its next step (``since``), so
     a shared prefix is kept once however the sharing began. A view goes with its last user."""
 
-    def __init__(self, pool: "PagePool", min_pages: int = 2, mode: str = "auto"):
+    def __init__(self, pool: "PagePool", min_pages: int = 2):
         self.pool = pool
         self.min_pages = min_pages
         self.groups = [i for i, g in enumerate(pool.groups) if g.kind.reads_all]
-        # pages in bits: views held packed and read by quantized products (packed_attention)
-        self.packed = any(packed_pays(mode, pool.groups[g].quant) for g in self.groups)
         self.views: list[PrefixView] = []
         self.made = 0  # views made so far: the newest one's serial
 
@@ -114,7 +105,7 @@ class PrefixViews:
             full_pages = self._full_pages(tables, n)
             if not all(self.pool.all_sealed(t) for t in full_pages):
                 return None, 0
-            view = PrefixView(self.pool, full_pages, n // P * P, self.groups, self.packed)
+            view = PrefixView(self.pool, full_pages, n // P * P, self.groups)
             c = n // P * P
             self.made += 1
             view.serial = self.made

@@ -19,19 +19,17 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache import (CacheManager, export_entry, import_entry, key_block_for, key_stats,
-                      open_cache, with_kv_bits)
+from kv_cache import (CacheManager, export_entry, import_entry, key_block_for, open_cache,
+                      with_kv_bits)
 
 from ..chat.output import Accepted, Done, Error
 from ..config import GB, ServerConfig
 from ..errors import RequestError
-from ..models.calibration import calibration_tokens
 from ..models.loading import LoadedModel
 from ..platform import heap
 from .request import Job
@@ -87,17 +85,10 @@ class Engine:
     def _open(self, lm: LoadedModel) -> None:
         """A cache and a scheduler for ``lm`` (its weights counted in the budget)."""
         config = self.config
-        stats = None
-        if config.kv_bits and config.kv_calibrate:  # shaped keys (kv_cache/layout/key_shape.py)
-            t = time.perf_counter()
-            tokens = calibration_tokens(lm.tokenizer)
-            stats = key_stats(lm.model, tokens, lm.cache_spec)
-            log.info("%s: keys calibrated for --kv-bits on %d tokens in %.1f s", lm.name,
-                     len(tokens), time.perf_counter() - t)
-        block = key_block_for(lm.cache_spec, config.kv_bits, config.kv_key_scales,
-                              config.page_size, stats is not None)
-        spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits,
-                                         config.kv_group_size, config.kv_rotate, stats, block)
+        # --kv-bits picks the rest: groups of 64 (32 where 64 does not divide head_dim), rotated,
+        # keys per channel over a page wherever the model has no recurrent state
+        block = key_block_for(lm.cache_spec, config.kv_bits, config.page_size)
+        spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits, block)
         if config.kv_bits:
             log.info("%s: KV pages in %s bits, keys scaled %s", lm.name, config.kv_bits,
                      f"per channel over pages of {block}" if block else "per position")
@@ -112,7 +103,7 @@ class Engine:
         self.models[lm.name] = lm
         self.managers[lm.name] = manager
         self.schedulers[lm.name] = Scheduler(
-            manager, Runner(lm.model, manager, lm.name, config.kv_attention),
+            manager, Runner(lm.model, manager, lm.name),
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, speculate=config.speculate,
             num_draft_tokens=config.num_draft_tokens, draft=draft, name=lm.name,
             memory=self.memory)

@@ -33,15 +33,14 @@ class Runner:
     Then the manager's sequences read shared prefixes through views from here on (the probe's own
     sequences read none)."""
 
-    def __init__(self, model, manager: CacheManager, name: str = "model",
-                 kv_attention: str = "auto"):
+    def __init__(self, model, manager: CacheManager, name: str = "model"):
         self.model = model
         self.ragged = False  # verify passes of several sequences: one row per token (``verify``)
         self.batched = install(model) and self._probe(manager)
         # several short prompts in one forward pass (right-padded): attention layers only
         self.batched_prompts = self.batched and not manager.pool.spec.has_state
         if self.batched:
-            manager.share_prefixes(kv_attention)
+            manager.share_prefixes()
         else:
             log.info("%s decodes one sequence per forward pass (its attention is not routed)",
                      name)

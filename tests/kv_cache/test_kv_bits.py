@@ -1,9 +1,10 @@
 """KV pages in 8 and 4 bits (``--kv-bits K[,V]``) through the whole cache, with tiny random
-models: greedy output with the cache equals output without it under the same setting (rotated
-or not, keys and values in their own bits, sliding windows and KV-shared layers too), a turn
+models, keys per position (what sliding windows and models with recurrent state keep; keys per
+channel over a page: tests/kv_cache/model/test_channel_cache.py): greedy output with the cache
+equals output without it under the same setting (keys and values in their own bits too), a turn
 restored from disk (with and without prefix views) or from an export equals the warm one bit for
-bit, pages of another setting are a clean miss, and the bytes a token takes. "shaped": keys
-shaped by offsets and channel weights calibrated on the model (``kv_cache.layout.key_shape``)."""
+bit, pages of another setting are a clean miss, and the bytes a token takes (head_dim 32: groups
+of 32)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,13 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from kv_cache.layout.spec import CacheSpec
-from kv_cache.model.calibrate import key_stats
 from kv_cache.opening import open_cache
 from kv_cache.layout.spec import with_kv_bits
 from kv_cache.transfer import TransferError, export_entry, import_entry
 from tests.tiny_model import make_tiny_model
 
 P = 4
-SETTINGS = [(8, 32), (4, 32), ("8,4", 32), ((4, 8), 32)]
-KEYS = ["rotated", "plain", "shaped"]  # how keys are coded: rotation, none, calibrated shape
+SETTINGS = [8, 4, "8,4", (4, 8)]
 
 
 @pytest.fixture(scope="module")
@@ -36,42 +35,29 @@ def spec_of(model) -> CacheSpec:
                            a.hidden_size // a.num_attention_heads, mx.float32)
 
 
-_STATS: dict = {}
+def setting(model, bits) -> tuple[CacheSpec, str]:
+    """The tiny model's spec and fingerprint with its pages in ``bits``."""
+    return with_kv_bits(spec_of(model), "tiny", bits)
 
 
-def setting(model, bits, group, keys="rotated") -> tuple[CacheSpec, str]:
-    """The tiny model's spec and fingerprint under a setting (``keys``: one of ``KEYS``)."""
-    stats = None
-    if keys == "shaped":
-        if id(model) not in _STATS:
-            _STATS[id(model)] = key_stats(model, list(range(3, 200, 3)), spec_of(model))
-        stats = _STATS[id(model)]
-    return with_kv_bits(spec_of(model), "tiny", bits, group, keys != "plain", stats)
-
-
-def manager(model, bits, group, disk: Path | None = None, ram=1 << 24, store_url=None,
-            keys="rotated"):
-    spec, fp = setting(model, bits, group, keys)
+def manager(model, bits, disk: Path | None = None, ram=1 << 24, store_url=None):
+    spec, fp = setting(model, bits)
     return open_cache(spec, fp, page_size=P, max_ram_bytes=ram, policy="lru", disk_dir=disk,
                       max_disk_bytes=1 << 26, max_resident=0, store_url=store_url)
 
 
-def greedy_off(model, tokens, n, bits, group, keys="rotated") -> list[int]:
+def greedy_off(model, tokens, n, bits) -> list[int]:
     """``n`` greedy tokens without the paged cache: mlx-lm's own cache, whose new keys and
     values are rounded as the setting's pages hold them ("cache off, same setting")."""
-    quant = setting(model, bits, group, keys)[0].groups[0].quant
+    quant = setting(model, bits)[0].groups[0].quant
 
     class RoundTrip(KVCache):
-        def __init__(self, slot):
-            super().__init__()
-            self.slot = slot
-
         def update_and_fetch(self, keys, values):
             if quant is not None:
-                keys, values = quant.round_trip_pair(keys, values, self.slot)
+                keys, values = quant.round_trip_pair(keys, values)
             return super().update_and_fetch(keys, values)
 
-    cache = [RoundTrip(i) for i in range(len(model.layers))]
+    cache = [RoundTrip() for _ in model.layers]
     x, out = mx.array(tokens)[None], []
     for _ in range(n):
         t = mx.argmax(model(x, cache=cache)[0, -1]).item()
@@ -92,15 +78,13 @@ def greedy_on(model, seq, new, n) -> tuple[list[int], mx.array]:
     return out, first
 
 
-@pytest.mark.parametrize("keys", KEYS)
-@pytest.mark.parametrize("bits,group", SETTINGS)
-def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, bits, group,
-                                                                        keys):
+@pytest.mark.parametrize("bits", SETTINGS)
+def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, bits):
     turn1, turn2 = list(range(40, 62)), list(range(70, 79))
-    m = manager(model, bits, group, keys=keys)
+    m = manager(model, bits)
     seq, _ = m.start(turn1, [])
     answer, _ = greedy_on(model, seq, turn1, 8)
-    assert answer == greedy_off(model, turn1, 8, bits, group, keys)
+    assert answer == greedy_off(model, turn1, 8, bits)
     m.save("a1", seq)
     seq.close()
     history = turn1 + answer[:-1]  # the last answer token was not read yet
@@ -108,16 +92,14 @@ def test_greedy_with_the_cache_equals_without_it_under_the_same_setting(model, b
     seq, match = m.start(prompt, ["a1"])
     assert match.tokens == len(history) and match.source == "entry:a1"
     again, _ = greedy_on(model, seq, prompt[match.tokens:], 8)
-    assert again == greedy_off(model, prompt, 8, bits, group, keys)
+    assert again == greedy_off(model, prompt, 8, bits)
     seq.close()
     m.close()
 
 
-@pytest.mark.parametrize("keys", ["rotated", "shaped"])
 @pytest.mark.parametrize("views", [False, True], ids=["buffers", "prefix-views"])
-@pytest.mark.parametrize("bits,group", SETTINGS)
-def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, group, views,
-                                                        keys):
+@pytest.mark.parametrize("bits", SETTINGS)
+def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, views):
     from kv_cache.model.attention import install
     from kv_cache.model.views import PrefixViews
 
@@ -126,7 +108,7 @@ def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, 
     # one's (as without bits: test_manager's long prompt piece); the decode steps after it
     # read the view apart, within rounding, and pick the same tokens.
     tokens = list(range(40, 116))
-    m = manager(model, bits, group, tmp_path, keys=keys)
+    m = manager(model, bits, tmp_path)
     seq, _ = m.start(tokens[:26], [])
     greedy_on(model, seq, tokens[:26], 1)
     m.save("k", seq)
@@ -135,7 +117,7 @@ def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, 
     m.close()
     if views:
         assert install(model)
-    m = manager(model, bits, group, tmp_path, keys=keys)  # a restart
+    m = manager(model, bits, tmp_path)  # a restart
     if views:
         m.views = PrefixViews(m.pool)
     seq, match = m.start(tokens, ["k"])
@@ -152,7 +134,7 @@ def test_a_restored_turn_equals_the_warm_one_bit_for_bit(model, tmp_path, bits, 
 
 def test_an_export_carries_the_setting_and_another_setting_refuses_it(model, tmp_path):
     tokens = list(range(20, 39))
-    m = manager(model, 8, 32)
+    m = manager(model, 8)
     seq, _ = m.start(tokens, [])
     greedy_on(model, seq, tokens, 1)
     m.save("x", seq)
@@ -160,10 +142,10 @@ def test_an_export_carries_the_setting_and_another_setting_refuses_it(model, tmp
     seq.close()
     path = tmp_path / "x.safetensors"
     path.write_bytes(export_entry(m, "x"))
-    for bits, group in [(4, 32), (None, 32)]:
+    for bits in (4, None):
         with pytest.raises(TransferError, match="fingerprint"):
-            import_entry(manager(model, bits, group), path)
-    m2 = manager(model, 8, 32)
+            import_entry(manager(model, bits), path)
+    m2 = manager(model, 8)
     import_entry(m2, path)
     seq, match = m2.start(tokens + [5, 6, 7], ["x"])
     assert match.tokens == len(tokens)
@@ -174,19 +156,19 @@ def test_an_export_carries_the_setting_and_another_setting_refuses_it(model, tmp
 
 def test_pages_of_another_setting_are_a_clean_miss_and_stay(model, tmp_path):
     tokens = list(range(50, 77))
-    m = manager(model, 8, 32, tmp_path)
+    m = manager(model, 8, tmp_path)
     seq, _ = m.start(tokens, [])
     greedy_on(model, seq, tokens, 1)
     m.save("e", seq)
     seq.close()
     m.close()
-    for bits, group, keys in [(4, 32, "rotated"), (None, 32, "rotated"), (8, 32, "shaped")]:
-        other = manager(model, bits, group, tmp_path, keys=keys)
+    for bits in (4, None, "8,4"):
+        other = manager(model, bits, tmp_path)
         seq, match = other.start(tokens, ["e"])
         assert match.tokens == 0 and match.source == "none"
         seq.close()
         other.close()
-    m = manager(model, 8, 32, tmp_path)  # its own pages are still there
+    m = manager(model, 8, tmp_path)  # its own pages are still there
     seq, match = m.start(tokens, ["e"])
     assert match.tokens == len(tokens) - 1 and match.source == "disk:e"
     seq.close()
@@ -199,7 +181,7 @@ def test_bytes_per_token_in_memory_and_on_disk(model, tmp_path):
     tokens = list(range(10, 10 + 8 * P))
     sizes = {}
     for bits in (None, 8, 4, "8,4"):
-        m = manager(model, bits, 32, tmp_path / str(bits))
+        m = manager(model, bits, tmp_path / str(bits))
         seq, _ = m.start(tokens, [])
         greedy_on(model, seq, tokens, 1)
         m.save("b", seq)
@@ -226,7 +208,7 @@ def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, 
 
     tokens = list(range(30, 57))
     with running_redis(tmp_path / "redis") as proc:
-        a = manager(model, 8, 32, tmp_path / "a", store_url=proc.url)
+        a = manager(model, 8, tmp_path / "a", store_url=proc.url)
         seq, _ = a.start(tokens, [])
         greedy_on(model, seq, tokens, 1)
         a.save("m", seq)
@@ -235,7 +217,7 @@ def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, 
         a.sync()
         a.store.shared.drain()
         for bits, want in ((8, len(tokens)), (4, 0)):
-            b = manager(model, bits, 32, tmp_path / f"b{bits}", store_url=proc.url)
+            b = manager(model, bits, tmp_path / f"b{bits}", store_url=proc.url)
             seq, match = b.start(tokens + [7, 8, 9], ["m"])
             assert match.tokens == want
             if want:
@@ -246,13 +228,11 @@ def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, 
         a.close()
 
 
-@pytest.mark.parametrize("keys", ["rotated", "shaped"])
-@pytest.mark.parametrize("views", ["decoded", "packed"])
-@pytest.mark.parametrize("bits,group", SETTINGS)
-def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, group, views, keys):
+@pytest.mark.parametrize("bits", SETTINGS)
+def test_sequences_decoded_together_read_what_each_alone_reads(model, bits):
     """A batch rounds its new keys and values once for all its members: each member's step is
     what the sequence alone computes (within the batched matmuls' rounding; the same token),
-    with the shared view decoded or packed (read by quantized products)."""
+    with the shared view decoded."""
     from kv_cache.model.attention import install
     from kv_cache.model.views import PrefixViews
     from kv_cache.model.batch import batch_caches
@@ -260,8 +240,8 @@ def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, grou
     assert install(model)
     doc = list(range(40, 80))
     prompts = [doc + [90 + i, 100 + i] for i in range(3)]
-    m = manager(model, bits, group, keys=keys)
-    m.views = PrefixViews(m.pool, mode=views)
+    m = manager(model, bits)
+    m.views = PrefixViews(m.pool)
     seqs, nxt = [], []
     for p in prompts:
         seq, match = m.start(p, [])
@@ -270,8 +250,7 @@ def test_sequences_decoded_together_read_what_each_alone_reads(model, bits, grou
         seq.commit()
         seqs.append(seq)
         nxt.append(mx.argmax(logits).item())
-    assert seqs[-1].view is not None and all(
-        hasattr(kv, "quant") == (views == "packed") for kv in seqs[-1].view.kv.values())
+    assert seqs[-1].view is not None
     together = model(mx.array(nxt)[:, None], cache=batch_caches(seqs))[:, -1]
     for i, seq in enumerate(seqs):
         seq.trim(1)  # back to before the step, then the same step alone

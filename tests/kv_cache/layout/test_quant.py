@@ -1,17 +1,17 @@
 """The page codec: MLX's affine layout, the stored integers and scales as the truth (what the
 model reads of a fresh key is bit for bit what its page decodes to, whatever the shape, batch or
-slice that decodes it), keys and values in their own bits, the rotation (orthogonal: queries
-rotated the same way score the same), sizes, and the settings' description."""
+slice that decodes it), keys and values in their own bits, the rotation (it spreads an outlier
+channel), sizes, and the settings' description."""
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from kv_cache.layout.quant import KVQuant, make_quant, parse_bits, scale_dtype
+from kv_cache.layout.quant import KVQuant, _hadamard, _signs, make_quant, parse_bits, scale_dtype
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
-SETTINGS = [KVQuant(8), KVQuant(4), KVQuant(8, 32, 4), KVQuant(4, 64, 8), KVQuant(4, 128),
-            KVQuant(8, 128), KVQuant(4, 32, rotate=False), KVQuant(8, 64, 4, rotate=False)]
+SETTINGS = [KVQuant(8), KVQuant(4), KVQuant(8, 32, 4), KVQuant(4, 64, 8), KVQuant(4, 32),
+            KVQuant(8, 32)]
 IDS = [q.label() for q in SETTINGS]
 
 
@@ -66,47 +66,47 @@ def test_coding_decoded_values_again_moves_some():
     assert not same_bits(KVQuant(4, 32).round_trip(y), y)
 
 
-@pytest.mark.parametrize("q", [KVQuant(8, 64), KVQuant(4, 64), KVQuant(4, 32),
-                               KVQuant(8, 64, rotate=False), KVQuant(4, 32, rotate=False)],
+def rotated(x: mx.array, g: int) -> mx.array:
+    """``x [..., head_dim]`` in the basis the codes hold: ``H (s * x) / g`` per group."""
+    s = mx.array(_signs(x.shape[-1]), mx.float32)
+    h = mx.array(_hadamard(g), mx.float32)
+    return ((x * s).reshape(*x.shape[:-1], -1, g) @ h).reshape(x.shape) / g
+
+
+@pytest.mark.parametrize("q", [KVQuant(8, 64), KVQuant(4, 64), KVQuant(4, 32)],
                          ids=lambda q: q.label())
 def test_layout_is_mlx_affine_and_error_is_bounded(q):
-    """``mx.quantized_matmul`` reads the words as they are (rotated queries score as the model's
-    queries do over the decoded keys), and each value is within one step of its group."""
+    """The words are MLX's affine layout of the rotated values (``mx.dequantize`` reads them
+    as the codec does), and each value is within half a step of its group, in the coded
+    basis."""
     x = kv_like((2, 3, 16, 64), mx.float32, 3)
     x = x.at[0, 0, :6].multiply(0.0)  # NOTE: corner rows to the side: a clean bound below
     _, _, kw, _ = q.fresh(x, x)
-    w, s, b = q.packed(kw, q.bits, mx.float32)
-    assert w.dtype == mx.uint32 and w.shape == (2, 3, 16, 64 * q.bits // 32)
-    assert s.shape == b.shape == (2, 3, 16, 64 // q.group_size)
-    a = mx.random.normal((2, 3, 5, 64), key=mx.random.key(0))
-    got = mx.quantized_matmul(q.rotate_queries(a), w, s, b, transpose=True,
-                              group_size=q.group_size, bits=q.bits)
-    want = a @ q.round_trip(x).swapaxes(-1, -2)
-    assert mx.allclose(got, want, rtol=1e-3, atol=1e-2).item()
-    # p @ V through the codes, rotated back, is p @ the decoded values
-    p = mx.softmax(mx.random.normal((2, 3, 5, 16), key=mx.random.key(1)), axis=-1)
-    got = q.unrotate(mx.quantized_matmul(p, w, s, b, transpose=False, group_size=q.group_size,
-                                         bits=q.bits))
-    assert mx.allclose(got, p @ q.round_trip(x), rtol=1e-3, atol=1e-2).item()
-    # error: at most half a stored step, in the coded basis
-    g = q.group_size
-    y = q.rotate_queries(x) / g if q.rotate else x  # the coded basis (H is orthogonal up to g)
-    got = q.rotate_queries(q.round_trip(x)) / g if q.rotate else q.round_trip(x)
+    n, g = 64 * q.bits // 32, q.group_size
+    sb = kw[..., n:].view(mx.float16).astype(mx.float32)
+    w, s, b = kw[..., :n], sb[..., : 64 // g], sb[..., 64 // g :]
+    assert w.dtype == mx.uint32 and s.shape == b.shape == (2, 3, 16, 64 // g)
+    y = rotated(x, g)
+    got = rotated(q.round_trip(x), g)
+    assert mx.allclose(mx.dequantize(w, s, b, group_size=g, bits=q.bits), got,
+                       rtol=1e-5, atol=1e-4).item()
     err = mx.abs(got - y).reshape(-1, g).max(axis=-1)
     bound = 0.5 * s.reshape(-1) * 1.001 + 1e-5 * (1 + mx.abs(y).reshape(-1, g).max(axis=-1))
     assert bool(mx.all(err <= bound))
 
 
 def test_rotation_spreads_an_outlier_channel_and_lowers_the_error():
-    """Keys with one large channel (as real models' keys have): the rotation cuts the 4-bit
-    error several fold; without outliers it costs nothing much."""
+    """Keys with one large channel (as real models' keys have): the rotated 4-bit codec's error
+    is well below MLX's own affine quantization of the same groups, unrotated (0.21 against
+    0.53 here)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(1, 4, 256, 64))
     x[..., 7] *= 30
     x = mx.array(x.astype(np.float32))
-    err = {rot: mx.sqrt(((KVQuant(4, rotate=rot).round_trip(x) - x) ** 2).mean()).item()
-           for rot in (True, False)}
-    assert err[True] < err[False] / 3
+    rotated_err = mx.sqrt(((KVQuant(4).round_trip(x) - x) ** 2).mean()).item()
+    plain = mx.dequantize(*mx.quantize(x, group_size=64, bits=4), group_size=64, bits=4)
+    plain_err = mx.sqrt(((plain - x) ** 2).mean()).item()
+    assert rotated_err < plain_err / 2
 
 
 def test_keys_and_values_in_their_own_bits():
@@ -133,7 +133,7 @@ def test_sizes_and_ratios():
 
 def test_settings_parsing_and_description():
     assert make_quant(None) is None and make_quant(0) is None and make_quant("off") is None
-    assert make_quant(8) == KVQuant(8, 64) == KVQuant(8, 64, 8, True)
+    assert make_quant(8) == KVQuant(8, 64) == KVQuant(8, 64, 8)
     assert make_quant("8,4", 32) == KVQuant(8, 32, 4) and make_quant((4, 8)) == KVQuant(4, 64, 8)
     assert parse_bits("4") == (4, 4) and parse_bits(" 8,4 ") == (8, 4) and parse_bits(8) == (8, 8)
     for bad in ("3", "8,4,4", "8;4", "x", "16"):
@@ -147,7 +147,8 @@ def test_settings_parsing_and_description():
         KVQuant(3)
     with pytest.raises(ValueError):
         KVQuant(8, 64, 2)
-    with pytest.raises(ValueError):
-        KVQuant(8, 48)
-    with pytest.raises(ValueError):
-        KVQuant(8, 128).round_trip(mx.zeros((1, 1, 1, 64)))
+    for group in (48, 128):
+        with pytest.raises(ValueError, match="groups of"):
+            KVQuant(8, group)
+    with pytest.raises(ValueError, match="do not divide"):
+        KVQuant(8, 64).round_trip(mx.zeros((1, 1, 1, 96)))

@@ -1,4 +1,4 @@
-"""Keys per channel over a page (``--kv-key-scales page``) through the whole cache, tiny random
+"""Keys per channel over a page (the default of ``--kv-bits``) through the whole cache, tiny random
 models, pages of 4: the model reads what the reference (``scripts/kivi_sim.KiviCache``: earlier
 pages decoded, its own page float, each page coded once) reads, in any chunking, batched or
 alone, after trims and dropped buffers; a restored turn equals the warm one bit for bit; reuse
@@ -23,7 +23,7 @@ P = 4
 
 
 def manager(model, disk: Path | None = None, key_block: int = P, bits=4, max_resident=0):
-    spec, fp = with_kv_bits(spec_of(model), "tiny", bits, 32, True, None, key_block=key_block)
+    spec, fp = with_kv_bits(spec_of(model), "tiny", bits, key_block=key_block)
     return open_cache(spec, fp, page_size=P, max_ram_bytes=1 << 24, policy="lru",
                       disk_dir=disk, max_disk_bytes=1 << 26, max_resident=max_resident)
 
@@ -258,38 +258,25 @@ def test_only_full_attention_of_a_model_without_recurrent_state_takes_it():
 
     full = GroupSpec(CacheSpec.plain(2, 2, 32).groups[0].kind, (0, 2), 2, 32, "float32")
     window = GroupSpec(SlidingWindow(8), (1, 3), 2, 32, "float32")
-    spec, _ = with_kv_bits(CacheSpec(4, (full, window)), "m", 4, 32, key_block=P)
+    spec, _ = with_kv_bits(CacheSpec(4, (full, window)), "m", 4, key_block=P)
     assert [g.quant.key_block for g in spec.groups] == [P, 0]
     assert CacheSpec.from_json(spec.to_json()) == spec  # file headers carry it
     assert spec.groups[0].quant.describe()["kv_key_scales"] == f"channel-page-{P}"
     hybrid = CacheSpec(3, (full,), (StateSpec(1, ((1, 4),), ("float32",)),))
     with pytest.raises(ValueError, match="recurrent state"):
-        with_kv_bits(hybrid, "m", 4, 32, key_block=P)
-    with pytest.raises(ValueError, match="not shaped"):
-        with_kv_bits(CacheSpec(4, (full, window)), "m", 4, 32, key_stats={}, key_block=P)
+        with_kv_bits(hybrid, "m", 4, key_block=P)
 
 
-def test_views_of_keys_per_channel_are_read_decoded_and_auto_picks_them_where_it_can():
+def test_pages_in_bits_take_keys_per_channel_wherever_the_model_has_no_recurrent_state():
     from kv_cache.layout.spec import StateSpec, key_block_for
-    from kv_cache.model.packed_attention import packed_pays
 
-    assert not packed_pays("packed", KVQuant(4, 32, key_block=P))
-    assert packed_pays("packed", KVQuant(4, 32))
     plain = CacheSpec.plain(2, 2, 32)
-    assert key_block_for(plain, 4, "auto", 32) == 32
-    assert key_block_for(plain, "4,8", "auto", 32) == 32
-    assert key_block_for(plain, 8, "auto", 32) == 32
-    assert key_block_for(plain, "8,4", "auto", 32) == 32
-    assert key_block_for(plain, 8, "page", 32) == 32
-    assert key_block_for(plain, 4, "position", 32) == 0
-    assert key_block_for(plain, None, "page", 32) == 0
-    assert key_block_for(plain, 4, "auto", 32, shaped=True) == 0
+    for bits in (4, "4,8", 8, "8,4"):
+        assert key_block_for(plain, bits, 32) == 32
+    assert key_block_for(plain, 4, 16) == 16  # over the page, whatever its size
+    assert key_block_for(plain, None, 32) == 0
     hybrid = CacheSpec(3, plain.groups, (StateSpec(1, ((1, 4),), ("float32",)),))
-    assert key_block_for(hybrid, 4, "auto", 32) == 0
-    with pytest.raises(ValueError, match="kv-calibration"):
-        key_block_for(plain, 4, "page", 32, shaped=True)
-    with pytest.raises(ValueError, match="kv-key-scales"):
-        key_block_for(plain, 4, "pages", 32)
+    assert key_block_for(hybrid, 4, 32) == 0
 
 
 def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows(monkeypatch):
@@ -314,7 +301,7 @@ def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows(mon
     mx.random.seed(4)
     model = model_class(args_class.from_dict(cfg))
     model.set_dtype(mx.float32)
-    spec, fp = with_kv_bits(spec_of_model(model, "gemma3_text"), "g", 4, 32, key_block=P)
+    spec, fp = with_kv_bits(spec_of_model(model, "gemma3_text"), "g", 4, key_block=P)
     assert [(g.kind.reads_all, g.quant.key_block) for g in spec.groups] == [(False, 0), (True, P)]
     position = KVQuant(4, 32)
 
@@ -368,7 +355,7 @@ def test_the_default_models_shape_restores_bit_for_bit_through_a_view(tmp_path):
     assert install(wide)
     a = wide.args
     spec = CacheSpec.plain(a.num_hidden_layers, a.num_key_value_heads, 64, mx.float32)
-    spec, fp = with_kv_bits(spec, "wide", 4, 64, key_block=32)
+    spec, fp = with_kv_bits(spec, "wide", 4, key_block=32)
     assert spec.groups[0].quant.words(64, mx.float32) == 10
 
     def opened():
