@@ -5,7 +5,7 @@ speculation pays where such a pass costs little more than a step (engine/pass_co
 it as the server runs). This script measures it apart, per backend:
 
     python scripts/bench_pass_width.py [--widths 1 2 4 9] [--batches 1 8] [--reps 8]
-        [--cases shared distinct mlx_lm] [--attention now|padded|fused|none] [--json out]
+        [--cases shared distinct mlx_lm] [--attention now|padded|none] [--json out]
 
 Cases: ``shared``: sequences on one ~2,000-token document (one prefix view for all), ``distinct``:
 each sequence on its own document (a view each), both through the server's runner and pages;
@@ -14,9 +14,9 @@ reference. Width 1 is the plain decode step (``Runner.decode``); a wider pass is
 ``Runner.verify`` with its argmax read, then the draft's positions trimmed (a verify step that
 takes nothing, so every pass sees the same context). Milliseconds per pass (median of
 ``--reps``) and each width's cost in plain steps; and the seconds the case's prompts took
-(``prefill_s``: one sequence alone on its document reads it through ``_alone``). On a GPU,
-MLX compiles kernels at first use: the first pass of each shape is left out (two warm-up passes
-per cell).
+(``prefill_s``: one sequence alone on its document reads it through mlx-lm's function). On a
+GPU, MLX compiles kernels at first use: the first pass of each shape is left out (two warm-up
+passes per cell).
 """
 
 from __future__ import annotations
@@ -98,11 +98,10 @@ def main() -> None:
     ap.add_argument("--model", default="default")
     ap.add_argument("--cases", nargs="+", default=["shared", "distinct", "mlx_lm"],
                     choices=["shared", "distinct", "mlx_lm"])
-    ap.add_argument("--attention", choices=["now", "padded", "fused", "none"], default="now",
+    ap.add_argument("--attention", choices=["now", "padded", "none"], default="now",
                     help="padded: the split path as before own keys were read where they are "
-                    "(every sequence's padded into one array each layer, MLX's exp); fused: "
-                    "now, but one sequence alone through mlx-lm's fused kernel, as before "
-                    "_alone; none: the split path skipped (its output is the queries), so a "
+                    "(every sequence's padded into one array each layer); "
+                    "none: the split path skipped (its output is the queries), so a "
                     "pass costs its weights and the rest alone: against `now`, what attention "
                     "costs (the logits are not the model's)")
     ap.add_argument("--json", type=Path)
@@ -110,11 +109,7 @@ def main() -> None:
     if args.attention == "padded":
         from kv_cache.model import attention
 
-        attention.OWN_KEYS_APART, attention._POW_EXP = 1 << 30, False
-    if args.attention == "fused":
-        from kv_cache.model import attention
-
-        attention._alone_mask = lambda *a: False
+        attention.OWN_KEYS_APART = 1 << 30
     if args.attention == "none":
         from kv_cache.model import attention
 

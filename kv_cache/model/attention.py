@@ -15,27 +15,19 @@ which is ordinary softmax attention split in two and merged by its log-sum-exp (
 and the two sums), so no sequence needs a contiguous copy of the shared prefix. One sequence
 alone on a view with a long prompt piece is the exception where it pays (``_copy_pays``: the
 CPU backend in float32): its layer copies the view's keys and values once before its own and
-runs attention as for one sequence alone (``_alone``), which computes bit for bit what a
-sequence holding its whole context in its own buffers does.
+runs mlx-lm's function over them, which computes bit for bit what a sequence holding its whole
+context in its own buffers does.
 
-NOTE: on MLX's CPU backend on x86 attention is most of a decode step (``cpu_forms``): ``exp``
-goes through ``power`` there (``_exp``), and a prefix's scores for a few query rows are kept
-keys first, their products in the forms OpenBLAS runs fastest (``cpu_forms.keys_first``). The
-fused kernel returns no log-sum-exp, so the split path is plain MLX ops. A sequence alone with
-no view goes through mlx-lm's function (the fused kernel) except on the CPU on x86, where that
-kernel's softmax is the slow ``exp`` and ``_alone`` computes the same with ``_exp`` (a prompt's
-attention a third faster there).
-Own keys of ``OWN_KEYS_APART`` positions or more (sequences that read no
-view, or read long past it: eight clients each on its own file) are never padded into one batch
-array, which copied every sequence's keys and values once a layer and step (on the CPU half of a
-step of eight 2,000-token sequences): each sequence's products run on its own buffers, and on
-the CPU a row that reads no view takes its softmax alone over its real queries (a verify pass
-pads drafts to the longest; the padding is skipped). Measured on the CPU only
+NOTE: the fused kernel returns no log-sum-exp, so the split path is plain MLX ops; a sequence
+alone with no view goes through mlx-lm's function (the fused kernel). Own keys of
+``OWN_KEYS_APART`` positions or more (sequences that read no view, or read long past it: eight
+clients each on its own file) are never padded into one batch array, which copied every
+sequence's keys and values once a layer and step (on the CPU half of a step of eight
+2,000-token sequences): each sequence's products run on its own buffers, and on the CPU a row
+that reads no view takes its softmax alone over its real queries (a verify pass pads drafts to
+the longest; the padding is skipped). Measured on the CPU only
 (docs/BENCHMARKS.md section 17); on a GPU a row alone is a dozen more kernel launches a layer,
-so there only the products go apart. On the CPU such a row's own keys before its first query
-are read as a prefix of its own (``_own_prefix``: a slice of its buffers, no copy; after its
-view's, where it reads one: agents sharing a system prompt, each on its own file), so a resident
-sequence takes a prefix's forms (``cpu_forms``, ``prefix_part``) too.
+so there only the products go apart.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -47,23 +39,18 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
-from dataclasses import replace
 from typing import Any, Iterator
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from kv_cache.model import prefix_part
-from kv_cache.model.cpu_forms import X86 as _POW_EXP, exp as _exp, warm
-from kv_cache.model.masks import alone_mask, build_mask as _build_mask, ragged_index
+from kv_cache.model.masks import build_mask as _build_mask, ragged_index
 from kv_cache.model.prefix_part import prefix_length
 from kv_cache.model.reads import Reads, pad
 
 _ORIGINAL = mlx_base.scaled_dot_product_attention
 OWN_KEYS_APART = 256  # own keys from this many on: each row's products apart (docstring: NOTE)
-# on the CPU, own keys before a row's queries read as its prefix from ``c * sqrt(t) >= this``
-# (``c`` keys before ``t`` queries: _own_prefix; ``math.inf``: never)
-OWN_PREFIX_FROM = 2000
 
 
 # -- attention ----------------------------------------------------------------------------------
@@ -85,13 +72,13 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
     if ragged is not None:
         return _ragged(queries, rs, ragged, scale, sinks)
     if rs is None:  # one sequence, nothing shared: the model's mask over its keys
-        return _alone(queries, keys, values, cache, scale, mask, sinks)
+        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     if len(rs) == 1 and _copy_pays(queries, rs[0], mask):
         # one sequence reading a view: its keys and values after the view's, one copy
         k, v = rs[0].prefix
         k = mx.concatenate([k[None], rs[0].keys], axis=2)
         v = mx.concatenate([v[None], rs[0].values], axis=2)
-        return _alone(queries, k, v, cache, scale, mask, sinks)
+        return _ORIGINAL(queries, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks)
     return split_attention(queries, rs, scale, sinks)
 
 
@@ -112,45 +99,9 @@ def _ragged(queries: mx.array, reads: list[Reads], lengths: list[int], scale: fl
     return out[back][:, :, None, :]
 
 
-def _alone(queries, keys, values, cache, scale: float, mask, sinks) -> mx.array:
-    """Attention of one sequence over all its keys with the model's mask: mlx-lm's function
-    (the fused kernel), except on the CPU on x86, where that kernel's softmax is MLX's scalar
-    ``exp`` (~26 ns an element: a 512-token prompt piece over 3,000 keys spent 458 ms a layer
-    in it) and the same softmax through ``_exp`` takes 298 (docs/BENCHMARKS.md section 17):
-    there, plain ops, scores in float32, for the masks mlx-lm passes (none, ``"causal"``, an
-    array of ``[T, N]`` or ``[B, 1, T, N]``); any other mask goes to the fused kernel."""
-    B, Hq, T, D = queries.shape
-    N = keys.shape[2]
-    add = _alone_mask(mask, T, N) if _POW_EXP and _rows_alone() else False
-    if add is False:
-        return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-    Hkv = keys.shape[1]
-    rep = Hq // Hkv
-    q = (queries * scale).reshape(B, Hkv, rep * T, D)
-    s = (q @ keys.swapaxes(-1, -2)).astype(mx.float32).reshape(B, Hkv, rep, T, N)
-    if add is not None:
-        s = mx.where(add, s, -mx.inf) if add.dtype == mx.bool_ else s + add
-    m = s.max(axis=-1, keepdims=True)
-    if sinks is not None:
-        sink = sinks.astype(mx.float32).reshape(1, Hkv, rep, 1, 1)
-        m = mx.maximum(m, sink)
-    e = _exp(s - m)
-    denom = e.sum(axis=-1, keepdims=True)
-    if sinks is not None:
-        denom = denom + _exp(sink - m)
-    out = e.reshape(B, Hkv, rep * T, N).astype(values.dtype) @ values
-    out = out / denom.reshape(B, Hkv, rep * T, 1).astype(out.dtype)
-    return out.reshape(B, Hq, T, D).astype(queries.dtype)
-
-
-def _alone_mask(mask, T: int, N: int):
-    p = _PASS.get()  # ``masks.alone_mask``, kept for the pass
-    return alone_mask(mask, T, N, p.masks if p is not None else None)
-
-
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
-    """Whether one sequence's prompt piece costs less as one sequence alone (``_alone``) over
-    one copy of the view's keys and values than through the split path (CPU, measured per
+    """Whether one sequence's prompt piece costs less as one sequence alone (mlx-lm's function)
+    over one copy of the view's keys and values than through the split path (CPU, measured per
     layer with the fused kernel: docs/BENCHMARKS.md section 9): in float32 once the scores
     outnumber the keys and values about 1.5 to 1 (repeats of a key's head x queries >= 3 x
     head_dim); in float16 and bfloat16 and for one query the split path wins. Metal, CUDA: the
@@ -207,12 +158,8 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
     reads. Rows sharing a prefix view are computed together, over their real queries only (a
     padded or ragged pass's later ones come back as zeros: nobody reads them)."""
     groups: dict[tuple, list[int]] = {}
-    if _rows_alone():
-        reads = [_own_prefix(r) for r in reads]
     for i, r in enumerate(reads):
         key = (id(r.view), prefix_length(r.prefix)) if r.prefix is not None else (None, 0)
-        if r.prefix is None and r.mine is not None:  # its own keys as its prefix: alone
-            key = (None, -1 - i)
         groups.setdefault(key, []).append(i)
     parts = []
     for key, rows in groups.items():  # long own keys and no prefix: each row alone (NOTE)
@@ -227,22 +174,6 @@ def split_attention(queries: mx.array, reads: list[Reads], scale: float,
         for j, i in enumerate(rows):
             out[i] = o[j : j + 1]
     return mx.concatenate(out, axis=0)
-
-
-def _own_prefix(r: Reads) -> Reads:
-    """``r`` with its own keys before its first query (full attention, float keys) read as a
-    prefix of its own (``mine``), a slice of its buffers (module docstring); a shared view's
-    prefix, where it reads one, stays its group's. Where it pays: from ``OWN_KEYS_APART`` keys
-    and ``c * sqrt(t) >= OWN_PREFIX_FROM`` for ``c`` keys before ``t`` queries (measured on x86's
-    CPU, eight rows: a prefix's forms lose below ~2,000 keys for one query, ~1,200 for four,
-    ~600 for nine, 2.3x at 300 keys; docs/BENCHMARKS.md section 17)."""
-    c, k, v = r.q_start - r.own_start, r.keys, r.values
-    t = k.shape[2] - c
-    if r.window or r.block or r.copies or t < 1 or c < OWN_KEYS_APART \
-            or c * t ** 0.5 < OWN_PREFIX_FROM:
-        return r
-    return replace(r, mine=(k[0, :, :c, :], v[0, :, :c, :]), keys=k[:, :, c:, :],
-                   values=v[:, :, c:, :], own_start=r.q_start, at=r.at + c)
 
 
 def _rows_alone() -> bool:
@@ -302,15 +233,11 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
     if prefix is not None:
         shared = prefix_part.scores(q.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, D), prefix)
         m = mx.maximum(m, shared.maxima.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3))
-    mine = [prefix_part.scores(q[i], r.mine) if r.mine is not None else None
-            for i, r in enumerate(reads)]  # each row's own keys before its queries
-    if any(mine):
-        m = prefix_part.by_rows(mx.maximum, m, [p.maxima[None] if p else None for p in mine])
     if sinks is not None:
         sink = mx.broadcast_to(sinks.astype(mx.float32).reshape(1, Hkv, rep, 1),
                                (1, Hkv, rep, T)).reshape(1, Hkv, rep * T, 1)
         m = mx.maximum(m, sink)
-    e_own = _exp(s_own - m)
+    e_own = mx.exp(s_own - m)
     denom = e_own.sum(axis=-1, keepdims=True)
     if apart:
         out = mx.concatenate([e_own[i : i + 1, ..., : r.keys.shape[2]].astype(r.values.dtype)
@@ -322,13 +249,8 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
             shared, m.transpose(1, 0, 2, 3).reshape(Hkv, B * rep * T, 1))
         out = out + out_p.reshape(Hkv, B, rep * T, D).transpose(1, 0, 2, 3)
         denom = denom + denom_p.reshape(Hkv, B, rep * T, 1).transpose(1, 0, 2, 3)
-    if any(mine):
-        parts = [prefix_part.weighted(p, m[i]) if p is not None else None
-                 for i, p in enumerate(mine)]
-        out = prefix_part.by_rows(mx.add, out, [p[0][None] if p else None for p in parts])
-        denom = prefix_part.by_rows(mx.add, denom, [p[1][None] if p else None for p in parts])
     if sinks is not None:
-        denom = denom + _exp(sink - m)
+        denom = denom + mx.exp(sink - m)
     out = out / denom.astype(out.dtype)
     return out.reshape(B, Hq, T, D).astype(queries.dtype)
 
@@ -347,6 +269,4 @@ def install(model) -> bool:
         if fn is _ORIGINAL:
             setattr(mod, "scaled_dot_product_attention", attention)
         hooked = hooked or fn in (_ORIGINAL, attention)
-    if hooked:
-        warm()
     return hooked

@@ -1,5 +1,5 @@
-"""The mask of a group's own keys in the split attention path (``kv_cache.model.attention``),
-the model's mask as one sequence alone reads it, and the row index of a ragged pass."""
+"""The mask of a group's own keys in the split attention path (``kv_cache.model.attention``)
+and the row index of a ragged pass."""
 
 from __future__ import annotations
 
@@ -46,31 +46,3 @@ def ragged_index(lengths: list[int]) -> tuple[mx.array, mx.array]:
     starts = accumulate(lengths, initial=0)
     return (mx.array([a + min(j, n - 1) for a, n in zip(starts, lengths) for j in range(T)]),
             mx.array([i * T + j for i, n in enumerate(lengths) for j in range(n)]))
-
-
-def alone_mask(mask, T: int, N: int, cache: dict | None = None):
-    """The model's ``mask`` for one sequence's scores alone ``[B, kv_heads, repeats, T, N]``
-    (``attention._alone``): None (no mask), a bool or additive array that broadcasts there, or
-    False for a mask it leaves to the fused kernel. ``cache``: a pass's masks, where a causal
-    one made is kept."""
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        if mask != "causal":
-            return False
-        if T == 1:
-            return None
-        key = ("causal", T, N)
-        if cache is not None and key in cache:
-            return cache[key]
-        made = mx.arange(N)[None] <= mx.arange(N - T, N)[:, None]
-        if cache is not None:
-            cache[key] = made
-        return made
-    if not isinstance(mask, mx.array) or mask.shape[-2:] != (T, N):
-        return False
-    if mask.ndim == 2:
-        return mask
-    if mask.ndim == 4 and mask.shape[1] == 1:
-        return mask[:, :, None]
-    return False

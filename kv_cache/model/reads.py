@@ -30,9 +30,6 @@ class Reads:
     block: int = 0
     float_from: int = 0
     copies: int = 0
-    # its own keys and values before its first query ``[kv_heads, n, head_dim]``, read as a
-    # prefix of its own (``_own_prefix``), after the shared one where it has a view
-    mine: tuple[mx.array, mx.array] | None = None
 
     def padded(self, n: int) -> tuple[mx.array, mx.array]:
         """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""

@@ -3,8 +3,6 @@ bookkeeping that lets KV-shared layers find their reads only inside a forward pa
 
 from __future__ import annotations
 
-import math
-
 import mlx.core as mx
 import pytest
 
@@ -76,66 +74,6 @@ def test_long_own_keys_are_read_where_they_are(view, alone, with_sinks, monkeypa
         if not view and alone:
             assert mx.array_equal(got[i : i + 1, :, :t], single[i]).item()
             assert not mx.any(got[i, :, t:]).item()
-
-
-@pytest.mark.parametrize("view", [False, True])
-@pytest.mark.parametrize("T", [1, 4])
-def test_own_keys_before_the_queries_are_read_as_a_prefix(T, view, monkeypatch):
-    """Rows holding their context in their own buffers (resident sequences) read their own keys
-    before their first query as a prefix of their own, a slice of their buffers, so they take a
-    prefix's forms on the CPU: alone where they read no view, and still together with the rows
-    of their view where they do (eight agents sharing a system prompt, each on its own file);
-    the answer is attention over the whole context, with the flag on or off. A row whose keys
-    before its queries are short, or with a window, is left as it is."""
-    monkeypatch.setattr(attention, "_rows_alone", lambda: True)
-    seen = []
-    group = attention._group
-    monkeypatch.setattr(attention, "_group", lambda q, rs, *a: seen.append(rs) or group(q, rs, *a))
-    mx.random.seed(4)
-    H, Hkv, D, P = 4, 2, 16, 48
-    kp, vp = mx.random.normal((Hkv, P, D)), mx.random.normal((Hkv, P, D))
-    n0 = attention.OWN_KEYS_APART
-    own = [n0 + 40, n0 + 5, 30]
-    q = mx.random.normal((len(own), H, T, D))
-    reads, want = [], []
-    for i, n in enumerate(own):
-        k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
-        start = P if view else 0
-        reads.append(Reads((kp, vp) if view else None, "view" if view else None, k, v, start,
-                           start + n - T, 0))
-        K = mx.concatenate([kp[None], k], axis=2) if view else k
-        V = mx.concatenate([vp[None], v], axis=2) if view else v
-        mask = mx.arange(start + n)[None] <= (start + n - T + mx.arange(T))[:, None]
-        want.append(fused(q[i : i + 1], K, V, mask=mask))
-    for flag in (True, False):  # always (where it pays: the next test), or never
-        monkeypatch.setattr(attention, "OWN_PREFIX_FROM", 0 if flag else math.inf)
-        seen.clear()
-        got = split_attention(q, reads, 0.3)
-        assert mx.allclose(got, mx.concatenate(want), atol=2e-5).item()
-        rows = [r for rs in seen for r in rs]
-        mine = [r.mine[0].shape[1] if r.mine is not None else 0 for r in rows]
-        if view:  # one group: the view's rows together
-            assert len(seen) == 1
-            assert all(r.prefix[0] is kp for r in rows)
-        if flag:
-            assert mine == [own[0] - T, own[1] - T, 0]
-            assert [r.keys.shape[2] for r in rows[:2]] == [T, T]
-        else:
-            assert mine == [0, 0, 0]
-    windowed = Reads(None, None, reads[0].keys, reads[0].values, 0, own[0] - T, 64)
-    assert attention._own_prefix(windowed) is windowed
-
-
-@pytest.mark.parametrize("c, t, mine", [(1_900, 1, False), (2_100, 1, True), (900, 4, False),
-                                         (1_100, 4, True), (600, 9, False), (700, 9, True),
-                                         (200, 512, False)])
-def test_own_keys_are_read_as_a_prefix_where_that_pays(c, t, mine):
-    """``c`` own keys before ``t`` queries become a prefix of their own from ``c * sqrt(t) >=
-    OWN_PREFIX_FROM`` (and ``OWN_KEYS_APART`` keys): below, the plain products are faster on
-    x86's CPU (one query under ~2,000 keys, four under ~1,200, nine under ~600)."""
-    k = mx.zeros((1, 2, c + t, 8))
-    r = Reads(None, None, k, k, 0, c, 0)
-    assert (attention._own_prefix(r).mine is not None) == mine
 
 
 def test_a_window_reads_only_its_last_positions():
@@ -220,56 +158,26 @@ def _masks(T: int, N: int) -> dict:
 
 @pytest.mark.parametrize("mask_name", ["none", "causal", "bool [T, N]", "bool [1, 1, T, N]",
                                        "additive [T, N]"])
-@pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("T", [1, 6])
-def test_one_sequence_alone_on_an_x86_cpu_skips_the_fused_kernel(mask_name, with_sinks, T,
-                                                                 monkeypatch):
-    """One sequence with nothing shared: on the CPU on x86 its attention is plain ops with
-    ``_exp`` (the fused kernel's softmax is MLX's scalar ``exp`` there), equal to the fused
-    kernel within rounding for every mask mlx-lm passes; elsewhere the fused kernel itself."""
+def test_one_sequence_alone_is_mlx_lms_function(mask_name, T, monkeypatch):
+    """One sequence with nothing shared: mlx-lm's function (the fused kernel) for every mask
+    mlx-lm passes, on the CPU as on a GPU: bit for bit its answer."""
     mx.random.seed(4)
     H, Hkv, D, N = 6, 2, 16, 40
     q = mx.random.normal((1, H, T, D))
     k, v = mx.random.normal((1, Hkv, N, D)), mx.random.normal((1, Hkv, N, D))
-    sinks = mx.random.normal((H,)) if with_sinks else None
-    mask = _masks(T, N)[mask_name]
-    if T == 1 and mask_name == "causal":
-        mask = None
-    want = fused(q, k, v, mask=mask, sinks=sinks)
-    calls = _count_fused(monkeypatch)
-    for x86, cpu, plain_ops in [(True, True, True), (False, True, False), (True, False, False)]:
-        monkeypatch.setattr(attention, "_POW_EXP", x86)
-        monkeypatch.setattr(attention, "_rows_alone", lambda: cpu)
-        calls.clear()
-        with attention.forward():
-            got = attention.attention(q, k, v, _NoView(), 0.3, mask, sinks=sinks)
-        assert calls == ([] if plain_ops else [1])
-        assert mx.allclose(got, want, atol=2e-5).item()
-
-
-def _count_fused(monkeypatch) -> list:
+    mask = None if T == 1 and mask_name == "causal" else _masks(T, N)[mask_name]
     calls: list = []
     original = attention._ORIGINAL
     monkeypatch.setattr(attention, "_ORIGINAL",
                         lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    return calls
-
-
-def test_a_mask_alone_cannot_read_goes_to_the_fused_kernel(monkeypatch):
-    """A per-head mask, one of other lengths, or a mask name other than ``"causal"`` is left to
-    mlx-lm's function."""
-    monkeypatch.setattr(attention, "_POW_EXP", True)
-    monkeypatch.setattr(attention, "_rows_alone", lambda: True)
-    assert attention._alone_mask(mx.ones((3, 9), dtype=mx.bool_), 3, 10) is False
-    assert attention._alone_mask("sliding", 3, 10) is False
-    mx.random.seed(5)
-    q, k, v = (mx.random.normal(s) for s in ((1, 4, 3, 8), (1, 2, 10, 8), (1, 2, 10, 8)))
-    per_head = mx.arange(10)[None, None, None] <= mx.arange(4)[None, :, None, None] + 6
-    per_head = mx.broadcast_to(per_head, (1, 4, 3, 10))
-    calls = _count_fused(monkeypatch)
-    got = attention.attention(q, k, v, _NoView(), 0.3, per_head)
-    assert calls == [1]
-    assert mx.allclose(got, fused(q, k, v, mask=per_head), atol=1e-6).item()
+    for cpu in (True, False):
+        monkeypatch.setattr(attention, "_rows_alone", lambda: cpu)
+        calls.clear()
+        with attention.forward():
+            got = attention.attention(q, k, v, _NoView(), 0.3, mask)
+        assert calls == [1]
+        assert mx.array_equal(got, fused(q, k, v, mask=mask)).item()
 
 
 def test_rows_on_views_compute_their_real_queries_only():
@@ -294,17 +202,13 @@ def test_rows_on_views_compute_their_real_queries_only():
         assert mx.array_equal(got[i, :, real:], mx.zeros_like(got[i, :, real:])).item()
 
 
-def test_install_warms_the_cpu_forms(monkeypatch):
-    """Routing a model's attention builds x86's fused ``exp`` kernels then (``cpu_forms.warm``),
-    not in the middle of an answer; a model not routed warms nothing."""
+def test_install_routes_a_models_attention_only():
+    """A model whose modules call mlx-lm's attention is routed through ours; one without is
+    not (it decodes one sequence a pass)."""
     from tests.tiny_model import make_tiny_model
-    warmed: list = []
-    monkeypatch.setattr(attention, "warm", lambda: warmed.append(1))
     assert attention.install(make_tiny_model(seed=5))
-    assert warmed == [1]
 
     class NotRouted:
         def named_modules(self):
             return []
     assert not attention.install(NotRouted())
-    assert warmed == [1]

@@ -279,19 +279,10 @@ def test_pages_in_bits_take_keys_per_channel_wherever_the_model_has_no_recurrent
     assert key_block_for(hybrid, 4, 32) == 0
 
 
-def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows(monkeypatch):
+def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows():
     """gemma3 (sliding, global, sliding, global; head_dim 32 here): the global layers read keys
-    per channel over a page, the windows per position; each layer as its reference reads.
-
-    The reference runs mlx-lm's fused kernel; where an earlier test routed gemma3's attention
-    through ours, a layer of one sequence on an x86 CPU would run ``_alone`` (the same
-    attention, rounded otherwise), and 4-bit codes turn a rounding difference into a code
-    step: both sides run the fused kernel here."""
+    per channel over a page, the windows per position; each layer as its reference reads."""
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
-
-    from kv_cache.model import attention
-
-    monkeypatch.setattr(attention, "_alone_mask", lambda *a: False)
 
     from kv_cache.model.spec_reader import spec_of_model
     from tests.tiny_families import _get_classes, tiny_family_config
