@@ -31,10 +31,9 @@ from ..chat.output import Accepted, Done, Error
 from ..config import GB, ServerConfig
 from ..errors import RequestError
 from ..models.loading import LoadedModel
-from ..platform import heap
 from .request import Job
 from .draft_model import DraftModel, DraftModelError, check_draft_model
-from .memory import MemoryBudget
+from .memory import MemoryBudget, give_back
 from .backlog import Backlog
 from .runner import Runner
 from .scheduler import Events, Scheduler
@@ -218,8 +217,7 @@ class Engine:
         what it was after 100 (docs/BENCHMARKS.md section 18). What the passes and the requests
         freed through the C allocator goes back too (``platform/heap.py``)."""
         if mx.get_cache_memory():
-            mx.clear_cache()
-            heap.give_back()
+            give_back()
 
     def _step(self) -> None:
         """One step of every busy model (a method of its own: its locals, the last scheduler

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from kv_cache import OWN_KEYS_APART
 
+from ..platform import heap
 from ..platform.memory_facts import MemoryFacts, current
 
 log = logging.getLogger("mlx_kvserver.engine")
@@ -88,6 +89,16 @@ def weights_bytes(model: Any) -> int:
 
 class ModelTooLarge(ValueError):
     """A model whose load would not fit in what the memory limit leaves free."""
+
+
+def give_back() -> None:
+    """MLX's buffer cache back to the system, and what that frees through the C allocator: a
+    buffer MLX frees may sit in the allocator's heaps, resident, when it was carved from free
+    chunks an earlier trim left there (``platform/heap.py``) instead of pages mapped for it, so
+    the process's resident memory, which the budget reads, falls only once they are handed
+    back too."""
+    mx.clear_cache()
+    heap.give_back()
 
 
 class MemoryBudget:

@@ -22,7 +22,7 @@ import time
 import mlx.core as mx
 
 from ..errors import RequestError
-from .memory import GB
+from .memory import GB, give_back
 
 log = logging.getLogger("mlx_kvserver.engine")
 
@@ -83,7 +83,7 @@ class Pressure:
             return True
         if not mx.get_cache_memory():
             return False
-        mx.clear_cache()
+        give_back()
         return self.memory.in_use() + extra <= self.memory.limit
 
     def chunk(self, r, done: int, want: int, first: bool = False) -> int:
@@ -128,7 +128,7 @@ class Pressure:
         mx.clear_cache()
         self.s.prepares.clear()
         pages = self.memory.shed()
-        mx.clear_cache()
+        give_back()
         now = time.monotonic()
         if now - self.logged >= 1.0:  # at most once a second (a waiting prompt asks each step)
             self.logged = now

@@ -297,3 +297,24 @@ def test_prompts_waiting_for_memory_wait_without_a_time_limit(tiny_lm, monkeypat
     logged = [m for m in caplog.messages if "waits for memory" in m]
     assert len(logged) == 2, logged  # once each, not every step
     assert len([m for m in caplog.messages if "starts after" in m]) == 2
+
+
+def test_mlx_buffer_cache_given_back_lowers_resident_memory_also_from_a_trimmed_heap():
+    """After a trim (the engine's at rest) the C heap keeps free chunks whose pages went back
+    to the system; MLX's next buffers are carved from them, and freeing those buffers leaves
+    their pages resident until the heap is trimmed again. Giving the cache back under pressure
+    trims too, so the resident memory the budget reads falls (before, a pass that fitted once
+    the cache was back was refused room)."""
+    from mlx_kvserver.platform import heap
+
+    if not heap.available():
+        pytest.skip("this allocator cannot hand free pages back (not glibc or macOS)")
+    chunks = [bytes(600) for _ in range(120_000)]  # ~70 MB of heap in small chunks, then free
+    del chunks
+    heap.give_back()  # their pages go back; the chunks stay in the heap, free
+    budget = MemoryBudget(1 << 40)
+    budget.measure_outside()
+    fill_mlx_cache()
+    budget.limit = budget.in_use() + (8 << 20)  # 16 MB more fits only once the cache is back
+    p = Pressure(None, budget)
+    assert p.fits(16 << 20) and mx.get_cache_memory() == 0
