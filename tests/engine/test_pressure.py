@@ -206,14 +206,21 @@ def test_prompts_go_on_one_at_a_time_when_memory_stays_short(tiny_lm, monkeypatc
     assert max(started) == 1  # one prompt read at a time under pressure
 
 
-def test_mlx_buffer_cache_is_given_back_before_a_pass_is_refused_room():
+def room_once_the_cache_is_back() -> Pressure:
+    """A budget whose limit leaves 8 MB beside ~32 MB of MLX's buffer cache: 16 MB more fits
+    only once the cache is given back, which ``fits`` must do."""
     budget = MemoryBudget(1 << 40)
     budget.measure_outside()
     fill_mlx_cache()
-    budget.limit = budget.in_use() + (8 << 20)  # 16 MB more fits only once the cache is back
+    budget.limit = budget.in_use() + (8 << 20)
     p = Pressure(None, budget)
     assert p.fits(16 << 20) and mx.get_cache_memory() == 0
-    assert not p.fits(budget.limit)  # nothing left to give back: no
+    return p
+
+
+def test_mlx_buffer_cache_is_given_back_before_a_pass_is_refused_room():
+    p = room_once_the_cache_is_back()
+    assert not p.fits(p.memory.limit)  # nothing left to give back: no
 
 
 
@@ -312,9 +319,4 @@ def test_mlx_buffer_cache_given_back_lowers_resident_memory_also_from_a_trimmed_
     chunks = [bytes(600) for _ in range(120_000)]  # ~70 MB of heap in small chunks, then free
     del chunks
     heap.give_back()  # their pages go back; the chunks stay in the heap, free
-    budget = MemoryBudget(1 << 40)
-    budget.measure_outside()
-    fill_mlx_cache()
-    budget.limit = budget.in_use() + (8 << 20)  # 16 MB more fits only once the cache is back
-    p = Pressure(None, budget)
-    assert p.fits(16 << 20) and mx.get_cache_memory() == 0
+    room_once_the_cache_is_back()
