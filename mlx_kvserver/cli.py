@@ -178,8 +178,8 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
     g.add_argument("--volatile-rules", action="append", default=[], type=Path, metavar="FILE",
                    help="a file of volatile rules, one REGEX[=>REPL] a line")
     g.add_argument("--no-volatile-rules", action="store_true",
-                   help="apply no volatile-line rules, not even the shipped one for Claude "
-                        "Code's attribution header")
+                   help="apply no volatile-line rules, not even the shipped ones for Claude "
+                        "Code's attribution header and 1M-context label")
 
     g = p.add_argument_group("platform and logging")
     g.add_argument("--no-fast-blas", action="store_true",

@@ -7,13 +7,20 @@ form before the conversation is rendered, so the prompt's tokens stay the same f
 request and the cache holds.
 
 A rule is a regular expression (Python syntax, matched per line with ``re.MULTILINE``) and a
-replacement (``\\1`` groups allowed; empty: the matched text is removed). The shipped rule:
+replacement (``\\1`` groups allowed; empty: the matched text is removed). The shipped rules:
 
 - ``claude-code-attribution``: Claude Code's first system block,
   ``x-anthropic-billing-header: cc_version=<version>.<suffix>; cc_entrypoint=<name>;`` whose
   suffix differs between sessions and kinds of request. The whole line is billing metadata for
   Anthropic's servers; it is removed. With it, two sessions in one project share the ~18,000
   tokens of tools and system prompt that follow; without it, about their first ten tokens.
+- ``claude-code-context-label`` and ``claude-code-model-id-1m``: the ``(1M context)`` label
+  and the ``[1m]`` suffix of the model id, which Claude Code (2.1.197, tried) writes into its
+  system prompt (``You are powered by the model named ... (1M context). The exact model ID is
+  claude-...[1m].``) and its Bash tool's commit co-author line in a ``claude -p`` session and
+  not in the ``claude -p -c`` that continues it: that continuation read 965 of its 22,654 prompt
+  tokens from the cache, the label's position. Both are removed (the served model is not that
+  one anyway).
 
 User rules come from ``--volatile-rule 'REGEX'`` (removes matches) or ``--volatile-rule
 'REGEX=>REPLACEMENT'``, and from ``--volatile-rules FILE`` (one rule a line in the same form;
@@ -21,7 +28,8 @@ blank lines and lines starting with ``#`` are skipped). ``--no-volatile-rules`` 
 them off, the shipped one included. The server logs each request that a rule changed.
 
 Rules apply to text parts of system and developer messages and of the first user message (where
-agents put environment facts), never to the answer's own history, tool calls or tool results.
+agents put environment facts) and to tools' descriptions (rendered into the system prompt by
+most templates), never to the answer's own history, tool calls or tool results.
 """
 
 from __future__ import annotations
@@ -48,6 +56,8 @@ class Rule:
 SHIPPED = (
     Rule("claude-code-attribution",
          re.compile(r"^x-anthropic-billing-header:[^\n]*(?:\n|$)", re.MULTILINE)),
+    Rule("claude-code-context-label", re.compile(r" \(1M context\)")),
+    Rule("claude-code-model-id-1m", re.compile(r"\b(claude-[\w.-]+)\[1m\]"), r"\1"),
 )
 
 
@@ -105,9 +115,11 @@ class Normalizer:
                 parts.append(p)
             if changed:
                 messages[i] = replace(m, parts=parts)
+        tools = [replace(t, description=self._rewrite(t.description, applied))
+                 if t.description else t for t in conv.tools]
         if not applied:
             return conv, []
-        return replace(conv, messages=messages), sorted(set(applied))
+        return replace(conv, messages=messages, tools=tools), sorted(set(applied))
 
     def _rewrite(self, text: str, applied: list[str]) -> str:
         for rule in self.rules:

@@ -1,10 +1,11 @@
-"""Volatile lines: the shipped rule for Claude Code's attribution header, user rules, off."""
+"""Volatile lines: the shipped rules for Claude Code (its attribution header, its 1M-context
+label), user rules, off."""
 
 from __future__ import annotations
 
 import pytest
 
-from mlx_kvserver.chat.conversation import Conversation, Message, Text, ToolResult
+from mlx_kvserver.chat.conversation import Conversation, Message, Text, Tool, ToolResult
 from mlx_kvserver.chat.normalize import SHIPPED, Normalizer, load_rules, parse_rule
 
 HEADER = "x-anthropic-billing-header: cc_version=2.1.328.{}; cc_entrypoint=cli;"
@@ -25,6 +26,29 @@ def test_attribution_header_differing_between_sessions_renders_the_same():
     assert applied == ["claude-code-attribution"]
     assert a.messages[0] == b.messages[0]
     assert a.messages[0].text == "\n\nYou are an agent."
+
+
+def test_claude_code_context_label_of_a_continued_session_renders_the_same():
+    """``claude -p`` puts ``(1M context)`` in the co-author line of its Bash tool's
+    description and its model id's ``[1m]`` in the system prompt, the ``claude -p -c`` that
+    continues it does not (2.1.197): both render the same (tool descriptions are in the system
+    prompt); other text stays."""
+    line = "When you commit, end the message with:\\nCo-Authored-By: Claude Opus 4.5{} " \
+        "<noreply@anthropic.com>\\n- End PR bodies (with care)"
+
+    env = "You are powered by the model named Opus 4.5{}. The exact model ID is " \
+        "claude-opus-4-5{}. (claude-opus-4-5 is [1m] fine)"
+
+    def session(label: str, suffix: str) -> Conversation:
+        return Conversation([Message("system", [Text(env.format(label, suffix))]),
+                             Message("user", [Text("hi")])],
+                            tools=[Tool("Bash", line.format(label)), Tool("Read", "")])
+    n = Normalizer()
+    a, applied = n.apply(session(" (1M context)", "[1m]"))
+    b, none = n.apply(session("", ""))
+    assert applied == ["claude-code-context-label", "claude-code-model-id-1m"] and none == []
+    assert a == b == session("", "")
+    assert "(with care)" in a.tools[0].description
 
 
 def test_rules_never_touch_answers_or_tool_results():
