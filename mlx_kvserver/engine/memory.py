@@ -91,14 +91,15 @@ class ModelTooLarge(ValueError):
     """A model whose load would not fit in what the memory limit leaves free."""
 
 
-def give_back() -> None:
-    """MLX's buffer cache back to the system, and what that frees through the C allocator: a
-    buffer MLX frees may sit in the allocator's heaps, resident, when it was carved from free
-    chunks an earlier trim left there (``platform/heap.py``) instead of pages mapped for it, so
-    the process's resident memory, which the budget reads, falls only once they are handed
-    back too."""
+def give_back(trim: bool = True) -> None:
+    """MLX's buffer cache back to the system, and (``trim``) what that frees through the C
+    allocator: a buffer MLX frees may sit in the allocator's heaps, resident, when it was
+    carved from free chunks an earlier trim left there (``platform/heap.py``) instead of pages
+    mapped for it, so the process's resident memory, which the budget reads, falls only once
+    they are handed back too."""
     mx.clear_cache()
-    heap.give_back()
+    if trim:
+        heap.give_back()
 
 
 class MemoryBudget:
@@ -179,7 +180,7 @@ class MemoryBudget:
         from its files: ``models/footprint.py``) must fit in what the limit leaves beside what
         the process holds now (its resident memory, MLX's buffer cache given back first; or
         MLX's bytes and ``--memory-reserve``) and the margin. ``ModelTooLarge`` otherwise."""
-        mx.clear_cache()
+        give_back()
         held = int(mx.get_active_memory()) + self.measure_outside()
         if held + self.margin + estimate.peak > self.limit:
             def mib(n: int) -> str:

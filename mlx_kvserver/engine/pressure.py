@@ -27,6 +27,7 @@ from .memory import GB, give_back
 log = logging.getLogger("mlx_kvserver.engine")
 
 MIN_CHUNK = 16  # the smallest prompt chunk a pass is cut down to
+TRIM_EVERY_S = 1.0  # the C heap trimmed under pressure at most this often (it walks arenas)
 
 
 def preempted_key(message_id: str) -> str:
@@ -46,6 +47,7 @@ class Pressure:
     def __init__(self, scheduler, memory) -> None:
         self.s, self.memory = scheduler, memory
         self.logged = 0.0  # when relieve() last logged
+        self.trimmed = float("-inf")  # when the C heap was last trimmed (``give_back``)
 
     def admit(self, r) -> None:
         """Refuse ``r`` (400, with the figures) when its prompt cannot fit even alone; an answer
@@ -83,8 +85,17 @@ class Pressure:
             return True
         if not mx.get_cache_memory():
             return False
-        give_back()
+        self.give_back()
         return self.memory.in_use() + extra <= self.memory.limit
+
+    def give_back(self) -> None:
+        """MLX's buffer cache back, the C heap trimmed too at most every ``TRIM_EVERY_S`` (a
+        prompt waiting for memory asks each step)."""
+        now = time.monotonic()
+        trim = now - self.trimmed >= TRIM_EVERY_S
+        if trim:
+            self.trimmed = now
+        give_back(trim)
 
     def chunk(self, r, done: int, want: int, first: bool = False) -> int:
         """How many of the ``want`` next prompt tokens of ``r`` (``done`` read) one pass may
@@ -128,7 +139,7 @@ class Pressure:
         mx.clear_cache()
         self.s.prepares.clear()
         pages = self.memory.shed()
-        give_back()
+        self.give_back()
         now = time.monotonic()
         if now - self.logged >= 1.0:  # at most once a second (a waiting prompt asks each step)
             self.logged = now
