@@ -46,7 +46,6 @@ class Prediction:
             self.starts.setdefault((self.tokens[i], self.tokens[i + 1]), []).append(i)
         self.pos = 0  # the prediction's next token, the one the answer's next may match
         self.accepted = 0
-        self.run = 0  # answer tokens matched in a row, up to its last one
         self.loose: list[int] = []  # the answer's tokens since its last match (the last LOOSE)
 
     @property
@@ -64,7 +63,6 @@ class Prediction:
         if self.pos < len(self.tokens) and self.tokens[self.pos] == token:
             self.pos += 1
             self.accepted += 1
-            self.run += 1
             self.loose.clear()
             return
         m = len(self.loose)  # a change of m tokens for m: the token after them is this one
@@ -72,10 +70,8 @@ class Prediction:
                 and self.tokens[self.pos + m] == token:
             self.pos += m + 1
             self.accepted += 1
-            self.run = 1
             self.loose.clear()
             return
-        self.run = 0
         self.loose.append(token)
         if len(self.loose) > LOOSE:
             del self.loose[0]
@@ -97,7 +93,7 @@ class Prediction:
                     and self.tokens[end - n - 1] == self.loose[-n - 1]:
                 n += 1
             if n >= _needed(s - self.pos):
-                self.pos, self.accepted, self.run = end, self.accepted + n, n
+                self.pos, self.accepted = end, self.accepted + n
                 self.loose.clear()
                 return
 
