@@ -10,4 +10,4 @@ test:
 	scripts/test.sh
 
 bench:
-	scripts/bench_all.sh
+	benchmarks/quick.sh

@@ -14,12 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from mlx_kvserver.cli import build_parser
+from mlx_kvserver.config import NOT_IN_FILES, file_kind
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from mlx_kvserver.cli import build_parser  # noqa: E402
-from mlx_kvserver.config import NOT_IN_FILES, file_kind  # noqa: E402
-
 PAGE = ROOT / "docs" / "CONFIGURATION.md"
 
 EXAMPLE = """\

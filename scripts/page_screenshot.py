@@ -1,10 +1,10 @@
 """A screenshot of the chat page (docs/chat-page.png) on the real default model.
 
-Starts the server as a subprocess on loopback with a fresh cache directory (as bench_ttft.py
+Starts the server as a subprocess on loopback with a fresh cache directory (as benchmarks/ttft.py
 does), opens the page in headless Chromium (Debian's chromium + chromium-driver, through
 selenium), has a short conversation (each turn after the first comes from the cache), opens
 the cache panel and saves the screenshot.
-Usage: python scripts/page_screenshot.py [--out docs/chat-page.png]
+Usage: .venv/bin/python -m scripts.page_screenshot [--out docs/chat-page.png]
 """
 
 from __future__ import annotations
@@ -15,11 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+from benchmarks.ttft import Server, free_port
+from tests.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium
 
-from bench_ttft import Server, free_port  # noqa: E402
-from tests.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 QUESTIONS = ["What is the capital of France? Answer in one sentence.",
              "List three famous landmarks in Paris.",

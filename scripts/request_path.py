@@ -5,7 +5,7 @@ turn (every thread) and lists the project's files whose functions it called, in 
 was first entered, split into the library (``kv_cache/``) and the server (``mlx_kvserver/``).
 ``docs/ARCHITECTURE.md`` ("The path of a request") is this list, explained.
 
-Usage: python scripts/request_path.py [--from-disk]
+Usage: .venv/bin/python -m scripts.request_path [--from-disk]
   --from-disk   restart the server on the same cache folder before the second turn (the
                 history restored from disk rather than found in memory)
 """
@@ -18,15 +18,14 @@ import tempfile
 import threading
 from pathlib import Path
 
+import openai
+
+from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.models.loading import resolve_and_load
+from tests.server_utils import running_server
+from tests.tiny_model import make_tiny_model_dir
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-import openai  # noqa: E402
-
-from mlx_kvserver.config import ServerConfig  # noqa: E402
-from mlx_kvserver.models.loading import resolve_and_load  # noqa: E402
-from tests.server_utils import running_server  # noqa: E402
-from tests.tiny_model import make_tiny_model_dir  # noqa: E402
 
 HISTORY = "Tell me about the harbour town: its streets, its boats and its market. " * 12
 

@@ -242,3 +242,19 @@ def test_the_circle_rule_sees_a_circle(tmp_path, monkeypatch):
                                              "if TYPE_CHECKING:\n    from pkg.one import One\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert _circles(_import_graph(("pkg",))) == [["pkg.one", "pkg.two"]]
+
+
+def _names_sys_path(path: Path) -> bool:
+    """Whether ``path`` names ``sys.path`` in its code (comments and strings do not count)."""
+    return any(isinstance(n, ast.Attribute) and n.attr == "path" and isinstance(n.value, ast.Name)
+               and n.value.id == "sys" for n in ast.walk(ast.parse(path.read_text(), str(path))))
+
+
+def test_benchmarks_and_scripts_leave_the_import_path_alone(tmp_path):
+    """Benchmarks and tools run from the repository root as modules (``.venv/bin/python -m
+    benchmarks.ttft``), which puts the root on the path: none of them edits ``sys.path``."""
+    paths = _files("benchmarks") + _files("scripts")
+    assert [p.relative_to(ROOT) for p in paths if _names_sys_path(p)] == []
+    bad = tmp_path / "x.py"
+    bad.write_text("import sys\nsys.path.insert(0, '..')  # sys.path\n")
+    assert _names_sys_path(bad)

@@ -3,7 +3,7 @@
 ``response_format`` ``json_object`` / ``json_schema`` and ``tool_choice`` ``required`` / a named
 function compile to a :class:`Grammar` (through llguidance: an Earley parser over lazily built
 lexer automata, so a 25-tool agent schema compiles in milliseconds and each step's token mask
-costs a fraction of a millisecond; see ``scripts/bench_grammar.py``). Each generated choice gets
+costs a fraction of a millisecond; see ``benchmarks/grammar.py``). Each generated choice gets
 its own :class:`Matcher`, which masks the logits of every decode step and follows the sampled
 tokens::
 

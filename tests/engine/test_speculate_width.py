@@ -136,7 +136,7 @@ def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
 # What passes cost, measured (seconds): per batch size, a plain step and wide passes by rows.
 # H100: docs/BENCHMARKS.md section 17 ("On a CUDA GPU"): one answer's plain step ~4-5.5 ms and a
 # verify pass ~40-45 ms however few its rows (~8x); eight answers' plain step ~105 ms and a
-# verify pass ~220 ms. CPU: the same section's `bench_pass_width.py` table, a document each
+# verify pass ~220 ms. CPU: the same section's `benchmarks/pass_width.py` table, a document each
 # (one sequence: 176.8 ms plain, 216.7 / 287.7 / 428.9 ms 2 / 4 / 9 wide; eight: 1004.6 ms
 # plain, 1224.7 / 1495.4 / 2481.5 ms)
 PROFILES = {

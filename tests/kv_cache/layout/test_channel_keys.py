@@ -8,7 +8,7 @@ import pytest
 
 from kv_cache.layout import channel_keys
 from kv_cache.layout.quant import KVQuant
-from scripts.kivi_sim import kivi_round_trip
+from benchmarks.kivi_sim import kivi_round_trip
 
 P = 4
 

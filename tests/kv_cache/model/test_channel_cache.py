@@ -1,5 +1,5 @@
 """Keys per channel over a page (the default of ``--kv-bits``) through the whole cache, tiny random
-models, pages of 4: the model reads what the reference (``scripts/kivi_sim.KiviCache``: earlier
+models, pages of 4: the model reads what the reference (``benchmarks.kivi_sim.KiviCache``: earlier
 pages decoded, its own page float, each page coded once) reads, in any chunking, batched or
 alone, after trims and dropped buffers; a restored turn equals the warm one bit for bit; reuse
 starts at a page boundary; a page's key codes are written once it is full."""
@@ -16,7 +16,7 @@ from kv_cache.layout.quant import KVQuant
 from kv_cache.layout.spec import CacheSpec, with_kv_bits
 from kv_cache.model.channel_cache import ChannelKeysCache
 from kv_cache.opening import open_cache
-from scripts.kivi_sim import KiviCache
+from benchmarks.kivi_sim import KiviCache
 from tests.kv_cache.test_kv_bits import model, spec_of  # noqa: F401 (model: a fixture)
 
 P = 4
