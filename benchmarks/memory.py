@@ -20,18 +20,20 @@ Three ways of holding them:
                  them (prefill in steps of 2,048, buffers grown in steps of 256): ``nbytes``;
   no sharing     exact bytes of every conversation's tokens, summed.
 
-A run writes its tables and plot to benchmarks/results/memory/<run's UTC time>.md and .png (a
---quick run neither, unless --plot names a file).
+A run writes its raw result (the geometry and every row, in bytes) to
+benchmarks/results/memory/<run's UTC time>.json, its tables (.md) and plot (.png) beside it (a
+--quick run none of them, unless --plot names a file).
 
-Usage: .venv/bin/python -m benchmarks.memory [--quick] [--plot FILE] [--doc docs/MEMORY.md]
+Usage: .venv/bin/python -m benchmarks.memory [--quick] [--plot FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -151,6 +153,16 @@ def run(g: Geometry, prefix: int, own: int, ns: Sequence[int], decode: bool) -> 
     return out
 
 
+def raw(g: Geometry, prefix: int, cases: dict[str, tuple[int, list[Result]]]) -> dict:
+    """The run's raw result: the geometry, and per case its own tokens and every row in bytes."""
+    geometry = {"layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
+                "page_size": g.page_size, "dtype": _dt(g), "bytes_per_token": g.bytes_per_token,
+                "page_bytes": g.page_bytes}
+    return {"geometry": geometry, "prefix": prefix,
+            **{name: {"own": own, "rows": [asdict(r) for r in rows]}
+               for name, (own, rows) in cases.items()}}
+
+
 def table(results: Sequence[Result], label: str) -> str:
     lines = [f"| {label} | tokens held | no sharing MB | mlx-lm copies MB | paged pool MB "
              "| paged data MB | ideal MB | pages | paged / mlx-lm | paged / no sharing |",
@@ -195,8 +207,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="smaller prefix and fewer conversations")
     ap.add_argument("--plot", type=Path, help="default: benchmarks/results/memory/<run's UTC "
                     "time>.png (none with --quick)")
-    ap.add_argument("--doc", type=Path, help="write the tables into this markdown file's "
-                    "results section (between <!-- results:begin --> and <!-- results:end -->)")
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     mx.random.seed(0)
@@ -219,11 +229,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         + table(branches, "n")
     )
     print(text)
+    if not a.quick:
+        record.write("memory", json.dumps(raw(g, prefix, {"shared_prefix": (own, shared),
+                                                          "branching": (branch, branches)}),
+                                          indent=1) + "\n")
     cases = {"shared prefix": ("conversations N", shared), "branching": ("branches n", branches)}
     title = (f"Resident KV bytes, {prefix:,}-token prefix ({g.layers} layers, {g.kv_heads} KV "
              f"heads, dim {g.head_dim}, {_dt(g)}, page {g.page_size})")
-    record.write_study("memory", text, lambda path: plot(cases, path, title), a.quick, a.plot,
-                       a.doc)
+    record.write_study("memory", text, lambda path: plot(cases, path, title), a.quick, a.plot)
     print(f"total {time.perf_counter() - t0:.1f} s")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -151,3 +152,14 @@ def test_run_rows():
     assert four.paged < four.exact < four.mlx_lm
     assert math.isclose(four.ideal, (42 + 20) * MEM.bytes_per_token)
     assert "| 4 |" in bm.table(rows, "N")
+
+
+def test_raw_result_keeps_every_row_in_bytes():
+    shared = bm.run(MEM, prefix=42, own=5, ns=(1, 4), decode=False)
+    out = json.loads(json.dumps(bm.raw(MEM, 42, {"shared_prefix": (5, shared)})))
+    assert out["geometry"]["bytes_per_token"] == MEM.bytes_per_token
+    assert out["geometry"]["page_bytes"] == MEM.page_bytes
+    assert out["prefix"] == 42 and out["shared_prefix"]["own"] == 5
+    assert out["shared_prefix"]["rows"] == [
+        {"n": r.n, "tokens": r.tokens, "exact": r.exact, "mlx_lm": r.mlx_lm, "paged": r.paged,
+         "paged_data": r.paged_data, "ideal": r.ideal, "pages": r.pages} for r in shared]
