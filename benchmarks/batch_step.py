@@ -4,7 +4,8 @@
 
 Prints the step time for 1 and 8 sequences, the same step with attention skipped, and 30
 layers of attention for 8 rows through the split path against the fused kernel on 8 contiguous
-caches (mlx-lm's batch layout). Figures: docs/BENCHMARKS.md, section 10.
+caches (mlx-lm's batch layout). It writes no file; the figures of its earlier runs are in
+docs/BENCHMARKS.md's git history.
 """
 
 from __future__ import annotations

@@ -5,12 +5,13 @@ several clients at most.
 
 An 8-client row ends with its slowest answer: an answer the drafts cannot follow (code its file
 does not hold) takes a pass for each of its tokens or two, whatever the other answers do. With
-``--plain-steps`` (a server's debug log, or a steps file of ``docs/``, with its ``plain step: N
+``--plain-steps`` (a server's debug log, or a file holding its ``plain step: N
 sequences, M ms`` lines) a bound in time too: without drafts the row takes ``t`` plain steps of
 all its answers (the longest answer's tokens); with them at least ``sum over p of plain(live(p))``,
 pass ``p`` costing at least a plain step of the answers still being written. Their quotient is
 the most speculation could give the row if draft rows cost nothing; on this CPU each costs ~1/4
-of a sequence's plain token at eight sequences (docs/BENCHMARKS.md, section 17).
+of a sequence's plain token at eight sequences (read from earlier runs of
+``benchmarks/speculation.py``, in docs/BENCHMARKS.md's git history).
 
 The prompts are rebuilt as the server builds them (the API's parsing, the chat template); each
 answer's text is tokenized again, which may cut a few tokens differently from the ids the model

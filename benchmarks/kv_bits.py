@@ -4,7 +4,7 @@
              ``--history`` positions, for 1 and 256 queries: a decoded view (float buffers, what
              the server reads) against decoding the pages at every step; the coding of new keys
              and values (``KVQuant.fresh``). (Its packed view, read by ``mx.quantized_matmul``,
-             went with ``--kv-attention``: docs/BENCHMARKS.md section 14 has its figures.)
+             went with ``--kv-attention``: its figures are in docs/BENCHMARKS.md's git history.)
   serving    with the default model, each setting through the cache as the server's engine
              sets it up (prefix views, the runner): bytes per token of KV in memory and on
              disk for ~2,266 tokens of history; turn 4 of the ~2,400-token chat (25 new tokens)

@@ -1,6 +1,7 @@
 """KV pages in bits against full precision: what they cost the default model's answers.
 
-All settings in one run, on the default model's real weights (docs/BENCHMARKS.md section 14):
+All settings in one run, on the default model's real weights (its latest run: docs/BENCHMARKS.md,
+"KV pages in 8 and 4 bits"):
 
   perplexity  of a long public text read with long context: the first ``--text-tokens``
               (12,288) tokens of Python's own documentation as ``help()`` shows it (the
@@ -20,7 +21,7 @@ Hadamard rotation, groups of 64: what a sliding window or a model with recurrent
 for reference ``mx.quantize``'s own round trip at 4 bits (not exact, so not usable for pages),
 ``q4_g32``: 4 bits in groups of 32 (what a head_dim that 64 does not divide gets), ``q4_8``:
 keys 4, values 8 (which side the loss is on). The settings of flags that are gone
-(``--kv-calibration on``, ``--kv-rotation none``; their figures: docs/BENCHMARKS.md section 14)
+(``--kv-calibration on``, ``--kv-rotation none``; their figures: docs/BENCHMARKS.md's git history)
 are in this script's git history.
 
 SIMULATIONS, not usable for pages (``benchmarks/kivi_sim.py``): ``q4_kivi``: KIVI-style keys, 4 bits

@@ -6,7 +6,7 @@ sequence). Per layer: ``--heads`` query heads over ``--kv-heads``, ``--prefix`` 
 the view, ``--queries`` new positions; medians of ``--repeat`` evaluated calls.
 
 Usage: .venv/bin/python -m benchmarks.split_attention [--json FILE]
-       (without shape flags: the shapes docs/BENCHMARKS.md section 9 reports)
+       (without shape flags: the shapes of its earlier runs, in docs/BENCHMARKS.md's git history)
 The result goes to benchmarks/results/split_attention/<run's UTC time>.json unless --json names a
 file.
 """

@@ -3,11 +3,11 @@ its answers would have cost in plain steps, measured inside the same run.
 
 Two servers taking turns (``benchmarks/speculation.py``) carry this machine's drift between them: on
 the 2-core development VM, two servers both with ``--speculate off`` differed by up to 11% in
-one pair (docs/BENCHMARKS.md section 17). One server's own steps do not: a speculating answer's
-time (its plain steps and verify passes) against its tokens at the mean of its own plain steps
-is what speculation saved or cost it, whatever the machine did between the runs. That holds for
-one sequence (every step the same batch); with several, the batch and so a plain step's cost
-change as answers end.
+one pair (three pairs through its rows, in docs/BENCHMARKS.md's git history). One server's own
+steps do not: a speculating answer's time (its plain steps and verify passes) against its tokens
+at the mean of its own plain steps is what speculation saved or cost it, whatever the machine did
+between the runs. That holds for one sequence (every step the same batch); with several, the
+batch and so a plain step's cost change as answers end.
 
     .venv/bin/python -m benchmarks.steps LOG...
 """
@@ -23,7 +23,7 @@ _PLAIN = re.compile(r"plain step: (\d+) sequences, (\d+) ms")
 
 
 def steps(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
-    """The engine's step lines in ``text`` (a debug log, or a steps file of ``docs/``): plain
+    """The engine's step lines in ``text`` (a debug log, or a file of its step lines): plain
     steps as (sequences, ms), verify passes as (sequences, ms, tokens), in order."""
     plain, verify = [], []
     for line in text.splitlines():

@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     app = build_app(config, registry, engine)
     # What start-up made (models, tokenizers, the stores' indexes) lives as long as the server:
     # kept out of the collector's way, a full collection during a request does not walk it
-    # (one took ~45 ms of a restored turn: docs/BENCHMARKS.md, section 9).
+    # (one took ~45 ms of a restored turn, beside earlier runs of benchmarks/restore.py:
+    # docs/BENCHMARKS.md's git history).
     gc.collect()
     gc.freeze()
     url = f"http://{config.host}:{config.port}/v1"

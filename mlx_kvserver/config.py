@@ -66,7 +66,8 @@ class ServerConfig:
     # pages in 8 or 4 bits, or (key bits, value bits); None: the model's precision. The codec
     # picks the rest (kv_cache/layout/quant.py, spec.py key_block_for): groups of 64 along
     # head_dim (32 where 64 does not divide it), rotated, keys per channel over a page wherever
-    # the model has no recurrent state (docs/BENCHMARKS.md section 14)
+    # the model has no recurrent state (benchmarks/kv_quality.py; docs/BENCHMARKS.md, "KV pages
+    # in 8 and 4 bits")
     kv_bits: int | tuple[int, int] | None = None
     max_resident_sequences: int = 8  # (8 agents each on its own files: each next turn at once)
     max_batch: int = 32  # answers decoded together

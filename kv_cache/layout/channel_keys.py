@@ -3,8 +3,9 @@
 KIVI (Liu et al. 2024) quantizes keys **per channel along positions**: a key's channels differ
 in range far more than its positions do (a few channels carry large offsets), so one scale and
 bias per channel over a run of positions rounds them much finer than one per position along
-``head_dim`` (docs/BENCHMARKS.md section 14: this model's 4-bit keys +8.25% perplexity per
-position, +1.89% per channel over a page with the open page read as float).
+``head_dim`` (this model's 4-bit keys +8.25% perplexity per position, +1.89% per channel over a
+page with the open page read as float: an earlier run of benchmarks/kv_quality.py with
+benchmarks/kivi_sim.py's settings, in docs/BENCHMARKS.md's git history).
 
 Here the run is a page. A page's keys are coded once, when the page is full (``seal``), from
 their float values: one float16 (bfloat16 for bfloat16 models) scale and bias per layer, head

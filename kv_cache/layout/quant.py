@@ -2,20 +2,21 @@
 
 Keys and values are quantized along ``head_dim`` in groups of ``group_size`` (64, or 32 where
 64 does not divide the model's ``head_dim``: ``group_size_for``; groups of 32 measured no better
-once rotated, docs/BENCHMARKS.md section 14) in MLX's affine layout (packed ``uint32`` codes,
-one scale and one bias a group). Keys and values may have their own bits (``8,4``: keys suffer
-most from rounding, values least). With ``key_block`` (the default where it applies:
-``kv_cache.layout.spec.key_block_for``) keys are instead coded per channel over a page
-(``kv_cache.layout.channel_keys``), and a page's keys and values are coded when the page is full
-(``seal``; ``kv_cache.model.channel_cache`` reads the open page as float).
+once rotated, in an earlier run of benchmarks/kv_quality.py: docs/BENCHMARKS.md's git history)
+in MLX's affine layout (packed ``uint32`` codes, one scale and one bias a group). Keys and values
+may have their own bits (``8,4``: keys suffer most from rounding, values least). With
+``key_block`` (the default where it applies: ``kv_cache.layout.spec.key_block_for``) keys are
+instead coded per channel over a page (``kv_cache.layout.channel_keys``), and a page's keys and
+values are coded when the page is full (``seal``; ``kv_cache.model.channel_cache`` reads the
+open page as float).
 
 Rotation (always): each group of a key or value is rotated before it is quantized,
 ``y = H (s * x) / g`` with ``H`` the ``g x g`` Sylvester Hadamard matrix (entries +-1) and ``s``
 fixed signs, an orthogonal map up to the factor ``g``. It spreads an outlier channel over the
 whole group, so the group's range, and with it the rounding step, shrinks (4-bit keys: +6.2%
-perplexity rotated against +14.5% not, section 14). What a page gives back is ``x = s * (H y)``:
-the model reads keys and values in their own basis, so its attention is unchanged (any model,
-routed or not).
+perplexity rotated against +14.5% not, in the same run). What a page gives back is
+``x = s * (H y)``: the model reads keys and values in their own basis, so its attention is
+unchanged (any model, routed or not).
 
 The one rule that makes a quantized cache exact (greedy output with the cache equals output
 without it, a restored turn equals the warm one bit for bit): the page holds the integers and
@@ -354,7 +355,8 @@ def parse_bits(text: str | int | tuple | None) -> tuple[int, int] | None:
 def group_size_for(head_dims) -> int:
     """The group size of pages in bits for a model whose paged groups have ``head_dims``: 64,
     or 32 where 64 does not divide one of them (groups of 32 cost bytes and measured no better
-    once rotated: 4-bit keys +6.3% against +6.2%, docs/BENCHMARKS.md section 14)."""
+    once rotated: 4-bit keys +6.3% against +6.2%, an earlier run of benchmarks/kv_quality.py in
+    docs/BENCHMARKS.md's git history)."""
     dims = list(head_dims)
     for g in GROUP_SIZES:
         if all(d % g == 0 for d in dims):

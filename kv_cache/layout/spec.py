@@ -223,9 +223,10 @@ def key_block_for(spec: CacheSpec, bits: int | str | tuple | None, page_size: in
     keys and values are coded when the page is full (``kv_cache.model.channel_cache``): every
     model without recurrent state (which resumes where an entry ends, not at a page boundary);
     0 (keys per position along ``head_dim``, coded as they come) for one with it, and without
-    ``bits``. Measured on the default model (docs/BENCHMARKS.md section 14), perplexity over a
+    ``bits``. Measured on the default model with benchmarks/kv_quality.py, perplexity over a
     long text: 4 bits +1.74% per channel against +8.25% per position, 8,4 +0.22% against
-    +1.27%, 8 -0.003% against -0.03%."""
+    +1.27%, 8 -0.003% against -0.03% (per channel: its latest run, docs/BENCHMARKS.md, "KV
+    pages in 8 and 4 bits"; per position: an earlier run, in docs/BENCHMARKS.md's git history)."""
     if parse_bits(bits) is None or spec.has_state:
         return 0
     return page_size

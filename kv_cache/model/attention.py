@@ -25,9 +25,9 @@ clients each on its own file) are never padded into one batch array, which copie
 sequence's keys and values once a layer and step (on the CPU half of a step of eight
 2,000-token sequences): each sequence's products run on its own buffers, and on the CPU a row
 that reads no view takes its softmax alone over its real queries (a verify pass pads drafts to
-the longest; the padding is skipped). Measured on the CPU only
-(docs/BENCHMARKS.md section 17); on a GPU a row alone is a dozen more kernel launches a layer,
-so there only the products go apart.
+the longest; the padding is skipped). Measured on the CPU only (an earlier run of
+benchmarks/pass_width.py, in docs/BENCHMARKS.md's git history); on a GPU a row alone is a dozen
+more kernel launches a layer, so there only the products go apart.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
@@ -102,10 +102,10 @@ def _ragged(queries: mx.array, reads: list[Reads], lengths: list[int], scale: fl
 def _copy_pays(queries: mx.array, r: Reads, mask) -> bool:
     """Whether one sequence's prompt piece costs less as one sequence alone (mlx-lm's function)
     over one copy of the view's keys and values than through the split path (CPU, measured per
-    layer with the fused kernel: docs/BENCHMARKS.md section 9): in float32 once the scores
-    outnumber the keys and values about 1.5 to 1 (repeats of a key's head x queries >= 3 x
-    head_dim); in float16 and bfloat16 and for one query the split path wins. Metal, CUDA: the
-    split path (not measured there)."""
+    layer with the fused kernel by benchmarks/split_attention.py, an earlier run in
+    docs/BENCHMARKS.md's git history): in float32 once the scores outnumber the keys and values
+    about 1.5 to 1 (repeats of a key's head x queries >= 3 x head_dim); in float16 and bfloat16
+    and for one query the split path wins. Metal, CUDA: the split path (not measured there)."""
     _, Hq, T, D = queries.shape
     rep = Hq // r.keys.shape[1]
     return (T > 1 and isinstance(r.prefix, tuple) and r.own_start == r.prefix[0].shape[1]

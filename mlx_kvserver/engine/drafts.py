@@ -105,8 +105,9 @@ class SharedIndex:
 
     NOTE: ~170 bytes a token in Python objects (the token list, the dict's key and value): the
     default bound keeps it near 11 MB. At 262,144 tokens it held 43 MB, which a server's
-    resident memory showed as growth over its first ~700 requests (docs/BENCHMARKS.md section
-    18); recent entries are the ones worth drafting from."""
+    resident memory showed as growth over its first ~700 requests (an earlier run of
+    benchmarks/memory_growth.py, in docs/BENCHMARKS.md's git history); recent entries are the
+    ones worth drafting from."""
 
     def __init__(self, max_tokens: int = 65_536) -> None:
         self.max_tokens = max_tokens

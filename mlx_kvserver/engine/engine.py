@@ -214,7 +214,8 @@ class Engine:
         back to the system. While answers run it may grow into what the budget has free
         (``MemoryBudget``), which spares a pass allocating afresh; kept at rest, it held 1.6 GB
         after 200 mixed requests of a tiny model on this CPU, the server's resident memory 1.60x
-        what it was after 100 (docs/BENCHMARKS.md section 18). What the passes and the requests
+        what it was after 100 (an earlier run of benchmarks/memory_growth.py, in
+        docs/BENCHMARKS.md's git history). What the passes and the requests
         freed through the C allocator goes back too (``platform/heap.py``)."""
         if mx.get_cache_memory():
             give_back()

@@ -30,8 +30,9 @@ GB = 1 << 30
 DEFAULT_FRACTION = 0.75  # of the machine's memory (Metal: of MLX's recommended working set)
 # NOTE: what the process may add outside MLX between two of the budget's checks (it measures the
 # process's resident memory at each): up to ~15 MiB above the last check under four concurrent
-# long prompts under pressure on this machine's CPU backend (docs/BENCHMARKS.md section 18), so
-# the budget keeps twice that free. Not measured on Metal.
+# long prompts under pressure on this machine's CPU backend (earlier runs of
+# benchmarks/memory_peak.py, in docs/BENCHMARKS.md's git history), so the budget keeps twice that
+# free. Not measured on Metal.
 MARGIN = 32 << 20
 # NOTE: MLX's buffer cache (freed arrays kept for reuse) grows during a pass, between two checks,
 # and on the CPU backend MLX's memory limit does not hold it: it may grow only into what the

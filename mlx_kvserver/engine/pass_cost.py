@@ -3,10 +3,11 @@
 
 Plain steps (one token a sequence) and wide passes (a verify pass: a sequence's last token and
 its draft) are kept apart, because the two need not lie on one line: on a CPU a pass costs about
-``fixed + b * rows`` whatever its width (measured: docs/BENCHMARKS.md section 17), but on a GPU a
+``fixed + b * rows`` whatever its width (measured with benchmarks/pass_width.py), but on a GPU a
 plain step runs kernels made for one query row (a matrix-vector product, attention for one
 query) and a pass of two rows or more other ones, so a wide pass can cost several plain steps
-however few its rows (measured on an H100: ~8x for the default model alone, section 17). So:
+however few its rows (measured on an H100 with benchmarks/speculation.py: ~8x for the default
+model alone). Both from earlier runs, in docs/BENCHMARKS.md's git history. So:
 
 - a plain step of ``B`` sequences costs the median of that batch size's recent plain steps;
 - a wide pass of ``rows`` costs a line ``fixed + b * rows`` through that batch size's recent

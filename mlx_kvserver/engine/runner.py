@@ -122,8 +122,8 @@ class Runner:
     def pass_rows(self, lengths: Sequence[int]) -> int:
         """The token rows of a pass over pieces of ``lengths`` (``_pass``): ragged where that
         saves a quarter of the padded rows or more (a ragged pass of equal pieces measured 5-10%
-        slower than a padded one: its rows regrouped at every layer; docs/BENCHMARKS.md section
-        17)."""
+        slower than a padded one: its rows regrouped at every layer; measured by hand with the
+        code of benchmarks/ragged_pass.py, in docs/BENCHMARKS.md's git history)."""
         padded = len(lengths) * max(lengths)
         real = sum(lengths)
         return real if self.ragged and len(lengths) > 1 and 4 * real <= 3 * padded else padded

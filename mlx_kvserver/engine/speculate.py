@@ -136,7 +136,8 @@ class Speculation:
         """How many of each choice's draft tokens this step verifies (all 0: a plain decode
         step): its draft up to the step's width (``_width``). Measured on this CPU, one width
         for all did better than each answer its own length by its expected gain: eight `edit`
-        clients 1.43-1.51x against 1.30x (docs/BENCHMARKS.md section 17); a ragged pass
+        clients 1.43-1.51x against 1.30x (earlier runs of benchmarks/speculation.py, in
+        docs/BENCHMARKS.md's git history); a ragged pass
         (``Runner.pass_rows``) still costs only the rows of the drafts that are shorter."""
         w = self._width(group, drafts)
         return [min(len(d), w - 1) for d in drafts]

@@ -148,13 +148,15 @@ def malloc_tunables(environ: Mapping[str, str]) -> str | None:
     - ``glibc.malloc.hugetlb=1``: glibc asks for transparent huge pages on the memory it maps
       for large blocks. MLX's CPU arrays come from malloc: a restored run of pages (~100 MB for
       the default model at 2,400 tokens) is first touched in ~700 faults of 2 MiB instead of
-      ~25,000 of 4 KiB (docs/BENCHMARKS.md, section 9);
+      ~25,000 of 4 KiB (restores of benchmarks/restore.py; its earlier runs in
+      docs/BENCHMARKS.md's git history);
     - ``glibc.malloc.mmap_threshold=65536``: a fixed threshold, so every block of 64 KiB or more
       is mapped and given back to the system when freed. glibc's own threshold moves up to the
       size of the last mapped block freed (up to 32 MiB), after which MLX's arrays come from
       the heap, whose freed holes stay resident: the server's memory then rose ~3.4 MiB every
       100 requests while MLX's own bytes stayed level (1.16x over 1,000 requests; fixed: 1.06x,
-      +0.45 MiB / 100; docs/BENCHMARKS.md, section 18).
+      +0.45 MiB / 100; earlier runs of benchmarks/memory_growth.py, in
+      docs/BENCHMARKS.md's git history).
 
     None when there is nothing to add."""
     current = environ.get("GLIBC_TUNABLES", "")

@@ -3,10 +3,11 @@
 What the process frees through ``malloc`` (MLX's arrays on the CPU backend below glibc's mmap
 threshold, Python's larger objects, numpy's arrays, the tokenizers' buffers) mostly stays in the
 allocator's heaps, resident, as free chunks between chunks still held: glibc gives a heap back
-only from its top. A server that ran 1,000 mixed requests of a tiny model held ~20 MiB more of
-such free chunks than after 100 (``mallinfo2``'s ``fordblks``, docs/BENCHMARKS.md section 18):
-most of what its resident memory grew by. Handing the free pages back when the engine has
-nothing to do keeps the resident memory at what is held.
+only from its top. A server that ran 1,000 mixed requests of a tiny model held ~11 MiB more of
+such free chunks than after 100 (``mallinfo2``'s ``fordblks``, 15 -> 26 MiB, read beside a run
+of benchmarks/memory_growth.py, in docs/BENCHMARKS.md's git history): most of what its resident
+memory grew by. Handing the free pages back when the engine has nothing to do keeps the
+resident memory at what is held.
 
 - glibc (Linux): ``malloc_trim(0)``, which releases the free pages inside every arena, not only
   a heap's top.

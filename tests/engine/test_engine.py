@@ -192,7 +192,8 @@ def test_an_idle_engine_gives_mlx_buffer_cache_back(served, tiny_lm):
 def test_an_idle_engine_gives_the_c_allocators_free_pages_back(served, tiny_lm, monkeypatch):
     """What the passes and requests freed through the C allocator goes back to the system once
     nothing runs (``platform/heap.py``): kept, such free chunks were most of what a server's
-    resident memory grew by over 1,000 mixed requests (docs/BENCHMARKS.md section 18)."""
+    resident memory grew by over 1,000 mixed requests (earlier runs of
+    benchmarks/memory_growth.py, in docs/BENCHMARKS.md's git history)."""
     from mlx_kvserver.platform import heap
 
     url, engine = served

@@ -167,7 +167,8 @@ def fill_mlx_cache() -> int:
 
 def test_mlx_buffer_cache_is_counted_as_held():
     """Freed arrays MLX keeps for reuse are resident: the peak sweep went 1.6-2.7% over its
-    limits by them (~33 MB) while the budget counted them free (docs/BENCHMARKS.md s. 18)."""
+    limits by them (~33 MB) while the budget counted them free (an earlier run of
+    benchmarks/memory_peak.py, in docs/BENCHMARKS.md's git history)."""
     budget = MemoryBudget(GB)
     budget.measure_outside()
     cache = fill_mlx_cache()
@@ -177,7 +178,8 @@ def test_mlx_buffer_cache_is_counted_as_held():
 
 def test_a_margin_is_kept_for_what_grows_between_checks():
     """The process grows outside MLX between two of the budget's checks (four long prompts at
-    once under pressure went ~15 MiB past what the last check saw: docs/BENCHMARKS.md s. 18):
+    once under pressure went ~15 MiB past what the last check saw: earlier runs of
+    benchmarks/memory_peak.py, in docs/BENCHMARKS.md's git history):
     the budget counts ``MARGIN`` as held, so a pass that would fill the limit to the byte does
     not fit. With ``--memory-reserve`` (the operator's own figure) no margin is added."""
     budget = MemoryBudget(GB)

@@ -114,8 +114,9 @@ def test_one_slow_pass_among_many_does_not_move_the_slope():
 
 def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
     """A GPU: a plain step ~5.5 ms, any pass of two rows or more ~43 ms (the default model alone
-    on an H100, docs/BENCHMARKS.md section 17). The old single line through all passes saw
-    verify passes of one width only and kept the prior: every draft was verified, at 0.26x."""
+    on an H100: runs of benchmarks/speculation.py, in docs/BENCHMARKS.md's git history). The old
+    single line through all passes saw verify passes of one width only and kept the prior: every
+    draft was verified, at 0.26x."""
     c = PassCost()
     for _ in range(20):
         c.add(1, 1, 0.0055)
@@ -134,9 +135,10 @@ def test_a_wide_pass_that_costs_several_plain_steps_whatever_its_rows():
 
 
 # What passes cost, measured (seconds): per batch size, a plain step and wide passes by rows.
-# H100: docs/BENCHMARKS.md section 17 ("On a CUDA GPU"): one answer's plain step ~4-5.5 ms and a
-# verify pass ~40-45 ms however few its rows (~8x); eight answers' plain step ~105 ms and a
-# verify pass ~220 ms. CPU: the same section's `benchmarks/pass_width.py` table, a document each
+# H100 (runs of benchmarks/speculation.py there, in docs/BENCHMARKS.md's git history): one answer's
+# plain step ~4-5.5 ms and a verify pass ~40-45 ms however few its rows (~8x); eight answers'
+# plain step ~105 ms and a verify pass ~220 ms. CPU: an earlier run of benchmarks/pass_width.py
+# (the same history), a document each
 # (one sequence: 176.8 ms plain, 216.7 / 287.7 / 428.9 ms 2 / 4 / 9 wide; eight: 1004.6 ms
 # plain, 1224.7 / 1495.4 / 2481.5 ms)
 PROFILES = {
@@ -200,7 +202,8 @@ def test_a_declined_width_is_tried_again_ever_more_rarely():
 def test_a_pass_is_costed_at_the_rows_it_will_have():
     """Half the answers without a draft: a ragged pass gives each of them one row, not the
     width's (seen: eight `rewrite` clients where a width of 2 was costed at 16 rows for a pass
-    of 12, and 9 passes were verified in 117 steps, 0.84x; docs/BENCHMARKS.md section 17).
+    of 12, and 9 passes were verified in 117 steps, 0.84x; an earlier run of
+    benchmarks/speculation.py, in docs/BENCHMARKS.md's git history).
     Passes that cannot go ragged are costed padded, as they run."""
     c = PassCost()
     for _ in range(8):

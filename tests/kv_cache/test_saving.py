@@ -14,7 +14,8 @@ def test_an_entry_on_disk_and_shed_from_memory_leaves_no_bytes_behind(model, tmp
     """The writer thread kept its last task, which holds the entry's pages (host views of their
     MLX arrays), until the next write came: an entry given back under memory pressure stayed in
     memory, one entry's bytes above what the budget counted (seen as ~185 MB of "working"
-    bytes in the 4,000-token memory benchmark, docs/BENCHMARKS.md section 18)."""
+    bytes in the 4,000-token cell of an earlier run of benchmarks/memory_peak.py, in
+    docs/BENCHMARKS.md's git history)."""
     m = CacheManager(pool_for(model, max_bytes=1 << 26), store_for(pool_for(model), tmp_path))
     tokens = [5 + i % 200 for i in range(1000)]
     gc.collect()
