@@ -141,9 +141,8 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
                         "rounding); default: the model's precision (a model's own quantized "
                         "caches are still refused). The rest is picked for you: groups of 64 "
                         "along head_dim, rotated, keys scaled per channel over a page (per "
-                        "position in sliding windows and models with recurrent state). Default "
-                        "model, perplexity over a long text: 8 -0.003%%, 8,4 +0.22%%, 4 +1.74%% "
-                        "at 0.28x, 0.22x, 0.16x the bytes of float32 pages")
+                        "position in sliding windows and models with recurrent state). What "
+                        "each costs the answers and saves in bytes: docs/BENCHMARKS.md")
 
     g = p.add_argument_group("shared page store")
     g.add_argument("--kv-store", default=environ.get("KV_STORE_URL"), metavar="URL",
