@@ -10,11 +10,16 @@ go, on loopback, with the default model:
   mlxlm-warm     mlx-lm's server (python -m mlx_lm.server) on the same model, converted to an MLX
                  folder by mlx_kvserver.models.convert, with its in-memory prompt cache
   mlxlm-restart  mlx-lm's server restarted; every conversation resumed with one new turn
+  mlxvlm-warm    mlx-vlm's server (python -m mlx_vlm.server, with --mlx-vlm PYTHON: an
+                 interpreter with mlx-vlm installed) on the same folder, its prefix cache on
+                 (APC_ENABLED=1: paged prefix blocks, with a disk tier under APC_DISK_PATH)
+  mlxvlm-restart mlx-vlm's server restarted on the same APC disk path; one new turn each
   floor          in-process: prefill of only the new tokens on a resident cache
 Writes benchmarks/results/multiturn/<run's UTC time>.json (the raw result), .md (the table) and
 .png (TTFT per turn, log scale), or multiturn.json, multiturn.md and multiturn_ttft.png into
 ``--out DIR`` when given.
 Usage: .venv/bin/python -m benchmarks.multiturn [--conversations 3] [--turns 6] [--quick]
+       [--mlx-vlm /path/to/venv/bin/python]
 """
 
 from __future__ import annotations
@@ -58,7 +63,25 @@ class MlxLmServer(Server):
         wait_until_up(self.proc, self.url + "/models", self.log.name, "mlx-lm server")
 
 
-def workload(url, tag, use_cache, args, doc, strip_ids=False):
+class MlxVlmServer(Server):
+    """mlx-vlm's server as a subprocess, its prefix cache on with a disk tier in ``workdir``;
+    requests name the model by the folder it was started with."""
+
+    def __init__(self, python: str, folder: Path, port: int, workdir: Path):
+        import subprocess
+
+        env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", APC_ENABLED="1",
+                   APC_DISK_PATH=str(workdir / "mlx-vlm-apc"), **(blas.blas_env(os.environ) or {}))
+        self.url, self.model = f"http://127.0.0.1:{port}/v1", str(folder)
+        self.log = open(workdir / f"mlxvlm-{port}-{time.time_ns()}.log", "w")
+        self.proc = subprocess.Popen(
+            [python, "-m", "mlx_vlm.server", "--model", str(folder), "--host", "127.0.0.1",
+             "--port", str(port), "--max-tokens", "512"], cwd=workdir, env=env, stdout=self.log,
+            stderr=subprocess.STDOUT)
+        wait_until_up(self.proc, self.url + "/models", self.log.name, "mlx-vlm server")
+
+
+def workload(url, tag, use_cache, args, doc, strip_ids=False, model=None):
     """Runs the workload; returns per-request records and the requests as sent (for replay)."""
     system = {"role": "system", "content": "Answer from this town guide.\n\n" + doc,
               "message_id": f"{tag}-sys"}
@@ -68,7 +91,7 @@ def workload(url, tag, use_cache, args, doc, strip_ids=False):
     def send(name, messages, turn):
         body = [{k: v for k, v in m.items() if not (strip_ids and k == "message_id")}
                 for m in messages]
-        res = ask(url, body, use_cache, args.max_tokens)
+        res = ask(url, body, use_cache, args.max_tokens, model=model)
         sent[name] = body + [{"role": "assistant", "content": res["text"],
                               "message_id": res["message_id"] or f"{tag}-{name}-a{turn}"}]
         records.append({"conv": name, "turn": turn, **{k: res[k] for k in
@@ -96,7 +119,7 @@ def workload(url, tag, use_cache, args, doc, strip_ids=False):
     return records, sent
 
 
-def resume(url, sent, use_cache, args, strip_ids=False):
+def resume(url, sent, use_cache, args, strip_ids=False, model=None):
     """After a restart: one new turn in every conversation (and the fork), as a user coming back
     to each of them would send."""
     records = []
@@ -105,7 +128,7 @@ def resume(url, sent, use_cache, args, strip_ids=False):
                            "message_id": f"resume-{name}"}]
         if strip_ids:
             body = [{k: v for k, v in m.items() if k != "message_id"} for m in body]
-        res = ask(url, body, use_cache, args.max_tokens)
+        res = ask(url, body, use_cache, args.max_tokens, model=model)
         records.append({"conv": name, "turn": args.turns + 1, **{k: res[k] for k in
                         ("ttft", "total", "prompt_tokens", "cached_tokens")}})
     return records
@@ -173,6 +196,9 @@ def main():
     ap.add_argument("--doc-sentences", type=int, default=100)
     ap.add_argument("--quick", action="store_true", help="2 conversations, 3 turns, short doc")
     ap.add_argument("--skip-mlxlm", action="store_true")
+    ap.add_argument("--mlx-vlm", metavar="PYTHON",
+                    help="also run mlx-vlm's server (prefix cache on) with this interpreter, "
+                         "e.g. a venv's bin/python with `pip install 'mlx-vlm[cpu]'`")
     ap.add_argument("--out", type=Path, help="a folder to write multiturn.json, .md and _ttft.png "
                     "to, instead of benchmarks/results/multiturn/<run's UTC time>.*")
     args = ap.parse_args()
@@ -193,11 +219,24 @@ def main():
         runs["ours-restart"] = resume(server.url, sent, True, args)
     finally:
         server.stop()
-    if not args.skip_mlxlm:
+    if not args.skip_mlxlm or args.mlx_vlm:
         from mlx_kvserver.models.convert import save_mlx_folder
         from mlx_kvserver.models.loading import resolve_and_load
 
         folder = save_mlx_folder(resolve_and_load(args.model), work / "mlx-model")
+    if args.mlx_vlm:
+        for run in ("warm", "restart"):
+            peer = MlxVlmServer(args.mlx_vlm, folder, port, work)
+            try:
+                if run == "warm":
+                    runs["mlxvlm-warm"], vlm_sent = workload(
+                        peer.url, "v", None, args, doc, strip_ids=True, model=peer.model)
+                else:
+                    runs["mlxvlm-restart"] = resume(peer.url, vlm_sent, None, args,
+                                                    strip_ids=True, model=peer.model)
+            finally:
+                peer.stop()
+    if not args.skip_mlxlm:
         peer = MlxLmServer(folder, port, work)
         try:
             runs["mlxlm-warm"], peer_sent = workload(peer.url, "m", True, args, doc,
@@ -217,6 +256,11 @@ def main():
         checks["warm_vs_mlxlm_warm"] = later["ours-warm"] / later["mlxlm-warm"]
         checks["mlxlm_restart_vs_ours_restart"] = (
             statistics.median(r["ttft"] for r in runs["mlxlm-restart"])
+            / statistics.median(r["ttft"] for r in runs["ours-restart"]))
+    if "mlxvlm-warm" in later:
+        checks["warm_vs_mlxvlm_warm"] = later["ours-warm"] / later["mlxvlm-warm"]
+        checks["mlxvlm_restart_vs_ours_restart"] = (
+            statistics.median(r["ttft"] for r in runs["mlxvlm-restart"])
             / statistics.median(r["ttft"] for r in runs["ours-restart"]))
 
     def given(name: str) -> Path | None:

@@ -97,11 +97,13 @@ class Server:
 
 
 def ask(url: str, messages: list[dict], use_cache: bool | None, max_tokens: int,
-        timeout: float = 600) -> dict:
+        timeout: float = 600, model: str | None = None) -> dict:
     """One streamed greedy request; ``use_cache`` None leaves ``use_kv_cache`` out (a peer
-    server)."""
+    server); ``model`` names the model where the server needs it named."""
     body = {"messages": messages, "stream": True, "max_tokens": max_tokens, "temperature": 0,
             "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
     if use_cache is not None:
         body["use_kv_cache"] = use_cache
     t0 = time.perf_counter()
