@@ -26,13 +26,13 @@ A reader never raises: what it cannot read is an :class:`End` with a problem, or
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from typing import Any, Callable, Union
 
 import regex
 
+from .formats import mlx_tool_parser
 from .jsonstream import JsonPrefix
 
 
@@ -267,7 +267,7 @@ OBJECT_TAIL = r"\s*\}"
 
 def mlx_parser(module: str, tools: list[dict]) -> WholeParser:
     """The whole-body parser of mlx-lm's ``tool_parsers.<module>``, as (name, arguments)."""
-    mod = importlib.import_module(f"mlx_lm.tool_parsers.{module}")
+    mod = mlx_tool_parser(module)
 
     def parse(body: str) -> list[tuple[str, Any]]:
         return normalise(mod.parse_tool_call(body, tools))

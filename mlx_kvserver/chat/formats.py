@@ -26,7 +26,7 @@ import importlib
 import logging
 import re
 from dataclasses import dataclass, replace
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -113,13 +113,20 @@ def format_for(parser: str, think: tuple[str | None, str | None] | None, *,
     elif parser in OWN_MARKERS:
         start, end = OWN_MARKERS[parser]
     else:
-        mod = importlib.import_module(f"mlx_lm.tool_parsers.{parser}")
+        mod = mlx_tool_parser(parser)
         start, end = mod.tool_call_start or None, mod.tool_call_end or None
     think_start, think_end = think or (None, None)
     return ChatFormat(tool_parser=parser, call_start=start, call_end=end, native_tools=native,
                       think_start=think_start, think_end=think_end,
                       thinking_kwarg=thinking_kwarg,
                       call_payload="json" if parser in _JSON_PAYLOAD else None)
+
+
+def mlx_tool_parser(name: str) -> ModuleType:
+    """mlx-lm's tool-parser module ``name`` (``mlx_lm/tool_parsers/<name>.py``: its markers
+    ``tool_call_start``/``tool_call_end`` and ``parse_tool_call``); ImportError when mlx-lm has
+    no such module."""
+    return importlib.import_module(f"mlx_lm.tool_parsers.{name}")
 
 
 def _tool_parser(tpl: str, vocab: dict) -> str | None:
@@ -130,7 +137,7 @@ def _tool_parser(tpl: str, vocab: dict) -> str | None:
         name = None
     if name is not None:
         try:
-            importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+            mlx_tool_parser(name)
             return name
         except ImportError:
             log.warning("mlx-lm names tool parser %r but has no such module", name)
