@@ -39,6 +39,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling, Text,
                                  ToolCall, ToolChoice, ToolResult)
 from ..chat.output import Error, Finish, Usage
+from ..chat.tool_choice import checked
 from ..errors import RequestError, bad_request
 from .anthropic_output import message_body, stream
 from .http import SSE_HEADERS, job_events, read_object
@@ -167,14 +168,8 @@ def _tool_choice(raw: Any, tools: list) -> tuple[ToolChoice, bool]:
                   "'none'", "tool_choice")
     name = string(raw.get("name"), "tool_choice.name", "tool_choice") if kind == "tool" \
         else None
-    if kind in ("any", "tool") and not tools:
-        raise bad_request("'tool_choice' asks for a tool call but 'tools' is empty",
-                          "tool_choice")
-    if name is not None and name not in {t.name for t in tools}:
-        raise bad_request(f"'tool_choice' names {name!r}, which is not in 'tools'",
-                          "tool_choice")
-    parallel = not boolean(raw, "disable_parallel_tool_use", False)
-    return ToolChoice(modes[kind], name), parallel  # type: ignore[arg-type]
+    choice = checked(ToolChoice(modes[kind], name), tools)  # type: ignore[arg-type]
+    return choice, not boolean(raw, "disable_parallel_tool_use", False)
 
 
 def _thinking(raw: Any) -> bool | None:

@@ -19,6 +19,7 @@ from ..chat.conversation import (Conversation, Message, Reasoning, ResponseForma
                                  ToolCall, ToolChoice, ToolResult)
 from ..chat.output import (Error, Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
                            ToolCallDelta, ToolCallStart, Usage)
+from ..chat.tool_choice import checked
 from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .validate import (ROLES, boolean, check_history, check_message_id, json_schema, model_name,
@@ -108,12 +109,12 @@ def _tools(body: dict) -> list:
     return tool_list(out, "tools")
 
 
-def tool_choice(raw: Any, tools: list, param: str = "tool_choice",
-                flat: bool = False) -> ToolChoice:
+def tool_choice(raw: Any, tools: list, flat: bool = False) -> ToolChoice:
     """OpenAI's ``tool_choice``: chat's shape (the name under ``function``) or, ``flat``, the
-    Responses API's (the name beside ``type``)."""
+    Responses API's (the name beside ``type``); checked against ``tools`` in ``chat/``."""
     if raw is None:
         return ToolChoice()
+    param = "tool_choice"
     shape = "{'type': 'function', 'name': ...}" if flat else \
         "{'type': 'function', 'function': {'name': ...}}"
     if isinstance(raw, str):
@@ -126,11 +127,7 @@ def tool_choice(raw: Any, tools: list, param: str = "tool_choice",
         choice = ToolChoice("function", string(fn.get("name"), where))
     else:
         raise bad_request(f"'{param}' must be 'auto', 'none', 'required' or {shape}", param)
-    if choice.mode in ("required", "function") and not tools:
-        raise bad_request(f"'{param}' asks for a tool call but 'tools' is empty", param)
-    if choice.name is not None and choice.name not in {t.name for t in tools}:
-        raise bad_request(f"'{param}' names {choice.name!r}, which is not in 'tools'", param)
-    return choice
+    return checked(choice, tools)
 
 
 def response_format(raw: Any, param: str = "response_format",
