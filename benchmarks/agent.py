@@ -1,6 +1,6 @@
 """One coding-agent session against the server, measured per turn at the client.
 
-The session comes from tests/agent_sessions.py (Claude Code's, OpenCode's or Codex's request
+The session comes from harness/agent_sessions.py (Claude Code's, OpenCode's or Codex's request
 shapes; an initial prompt of --initial-tokens tokens of tools and system prompt, then each turn
 the server's answer plus a scripted tool call and a 200-3,000-token tool result). No message ids
 are sent: what the server reuses it finds by the prompt's content. Per turn it prints and saves:
@@ -68,7 +68,7 @@ import httpx
 from benchmarks.peers import PEERS, fetch_line, peer_body, peer_exe, persist_lines, start_peer
 from benchmarks.record import OVERRIDE_HELP, run_file, write
 from benchmarks.ttft import Server, free_port
-from tests.agent_sessions import APIS, Result, Session, load_tokenizer, send
+from harness.agent_sessions import APIS, Result, Session, load_tokenizer, send
 
 TTFT_SUM = "mlx_kvserver_time_to_first_token_seconds_sum"
 PREFILL_LINE = re.compile(r"(\d+) prompt tokens, (\d+) from cache \(([^)]*)\), ([\d.]+)s since it "

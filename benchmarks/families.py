@@ -1,6 +1,6 @@
 """Cache reuse per model family: warm vs no-cache time to first token at ~1,500 tokens of history.
 
-For each family of ``tests/tiny_families.py`` (tiny random-weight models built from mlx-lm's own
+For each family of ``harness/tiny_families.py`` (tiny random-weight models built from mlx-lm's own
 model code), in one run: the real server starts as a subprocess on the family's model folder;
 one turn builds a ~1,500-token history (a system document and a question) and caches it; then
 ``--repeats`` new questions on that history are sent with the cache and without it
@@ -34,8 +34,8 @@ import httpx
 
 from benchmarks.record import OVERRIDE_HELP, write
 from benchmarks.ttft import Server, document, free_port
-from tests.tiny_families import FAMILIES, make_tiny_family_dir
-from tests.tiny_model import CHAT_TEMPLATE, make_tiny_tokenizer
+from harness.tiny_families import FAMILIES, make_tiny_family_dir
+from harness.tiny_model import CHAT_TEMPLATE, make_tiny_tokenizer
 
 HISTORY_TOKENS = 1500
 MAX_TOKENS = 8

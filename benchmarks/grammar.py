@@ -7,7 +7,7 @@ For each library that is installed (llguidance, outlines-core, xgrammar):
   mask      per decode step: the token mask of that schema's grammar along random walks
             (mean / p50 / p99, microseconds); for llguidance also the whole Matcher.apply
             (mask + numpy unpack + one mx.where on the logits, evaluated);
-  tools     compile time of a forced tool call over 25 agent tools (tests/chat/agent_tools.py,
+  tools     compile time of a forced tool call over 25 agent tools (harness/agent_tools.py,
             ~63 KB of JSON): cold (llguidance: median of --repeat), and again through Grammars'
             cache (equal tools, new objects); Matcher.apply along its first steps.
 outlines-core's 25-tool compile runs in a child process under --tools-timeout.
@@ -38,7 +38,7 @@ from mlx_kvserver.chat.constraints import Grammars
 from mlx_kvserver.chat.conversation import ResponseFormat, ToolChoice
 from mlx_kvserver.models.tokenizer import ChatTokenizer
 from mlx_kvserver.models.loading import resolve_and_load
-from tests.chat.agent_tools import agent_tool_objects, agent_tools
+from harness.agent_tools import agent_tool_objects, agent_tools
 
 SCHEMA = {  # a structured answer: nested object, enums, an array of objects, bounded numbers
     "type": "object", "additionalProperties": False,

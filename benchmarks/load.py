@@ -3,7 +3,7 @@
 A server process serves a tiny model (named at start) and lets requests load two others on
 demand (``--allow-models``): the default model's GGUF file (SmolLM2-135M-Instruct Q4_1; on MLX's
 CPU backend dequantized to float32 as it loads) and a tiny random-weight llama folder
-(``tests/tiny_model.py``). ``--model-ttl`` unloads each once idle. For each model, ``--reps``
+(``harness/tiny_model.py``). ``--model-ttl`` unloads each once idle. For each model, ``--reps``
 rounds of: a streamed request naming it (its time to the first token includes the load), the
 load's seconds and phases as ``/v1/models`` reports them, a second request (the model loaded),
 the wait for the TTL's unload and its seconds; what MLX holds loaded and after the unload. Round
@@ -30,7 +30,7 @@ import httpx
 from benchmarks.record import OVERRIDE_HELP, write
 from benchmarks.ttft import Server, free_port
 from mlx_kvserver.models.loading import default_model_path
-from tests.tiny_model import make_tiny_model_dir
+from harness.tiny_model import make_tiny_model_dir
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence.",
              "message_id": "bench-load-q1"}]

@@ -1,7 +1,7 @@
 """No growth: the server's memory after 1,000 mixed requests against its level after the first 100.
 
 Starts the real server as a process (by default on a tiny random-weight llama folder built like
-``tests/tiny_model.py``'s ``make_tiny_model_dir``: the default model is slow on a CPU; ``--model
+``harness/tiny_model.py``'s ``make_tiny_model_dir``: the default model is slow on a CPU; ``--model
 default`` for a shorter run on it), with a small ``--max-kv-ram-gb`` so the page pool reaches its
 budget early and growth beyond it shows, and the disk tier on. ``--clients`` threads send
 ``--requests`` mixed requests, in batches of ``--every``: short and long prompts, streams closed
@@ -216,7 +216,7 @@ def main():
     work = Path(tempfile.mkdtemp(prefix="bench-memgrowth-"))
     model = args.model
     if model == "tiny":
-        from tests.tiny_model import make_tiny_model_dir
+        from harness.tiny_model import make_tiny_model_dir
         model = str(make_tiny_model_dir(work / "tiny", num_layers=4, hidden=256, heads=8,
                                         kv_heads=4))
     flags = ["--model", model, "--max-kv-ram-gb", str(args.max_kv_ram_gb),

@@ -13,7 +13,7 @@
               views and ``Runner.prefill``, as the engine runs them): warm (resident sequence)
               against restored (new pool and store on the same directory);
   tiny        (``--tiny``, alone) the in_process step for a tiny random-weight llama model
-              (``tests/tiny_model.py``) with ``--tiny-history`` tokens (~16,000) of history;
+              (``harness/tiny_model.py``) with ``--tiny-history`` tokens (~16,000) of history;
   ttft        with the real server (``benchmarks.ttft``'s helpers): the 4-turn ~2,400-token chat;
               turn 4 sent warm (the history in memory) and after a restart (the history from disk),
               ``--reps`` times each with a slightly different question; restored / warm TTFT.
@@ -244,7 +244,7 @@ def tiny(history: int, reps: int, work: Path, server: bool) -> dict:
     """``in_process`` for a tiny random-weight llama model written to ``work``, and with
     ``server`` the ``ttft`` chat with that model and a document long enough for ``history``
     tokens before turn 4."""
-    from tests.tiny_model import make_tiny_model_dir
+    from harness.tiny_model import make_tiny_model_dir
 
     path = make_tiny_model_dir(work / "tiny-model", seed=0)
     config = json.loads((path / "config.json").read_text())
@@ -254,7 +254,7 @@ def tiny(history: int, reps: int, work: Path, server: bool) -> dict:
     spec = lm.cache_spec
     per_token = sum(2 * len(g.layers) * g.num_kv_heads * g.head_dim * g.mx_dtype.size
                     for g in spec.groups)
-    out = {"model": "tiny llama (tests/tiny_model.py: 2 layers, 2 KV heads of 16, float32)",
+    out = {"model": "tiny llama (harness/tiny_model.py: 2 layers, 2 KV heads of 16, float32)",
            "kv_bytes_per_token": per_token,
            "in_process": in_process(lm, reps, work, history=history)}
     if server:

@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(tempfile.mkdtemp(prefix="kvserver-soak-"))
         model = args.model
         if model == "tiny":
-            from tests.tiny_model import make_tiny_model_dir
+            from harness.tiny_model import make_tiny_model_dir
 
             model = str(make_tiny_model_dir(tmp / "model"))
         cache = tmp / "kv"

@@ -42,7 +42,7 @@ from kv_cache.tiers.disk.file_format import Geometry
 from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.tiers.store import TieredStore, open_shared
 from kv_cache.tiers.store.shared import WriteJob, _pipelined
-from tests.kv_cache.tiers.store.redis_proc import RedisProc
+from harness.redis_proc import RedisProc
 
 PAGE = 32  # the server's default page size
 
@@ -216,7 +216,7 @@ def main():
             if not args.no_ttft:
                 extra = []
                 if args.tiny:
-                    from tests.tiny_model import make_tiny_model_dir
+                    from harness.tiny_model import make_tiny_model_dir
 
                     make_tiny_model_dir(work / "tiny", seed=0)
                     extra = ["--model", str(work / "tiny")]

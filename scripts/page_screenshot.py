@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from benchmarks.ttft import Server, free_port
-from tests.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium
+from harness.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium
 
 ROOT = Path(__file__).resolve().parent.parent
 

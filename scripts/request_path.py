@@ -22,8 +22,8 @@ import openai
 
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import resolve_and_load
-from tests.server_utils import running_server
-from tests.tiny_model import make_tiny_model_dir
+from harness.server_utils import running_server
+from harness.tiny_model import make_tiny_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 

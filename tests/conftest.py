@@ -48,7 +48,7 @@ _one_tls_context_for_all_clients()
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
-    from tests.server_utils import tiny_dir
+    from harness.server_utils import tiny_dir
 
     return tiny_dir(tmp_path_factory, seed=0)
 
@@ -64,6 +64,6 @@ def tiny_lm(tiny_model_dir):
 def tiny_lm_b(tmp_path_factory):
     """A second, different tiny model (for several models in one server)."""
     from mlx_kvserver.models.loading import resolve_and_load
-    from tests.server_utils import tiny_dir
+    from harness.server_utils import tiny_dir
 
     return resolve_and_load(str(tiny_dir(tmp_path_factory, seed=1)))

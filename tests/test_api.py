@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 HELLO = [{"role": "user", "content": "hello there", "message_id": "u1"}]
 

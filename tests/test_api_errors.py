@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 OK = [{"role": "user", "content": "hi"}]
 

@@ -10,6 +10,8 @@ count, and so does the package root (``from kv_cache import ...`` inside the lib
 import of the top). Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and
 are not counted for the floors; no two modules import each other, though, not even through a
 circle of several or for annotations alone (``test_no_module_imports_itself_round_a_circle``).
+Outside the packages, ``benchmarks/`` and ``scripts/`` share ``harness/`` with the tests (tiny
+models, servers, agent sessions) and never import ``tests/``; the harness imports none of the three.
 """
 
 from __future__ import annotations
@@ -258,3 +260,38 @@ def test_benchmarks_and_scripts_leave_the_import_path_alone(tmp_path):
     bad = tmp_path / "x.py"
     bad.write_text("import sys\nsys.path.insert(0, '..')  # sys.path\n")
     assert _names_sys_path(bad)
+
+
+SHARED_FORBIDDEN = {  # tests, benchmarks and tools share the harness: what each never imports
+    "harness": {"tests", "benchmarks", "scripts"},
+    "benchmarks": {"tests"},
+    "scripts": {"tests"},
+}
+
+
+def _shared_violations(path: Path) -> list[tuple[int, str]]:
+    """The imports of ``path`` (in ``benchmarks/``, ``scripts/`` or ``harness/``) of a folder that
+    its own never imports (``SHARED_FORBIDDEN``)."""
+    here = _module_of(path).split(".")[0]
+    return [(line, m) for line, m in _imports(path, typing=True)
+            if m.split(".")[0] in SHARED_FORBIDDEN[here]]
+
+
+@pytest.mark.parametrize("path", _files("harness") + _files("benchmarks") + _files("scripts"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_benchmarks_and_scripts_share_the_harness_not_the_tests(path):
+    """Benchmarks and tools reach tiny models, servers and agent sessions through ``harness/``,
+    never through ``tests/``; the harness imports neither them nor the tests."""
+    assert _shared_violations(path) == []
+
+
+def test_the_harness_rule_sees_a_violation(tmp_path, monkeypatch):
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "harness").mkdir()
+    bench, harness = tmp_path / "benchmarks" / "x.py", tmp_path / "harness" / "y.py"
+    bench.write_text("from harness.tiny_model import make\nfrom tests.tiny_model import make\n"
+                     "from scripts import tool\n")
+    harness.write_text("import benchmarks.ttft\nfrom scripts import tool\nimport tests\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _shared_violations(bench) == [(2, "tests.tiny_model")]
+    assert _shared_violations(harness) == [(1, "benchmarks.ttft"), (2, "scripts"), (3, "tests")]

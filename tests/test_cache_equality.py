@@ -30,8 +30,8 @@ from mlx_kvserver.engine.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.engine.test_scheduler import Collect, text
 from tests.engine.test_speculate import ask, bent, make_scheduler, reference, serve, usage, watch
-from tests.server_utils import running_server
-from tests.tiny_model import make_tiny_model, tiny_config, write_model_dir
+from harness.server_utils import running_server
+from harness.tiny_model import make_tiny_model, tiny_config, write_model_dir
 
 SYSTEM = "You are a helpful assistant."
 LONG = "Tell me about the sea and the mountains, and which is older. " * 3

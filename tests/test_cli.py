@@ -82,7 +82,7 @@ def test_kv_bits_for_a_model_whose_head_dim_takes_no_group_stops_the_start_sayin
     """Groups of 64, or 32 where 64 does not divide head_dim: a head_dim of 16 takes neither,
     and the start stops with the reason (not a draft model's)."""
     from mlx_kvserver.cli import load_engine
-    from tests.tiny_model import make_tiny_model_dir
+    from harness.tiny_model import make_tiny_model_dir
 
     path = make_tiny_model_dir(tmp_path / "m", hidden=64, heads=4)  # head_dim 16
     config = config_from_args(parse_args(["--model", str(path), "--kv-bits", "4",

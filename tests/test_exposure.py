@@ -13,7 +13,7 @@ from mlx_kvserver import cli
 from mlx_kvserver.api import host_name
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.api.openapi import openapi_spec
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 KEY = "s3cret-key"
 HELLO = [{"role": "user", "content": "hello", "message_id": "exp-u0"}]

@@ -1,6 +1,6 @@
 """Every model family mlx-lm runs, through the real server, on tiny random-weight models.
 
-One loaded model per family (``tests/tiny_families.py``: full attention, sliding windows, Gemma
+One loaded model per family (``harness/tiny_families.py``: full attention, sliding windows, Gemma
 4's KV-shared layers of two head sizes, recurrent layers mixed with attention layers), greedy:
 
 - a 4-turn chat answers the same with the cache as without, and turns 2-4 reuse cached tokens;
@@ -22,8 +22,8 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
-from tests.server_utils import running_server
-from tests.tiny_families import FAMILIES, SLIDING_WINDOW, make_tiny_family_dir
+from harness.server_utils import running_server
+from harness.tiny_families import FAMILIES, SLIDING_WINDOW, make_tiny_family_dir
 
 TURNS = ["Tell me about the sea.", "And the mountains?", "Which is older?", "Say it shorter."]
 MAX_TOKENS = 10

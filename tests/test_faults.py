@@ -24,8 +24,8 @@ import kv_cache.tiers.disk.dirs
 import kv_cache.tiers.disk.store
 from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
-from tests.server_procs import HTTP, Server
-from tests.server_utils import running_server
+from harness.server_procs import HTTP, Server
+from harness.server_utils import running_server
 from tests.test_load import disk_file_bytes
 
 KILLS = 50
@@ -264,7 +264,7 @@ def test_a_cache_dir_that_cannot_be_created_disables_the_disk_tier(tiny_lm, tmp_
 def test_a_prompt_larger_than_the_ram_budget_is_still_answered(tiny_lm, tmp_path):
     """Out of pages is a cache miss, never an error: one prompt needs more pages than the pool
     has (no entry is kept), with n > 1 too (the choices recompute the prompt)."""
-    from tests.server_utils import make_engine
+    from harness.server_utils import make_engine
     from tests.test_load import assert_cache_at_rest
 
     page_bytes = tiny_lm.num_layers * 2 * tiny_lm.num_kv_heads * 8 * tiny_lm.head_dim * 4

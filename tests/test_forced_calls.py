@@ -29,7 +29,7 @@ import openai
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 PARAMS = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
 CHAT_TOOLS = [{"type": "function", "function": {

@@ -41,7 +41,7 @@ from mlx_kvserver.api.validate import MAX_MESSAGE_ID_LEN, MAX_STOP, RANGES, ROLE
 from mlx_kvserver.api.http import is_anthropic_path
 from tests.schema_bodies import (WRONG_TYPES, Document, follow_rules, has_lone_surrogate,
                                  kind_of, locations, not_about_shape, property_names, replaced)
-from tests.server_utils import make_engine, running_server
+from harness.server_utils import make_engine, running_server
 from tests.test_load import assert_cache_at_rest, skip_fsync
 
 EXAMPLES = 1400

@@ -30,7 +30,7 @@ from mlx_kvserver.chat.support import chat_support
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
-from tests.server_utils import make_engine, running_server
+from harness.server_utils import make_engine, running_server
 from tests.engine.test_prepare import idle
 
 SEEDS = (3, 0, 1, 2, 4, 5, 6, 7, 8, 9, 10, 11)  # tried in turn (see ``lm``)

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 # Valid message_ids (they are keys, never paths) and invalid ones (refused with a 400).
 HOSTILE_IDS = ["..", ".", "../x", "../../../../../../tmp/pwned", "/etc/passwd", "a\\b",

@@ -15,10 +15,10 @@ from mlx_lm.utils import _get_classes
 
 from mlx_kvserver import cli
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 from tests.test_persistence import TURNS, ask, page_files, run_turns
-from tests.tiny_families import _scale, tiny_family_config
-from tests.tiny_model import make_tiny_model_dir, write_model_dir
+from harness.tiny_families import _scale, tiny_family_config
+from harness.tiny_model import make_tiny_model_dir, write_model_dir
 
 
 @pytest.fixture(scope="module")

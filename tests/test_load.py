@@ -23,7 +23,7 @@ import httpx
 from kv_cache.pages.holders import ENTRY, SEQUENCE
 from kv_cache.tiers.disk import atomic_fs
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import make_engine, running_server
+from harness.server_utils import make_engine, running_server
 
 CLIENTS, TURNS, MAX_TOKENS = 16, 10, 8
 HANG_UP = {(c, t) for c in range(0, CLIENTS, 3) for t in (1, 4, 8)}  # (client, turn)

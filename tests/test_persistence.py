@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 TURNS = ["Tell me about the sea.", "And the mountains?", "Which is older?", "Say it shorter."]
 

@@ -10,10 +10,10 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.agent_sessions import MODELS, Session, send
-from tests.server_utils import running_server
-from tests.test_agent_sessions import tiny_long_lm  # noqa: F401  (a fixture)
-from tests.tiny_model import make_tiny_tokenizer
+from harness.agent_sessions import MODELS, Session, send
+from harness.server_utils import running_server
+from tests.harness.test_agent_sessions import tiny_long_lm  # noqa: F401  (a fixture)
+from harness.tiny_model import make_tiny_tokenizer
 
 
 def first_turn(url: str, seed: int) -> tuple:

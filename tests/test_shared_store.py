@@ -15,8 +15,8 @@ import pytest
 from kv_cache.tiers.disk.file_format import Geometry
 from kv_cache.tiers.store import values as val
 from mlx_kvserver.config import ServerConfig
-from tests.kv_cache.tiers.store.redis_proc import RedisProc, running_redis
-from tests.server_utils import running_server
+from harness.redis_proc import RedisProc, running_redis
+from harness.server_utils import running_server
 from tests.test_persistence import ask, run_turns
 
 TURNS = ["Tell me about the sea.", "And the mountains?", "Which is older?"]

@@ -22,7 +22,7 @@ from mlx_kvserver.chat.output import (Done, Error, Finish, ReasoningDelta, TextD
                                       ToolCallDelta, ToolCallStart, Usage)
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.errors import RequestError
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 CONFIG = ServerConfig()
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
@@ -511,7 +511,7 @@ def test_thinking_blocks_stream_and_come_back(tmp_path, tmp_path_factory):
     as thinking_delta then signature_delta; sent back on the next turn, it is accepted."""
     from mlx_kvserver.models.loading import resolve_and_load
     from tests.chat.templates import QWEN3_STRICT
-    from tests.tiny_model import make_tiny_model_dir
+    from harness.tiny_model import make_tiny_model_dir
 
     lm = resolve_and_load(str(make_tiny_model_dir(tmp_path / "thinker",
                                                   chat_template=QWEN3_STRICT)))

@@ -7,7 +7,7 @@ import httpx
 
 from mlx_kvserver.api import anthropic, openai_chat
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 
 def test_a_bug_in_a_handler_is_a_500_in_the_apis_own_shape(tiny_lm, monkeypatch, caplog):

@@ -8,7 +8,7 @@ import openai
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 PROMPT = "The capital of France is Paris. " * 12
 

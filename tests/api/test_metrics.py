@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mlx_kvserver.api import metrics as metrics_mod
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.api.metrics import Metrics, route_label
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -15,7 +15,7 @@ import pytest
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).with_name("schemathesis")

@@ -22,7 +22,7 @@ import pytest
 from mlx_kvserver.api.openapi import openapi_spec
 from mlx_kvserver.config import ServerConfig
 from tests.schema_bodies import Document, follow_rules
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 RANDOM = 24  # random bodies per operation
 SPEC = Document(openapi_spec(["m"]))

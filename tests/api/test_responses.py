@@ -402,7 +402,7 @@ def _live(url):
 
 @pytest.fixture(scope="module")
 def live(tiny_lm, tmp_path_factory):
-    from tests.server_utils import running_server
+    from harness.server_utils import running_server
 
     cache = tmp_path_factory.mktemp("responses-cache")
     config = ServerConfig(max_tokens=8, page_size=8, kv_cache_dir=cache)
@@ -449,7 +449,7 @@ def test_live_a_prompt_past_the_context_names_the_input(live, tiny_lm):
 
 
 def test_live_previous_response_id_uses_the_cache_also_after_a_restart(tiny_lm, tmp_path):
-    from tests.server_utils import running_server
+    from harness.server_utils import running_server
 
     config = ServerConfig(max_tokens=8, page_size=8, kv_cache_dir=tmp_path)
     with running_server([tiny_lm], config) as url:

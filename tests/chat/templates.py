@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 from mlx_kvserver.models.tokenizer import ChatTokenizer
 from tests.chat.gpt_oss_template import GPT_OSS
-from tests.tiny_model import make_tiny_tokenizer
+from harness.tiny_model import make_tiny_tokenizer
 
 QWEN25 = """{%- if tools %}
     {{- '<|im_start|>system\\n' }}

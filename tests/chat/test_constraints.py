@@ -21,7 +21,7 @@ from mlx_kvserver.chat.conversation import ResponseFormat, Tool, ToolChoice
 from mlx_kvserver.errors import RequestError
 from mlx_kvserver.models.tokenizer import ChatTokenizer
 
-from .agent_tools import agent_tool_objects  # noqa: E402
+from harness.agent_tools import agent_tool_objects  # noqa: E402
 
 EXTRA = 7  # logits wider than the tokenizer: ids past it must never be allowed
 
@@ -120,7 +120,7 @@ def grammars(request: pytest.FixtureRequest) -> Grammars:
     if request.param == "tiny":
         from transformers import PreTrainedTokenizerFast
 
-        from tests.tiny_model import CHAT_TEMPLATE, make_tiny_tokenizer
+        from harness.tiny_model import CHAT_TEMPLATE, make_tiny_tokenizer
         hf = PreTrainedTokenizerFast(tokenizer_object=make_tiny_tokenizer(),
                                      eos_token="<|im_end|>")
         tok = ChatTokenizer(hf, chat_template=CHAT_TEMPLATE)

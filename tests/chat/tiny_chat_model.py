@@ -8,14 +8,14 @@ import json
 from pathlib import Path
 
 from tests.chat.templates import _SPECS
-from tests.tiny_families import make_tiny_family_model, tiny_family_config
-from tests.tiny_model import make_tiny_model, tiny_config, write_model_dir
+from harness.tiny_families import make_tiny_family_model, tiny_family_config
+from harness.tiny_model import make_tiny_model, tiny_config, write_model_dir
 
 
 def make_tiny_chat_model_dir(path: str | Path, family: str, seed: int = 0,
                              template: str | None = None, model_type: str = "llama") -> Path:
     """A complete MLX model folder: a tiny ``model_type`` model (the llama, or one of
-    :mod:`tests.tiny_families`) with ``family``'s tokens and template; a family with several end
+    :mod:`harness.tiny_families`) with ``family``'s tokens and template; a family with several end
     tokens lists them in ``generation_config.json`` (as gpt-oss does)."""
     from tests.chat.templates import EXTRA_EOS, make_chat_tokenizer
 

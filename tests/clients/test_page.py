@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
-from tests.server_utils import running_server
-from tests.services import required, unavailable
+from harness.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
+from harness.server_utils import running_server
+from harness.services import required, unavailable
 from tests.clients.test_repl import WEATHER, thinking_answer
 
 CHROMIUM = find_chromium()

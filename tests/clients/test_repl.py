@@ -23,7 +23,7 @@ from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.clients.client import ChatError, Client, Streamed, parse_sse
 from mlx_kvserver.clients.repl import Conversation, Repl
 from mlx_kvserver.clients.repl_render import _CONTROL
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 ROOT = Path(__file__).resolve().parents[2]
 STATUS = re.compile(r"\[ttft (?:\d+\.\d+s|-) \| (?:[\d.]+|-) tok/s \| (\d+) tokens \| "

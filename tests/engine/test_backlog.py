@@ -13,7 +13,7 @@ import pytest
 
 from mlx_kvserver.engine.backlog import RETRY_UNMEASURED_S, Backlog
 from mlx_kvserver.errors import RequestError
-from tests.server_procs import HTTP, Server
+from harness.server_procs import HTTP, Server
 
 
 class Clock:

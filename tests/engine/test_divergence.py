@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import running_server
+from harness.server_utils import running_server
 
 GUIDE = " ".join(f"Rule {i}: keep the answer short and kind." for i in range(30))
 

@@ -14,9 +14,9 @@ from mlx_kvserver.engine.engine import Engine
 from mlx_kvserver.engine.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
-from tests.server_utils import running_server
-from tests.tiny_families import make_tiny_family_dir
-from tests.tiny_model import make_tiny_model_dir
+from harness.server_utils import running_server
+from harness.tiny_families import make_tiny_family_dir
+from harness.tiny_model import make_tiny_model_dir
 
 
 @pytest.fixture(autouse=True)

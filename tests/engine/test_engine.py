@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from tests.server_utils import make_engine, running_server
+from harness.server_utils import make_engine, running_server
 
 TURNS = ["Tell me about the sea.", "And the mountains?", "Which is older?", "Say it shorter."]
 SYSTEM = {"role": "system", "content": "You are terse.", "message_id": "sys"}

@@ -19,7 +19,7 @@ from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.prepare import next_turn_tokens
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
-from tests.server_utils import make_engine, running_server
+from harness.server_utils import make_engine, running_server
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from mlx_kvserver.engine.memory import MemoryBudget
 from mlx_kvserver.engine.pressure import Pressure
 from tests.engine.test_memory import fill_mlx_cache
 from tests.engine.test_scheduler import Collect, run, scheduler
-from tests.server_procs import HTTP, Server
+from harness.server_procs import HTTP, Server
 
 WORDS = "the river runs past old stone walls and quiet gardens under a grey sky".split()
 

@@ -82,7 +82,7 @@ def chi2(counts: np.ndarray, p: np.ndarray, n: int) -> tuple[float, int]:
 
 
 def tiny_model_logits() -> mx.array:
-    from tests.tiny_model import make_tiny_model, make_tiny_tokenizer
+    from harness.tiny_model import make_tiny_model, make_tiny_tokenizer
 
     ids = make_tiny_tokenizer().encode("Tell me about the sea and the mountains").ids
     return make_tiny_model(0)(mx.array(ids)[None])[0, -1]

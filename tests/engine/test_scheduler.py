@@ -21,7 +21,7 @@ from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
 from mlx_kvserver.engine.request import Job
 from mlx_kvserver.engine.runner import Runner
 from mlx_kvserver.engine.scheduler import Scheduler
-from tests.tiny_families import make_tiny_family_dir
+from harness.tiny_families import make_tiny_family_dir
 
 FAMILIES = ("llama", "gemma3_text", "gemma4_text", "qwen3_5")
 WORDS = "the sea and mountains are old but rivers run fast over stones in winter light".split()

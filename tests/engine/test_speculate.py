@@ -27,8 +27,8 @@ from mlx_kvserver.engine.scheduler import Scheduler
 from mlx_kvserver.engine.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.engine.test_scheduler import Collect, run
-from tests.server_utils import running_server
-from tests.tiny_families import make_tiny_family_dir
+from harness.server_utils import running_server
+from harness.tiny_families import make_tiny_family_dir
 
 MAX = 32
 

@@ -18,7 +18,7 @@ from kv_cache.layout.spec import CacheSpec
 from kv_cache.opening import open_cache
 from kv_cache.layout.spec import with_kv_bits
 from kv_cache.transfer import TransferError, export_entry, import_entry
-from tests.tiny_model import make_tiny_model
+from harness.tiny_model import make_tiny_model
 
 P = 4
 SETTINGS = [8, 4, "8,4", (4, 8)]
@@ -204,7 +204,7 @@ def test_bytes_per_token_in_memory_and_on_disk(model, tmp_path):
 def test_the_shared_store_carries_pages_in_bits_and_keeps_settings_apart(model, tmp_path):
     """Two servers (own disks) on one Redis: the second restores the first's 8-bit turn bit for
     bit; a server at 4 bits finds nothing of it."""
-    from tests.kv_cache.tiers.store.redis_proc import running_redis
+    from harness.redis_proc import running_redis
 
     tokens = list(range(30, 57))
     with running_redis(tmp_path / "redis") as proc:

@@ -12,7 +12,7 @@ from mlx_lm.models.cache import KVCache
 from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.manager import CacheManager
 from kv_cache.pages.pool import PagePool
-from tests.tiny_model import make_tiny_model
+from harness.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,8 @@ from kv_cache.manager import CacheManager
 from kv_cache.model.spec_reader import spec_of_model
 from kv_cache.pages.holders import ENTRY, RESIDENT, SEQUENCE
 from kv_cache.pages.pool import PagePool
-from tests.tiny_families import make_tiny_family_model
-from tests.tiny_model import make_tiny_model
+from harness.tiny_families import make_tiny_family_model
+from harness.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from mlx_kvserver.models import gguf
 from mlx_kvserver.models.footprint import _gguf_elements, estimate_load, estimate_weights
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.models.test_gguf import gguf_meta, to_gguf_names
-from tests.tiny_model import make_tiny_model, make_tiny_model_dir
+from harness.tiny_model import make_tiny_model, make_tiny_model_dir
 
 
 def quantized_dir(path: Path, **model_kw) -> Path:

@@ -11,7 +11,7 @@ import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
-from tests.tiny_model import make_tiny_model, make_tiny_tokenizer
+from harness.tiny_model import make_tiny_model, make_tiny_tokenizer
 
 from mlx_kvserver.models.gguf import build_tokenizer, load_gguf
 from mlx_kvserver.models.loading import default_model_path

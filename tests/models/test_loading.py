@@ -11,7 +11,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from tests.tiny_model import CHAT_TEMPLATE, make_tiny_model, make_tiny_model_dir, tiny_config
+from harness.tiny_model import CHAT_TEMPLATE, make_tiny_model, make_tiny_model_dir, tiny_config
 
 from mlx_kvserver.models import loading as models
 from mlx_kvserver.models.gguf import build_tokenizer
@@ -208,7 +208,7 @@ def test_a_model_loaded_on_one_thread_runs_on_another(tmp_path: Path, model_type
     import threading
 
     from mlx_lm.models.cache import make_prompt_cache
-    from tests.tiny_families import make_tiny_family_dir
+    from harness.tiny_families import make_tiny_family_dir
 
     lm = resolve_and_load(str(make_tiny_family_dir(tmp_path / model_type, model_type)))
     out: list = []

@@ -22,9 +22,9 @@ from mlx_kvserver.engine.memory import weights_bytes
 from mlx_kvserver.models.footprint import estimate_load, estimate_weights
 from mlx_kvserver.models.loading import resolve_and_load
 from mlx_kvserver.models.on_demand import AllowList, Resident, Source, idle_past, lru, source_of
-from tests.server_procs import Server
-from tests.server_utils import running_server
-from tests.tiny_model import make_tiny_model_dir
+from harness.server_procs import Server
+from harness.server_utils import running_server
+from harness.tiny_model import make_tiny_model_dir
 
 HELLO = [{"role": "user", "content": "Hello world, how are you?"}]
 

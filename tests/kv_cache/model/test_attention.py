@@ -205,7 +205,7 @@ def test_rows_on_views_compute_their_real_queries_only():
 def test_install_routes_a_models_attention_only():
     """A model whose modules call mlx-lm's attention is routed through ours; one without is
     not (it decodes one sequence a pass)."""
-    from tests.tiny_model import make_tiny_model
+    from harness.tiny_model import make_tiny_model
     assert attention.install(make_tiny_model(seed=5))
 
     class NotRouted:

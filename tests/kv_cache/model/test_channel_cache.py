@@ -285,7 +285,7 @@ def test_a_model_with_sliding_windows_keeps_per_position_keys_in_its_windows():
     from mlx_lm.models.cache import RotatingKVCache, make_prompt_cache
 
     from kv_cache.model.spec_reader import spec_of_model
-    from tests.tiny_families import _get_classes, tiny_family_config
+    from harness.tiny_families import _get_classes, tiny_family_config
 
     cfg = {**tiny_family_config("gemma3_text"), "head_dim": 32, "query_pre_attn_scalar": 32}
     model_class, args_class = _get_classes(cfg)
@@ -340,7 +340,7 @@ def test_the_default_models_shape_restores_bit_for_bit_through_a_view(tmp_path):
     one."""
     from kv_cache.model.attention import install
     from kv_cache.model.views import PrefixViews
-    from tests.tiny_model import make_tiny_model
+    from harness.tiny_model import make_tiny_model
 
     wide = make_tiny_model(seed=5, hidden=256, heads=4)
     assert install(wide)

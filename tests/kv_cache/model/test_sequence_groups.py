@@ -11,7 +11,7 @@ from kv_cache.manager import CacheManager
 from kv_cache.pages.pool import PagePool
 from kv_cache.model.sequence import PagedSequence
 from kv_cache.model.spec_reader import spec_of_model
-from tests.tiny_families import SLIDING_WINDOW, make_tiny_family_model
+from harness.tiny_families import SLIDING_WINDOW, make_tiny_family_model
 
 P = 8  # pages are half a window
 W = SLIDING_WINDOW

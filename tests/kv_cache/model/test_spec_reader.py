@@ -9,8 +9,8 @@ from kv_cache.layout.kinds import FULL, STATE, SlidingWindow
 from kv_cache.layout.spec import CacheSpec, GroupSpec, UnsupportedCacheError
 from kv_cache.model.spec_reader import spec_from_caches, spec_of_model
 from mlx_kvserver.models.loading import resolve_and_load
-from tests.tiny_families import SLIDING_WINDOW, make_tiny_family_dir, make_tiny_family_model
-from tests.tiny_model import make_tiny_model, make_tiny_model_dir
+from harness.tiny_families import SLIDING_WINDOW, make_tiny_family_dir, make_tiny_family_model
+from harness.tiny_model import make_tiny_model, make_tiny_model_dir
 
 
 def test_llama_spec():

@@ -22,7 +22,7 @@ from mlx_kvserver.engine.request import Request
 from mlx_kvserver.engine.runner import Runner
 from mlx_kvserver.engine.scheduler import Scheduler
 from tests.engine.test_scheduler import Collect, run, text
-from tests.tiny_families import make_tiny_family_dir
+from harness.tiny_families import make_tiny_family_dir
 
 PAGE = 8
 

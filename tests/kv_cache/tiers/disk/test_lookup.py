@@ -21,8 +21,8 @@ from kv_cache.model.spec_reader import spec_of_model
 from tests.kv_cache.test_manager import pool_for, run, store_for
 from tests.kv_cache.model.test_sequence_groups import PROMPT, greedy
 from tests.kv_cache.model.test_sequence_groups import run as run_chunks
-from tests.tiny_families import make_tiny_family_model
-from tests.tiny_model import make_tiny_model
+from harness.tiny_families import make_tiny_family_model
+from harness.tiny_model import make_tiny_model
 
 USERS = [list(range(10, 20)), list(range(30, 37))]  # with the answers: 10+6, 23+4 tokens
 
@@ -229,7 +229,7 @@ def test_families_reuse_by_content_where_windows_and_states_allow(family_chat, c
 
 def test_a_restarted_server_reuses_a_chat_without_message_ids(tiny_lm, tmp_path):
     # The server's modules are imported here: the library's tests above do not need them.
-    from tests.server_utils import running_server
+    from harness.server_utils import running_server
     from tests.test_persistence import TURNS, ask, config
 
     messages = []

@@ -15,8 +15,8 @@ from kv_cache.tiers.disk.store import DiskStore
 from kv_cache.tiers.store import TieredStore, open_shared
 from kv_cache.tiers.store import values as val
 from tests.kv_cache.test_manager import pool_for, reference
-from tests.kv_cache.tiers.store.redis_proc import running_redis
-from tests.tiny_model import make_tiny_model
+from harness.redis_proc import running_redis
+from harness.tiny_model import make_tiny_model
 
 NS = "t"
 
@@ -187,7 +187,7 @@ def test_a_store_that_is_down_is_a_miss_and_the_breaker_stops_asking(model, tmp_
 
 
 def test_wrong_password_is_a_warning_not_an_error(model, tmp_path, caplog):
-    from tests.kv_cache.tiers.store.redis_proc import RedisProc
+    from harness.redis_proc import RedisProc
 
     proc = RedisProc(tmp_path / "r", "--requirepass", "right").start()
     try:

@@ -1,4 +1,4 @@
-"""Test helpers: a tiny random-weight llama model and a complete MLX model folder (no network).
+"""A tiny random-weight llama model and a complete MLX model folder (no network).
 
 The tokenizer is a byte-level BPE trained in-process on a few sentences (256 byte tokens, three
 ChatML specials and a few dozen merges), so any text round-trips, including multi-byte UTF-8.

@@ -1,4 +1,4 @@
-"""tests/agent_sessions.py: deterministic agent sessions of the right sizes that only ever grow,
+"""harness/agent_sessions.py: deterministic agent sessions of the right sizes that only ever grow,
 and a live 3-turn session of each API against the server whose later turns come from the cache."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import pytest
 
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import resolve_and_load
-from tests.agent_sessions import APIS, ID_PATTERNS, MODELS, Session, load_tokenizer, send
-from tests.server_utils import running_server
-from tests.tiny_model import make_tiny_model, make_tiny_tokenizer, tiny_config, write_model_dir
+from harness.agent_sessions import APIS, ID_PATTERNS, MODELS, Session, load_tokenizer, send
+from harness.server_utils import running_server
+from harness.tiny_model import make_tiny_model, make_tiny_tokenizer, tiny_config, write_model_dir
 
 ANSWERS = ["I'll look at the package first.", "", "Let me read the file.", ("Found it: the "
            "price lookup returns None."), "Now the test."]

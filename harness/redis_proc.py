@@ -1,4 +1,4 @@
-"""A real ``redis-server`` for tests: its own port and folder, nothing persisted.
+"""A real ``redis-server`` for tests and benchmarks: its own port and folder, nothing persisted.
 
 Tests that need one use ``running_redis`` (or ``RedisProc`` directly); where the
 binary is missing they are skipped, saying so (``.ci/run`` installs Debian's ``redis-server``).
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from tests.services import unavailable
+from harness.services import unavailable
 
 BINARY = shutil.which("redis-server")
 SKIP_REASON = "no redis-server binary (apt-get install redis-server; .ci/run does)"

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes
 
-from tests.tiny_model import CHAT_TEMPLATE, tiny_config, tiny_vocab_size, write_model_dir
+from harness.tiny_model import CHAT_TEMPLATE, tiny_config, tiny_vocab_size, write_model_dir
 
 FAMILIES = ("llama", "qwen3", "gemma3_text", "gpt_oss", "gemma4_text", "qwen3_5", "lfm2",
             "nemotron_h")

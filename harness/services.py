@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-import pytest
-
 SERVICES = ("chromium", "redis-server")
 
 
@@ -27,6 +25,8 @@ def required() -> set[str]:
 
 def unavailable(service: str, reason: str) -> NoReturn:
     """Skip the test for ``reason``, or fail it where this run requires ``service``."""
+    import pytest  # here, not at the top: benchmarks import the harness and need no pytest
+
     if service in required():
         pytest.fail(f"{reason}; this run requires {service} (MLX_KVSERVER_REQUIRE)",
                     pytrace=False)

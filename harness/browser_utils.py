@@ -70,7 +70,7 @@ def serve_app(app) -> Iterator[str]:
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
-    from tests.server_utils import QuickServer
+    from harness.server_utils import QuickServer
 
     server = QuickServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

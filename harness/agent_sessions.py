@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.chat.agent_tools import agent_tools
+from harness.agent_tools import agent_tools
 
 APIS = ("anthropic", "openai", "responses")
 PATHS = {"anthropic": "/v1/messages?beta=true", "openai": "/v1/chat/completions",

@@ -1,4 +1,4 @@
-"""Run the real server (uvicorn on loopback, in a thread) for tests."""
+"""Run the real server (uvicorn on loopback, in a thread) for tests and tools."""
 
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def running_server(models: list[LoadedModel], config: ServerConfig | None = None
 
 
 def tiny_dir(tmp_path_factory, seed: int = 0) -> Path:
-    from tests.tiny_model import make_tiny_model_dir
+    from harness.tiny_model import make_tiny_model_dir
 
     path = tmp_path_factory.mktemp(f"tiny-model-{seed}")
     make_tiny_model_dir(path, seed=seed)
