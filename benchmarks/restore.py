@@ -107,7 +107,7 @@ def throughput(lm, tokens: int, repeat: int, work: Path) -> dict:
                                              max_bytes=1 << 36), max_resident=0)
             m.views = PrefixViews(pool)  # as the engine sets it up
             if not runs:  # as before runs: page by page, then the view copies the pages
-                m._load_run = lambda *a: None
+                m.restore._load_run = lambda *a: None
             gc.collect()  # the previous rep's arrays are gone (a server collects them too)
             t0 = time.perf_counter()
             seq, match = m.start(toks + [1], ["e"])

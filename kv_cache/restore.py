@@ -1,4 +1,4 @@
-"""Restoring a stored entry into the page pool: a part of ``CacheManager`` (``manager.py``).
+"""Restoring a stored entry into the page pool: what a ``Match`` found on disk, loaded.
 
 The pages an entry's first ``n`` tokens use are held from memory where the pool has them, else
 read from disk: page files by hash (a full-attention group's pages that are all missing, as one
@@ -9,23 +9,32 @@ file (or, for a prefix found by content, the file continuing its last page: ``Fo
 from __future__ import annotations
 
 import logging
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 import mlx.core as mx
 
 from kv_cache.errors import OutOfBlocksError
+from kv_cache.lookup import cut, whole
 from kv_cache.model.sequence import Snapshot
-from kv_cache.tiers.base import FoundPrefix, FoundTails, StoredEntry
+from kv_cache.pages.pool import PagePool
+from kv_cache.stats import ManagerStats
+from kv_cache.tiers.base import FoundPrefix, FoundTails, StoredEntry, Tier
 
 log = logging.getLogger("kv_cache.manager")
 PREFETCH_BYTES = 64 << 20  # page data read ahead (in parallel) while restoring an entry
+T = TypeVar("T")
 
 
 class Restore:
-    """Loading entries from disk into the pool (``self.pool``, ``self.store``, ``self.stats``,
-    ``self._cut`` and ``with_room`` (room made for what a restore adds) are the manager's)."""
+    """Loading entries from ``store`` into ``pool``, each page it adds taken through
+    ``with_room`` (room made for it where the pool is full: ``Room.with_room``); pages read
+    counted in ``stats``."""
 
-    def _load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
+    def __init__(self, pool: PagePool, store: Tier | None, stats: ManagerStats,
+                 with_room: Callable[[Callable[[], T]], T]):
+        self.pool, self.store, self.stats, self.with_room = pool, store, stats, with_room
+
+    def load(self, stored: StoredEntry, n: int) -> tuple[int, list[list[int | None]],
                                                          Snapshot | None]:
         """Hold the pages of ``stored`` that its first ``n`` tokens use, from memory where the
         pool has them, else from disk: ``(tokens covered, tables, state)``. A model with one
@@ -40,18 +49,18 @@ class Restore:
         return self._load_pages(stored.tokens, stored.group_hashes(), loaded.tails, n, state,
                                 stored.key)
 
-    def _load_found(self, found: FoundPrefix, prompt: Sequence[int]):
-        """``_load`` for a prefix found on disk by content: no manifest, the pages by hash and
+    def load_found(self, found: FoundPrefix, prompt: Sequence[int]):
+        """``load`` for a prefix found on disk by content: no manifest, the pages by hash and
         the partial page's file only if the load gets that far (``FoundTails``)."""
         return self._load_pages(prompt, found.hashes, FoundTails(self.store, self.pool, found),
                                 found.tokens, None, "a prompt's stored prefix")
 
     def _load_pages(self, tokens: Sequence[int], hashes: list[list[bytes | None]], tails,
                     n: int, state: Snapshot | None, what: str):
-        """What ``_load`` does once it has the manifest: the pages ``hashes`` (per group, of
+        """What ``load`` does once it has the manifest: the pages ``hashes`` (per group, of
         ``tokens``) and the partial page after them (``tails.get(group)``: data holding it)."""
         pool, P = self.pool, self.pool.page_size
-        n = self._whole(n)
+        n = whole(pool, n)
         tables: list[list[int | None]] = []
         covered = n
         for g, spec in enumerate(pool.groups):
@@ -151,7 +160,7 @@ class Restore:
 
     def _cut_loaded(self, tables, n: int) -> list[list[int | None]]:
         """Release what loaded beyond the first ``n`` positions' needs."""
-        keep = self._cut(tables, n) if n else [[] for _ in tables]
+        keep = cut(self.pool, tables, n) if n else [[] for _ in tables]
         for table, kept in zip(tables, keep):
             for i, b in enumerate(table):
                 if b is not None and (i >= len(kept) or kept[i] is None):

@@ -1,8 +1,9 @@
-"""Saving entries to disk off the generating thread: a part of ``CacheManager``.
+"""Saving entries to disk off the generating thread.
 
-``_capture`` takes what an entry's disk copy needs as references when it is saved (no copy, no
-lock); ``_writer_task`` turns that into plain host bytes and a ``DiskStore.put`` that the
-``DiskWriter`` thread runs in order, so saving never delays an answer.
+An entry saved in memory is handed to ``Saving.add``, which takes what its disk copy needs as
+references (no copy, no lock); ``flush`` (once the answer is out) turns each into plain host
+bytes and a ``Tier.put`` that the ``DiskWriter`` thread runs in order, so saving never delays an
+answer. Without a store there is nothing to write and each call does nothing.
 """
 
 from __future__ import annotations
@@ -10,14 +11,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import mlx.core as mx
 
-from kv_cache.tiers.base import PageRecord, host_array
-
-if TYPE_CHECKING:
-    from kv_cache.entries import Entry
+from kv_cache.entries import Entry
+from kv_cache.pages.pool import PagePool
+from kv_cache.stats import ManagerStats
+from kv_cache.tiers.base import PageRecord, Tier, host_array
 
 log = logging.getLogger("kv_cache.manager")
 
@@ -56,8 +57,40 @@ class DiskWriter:
         self._tasks.task_done()
 
 
-class DiskSaving:
-    """The manager's disk copies (``self.pool``, ``self.store``, ``self.stats``)."""
+class Saving:
+    """Disk copies of ``pool``'s entries in ``store`` (none without one), counted in
+    ``stats``."""
+
+    def __init__(self, pool: PagePool, store: Tier | None, stats: ManagerStats):
+        self.pool, self.store, self.stats = pool, store, stats
+        self._pending: list[tuple] = []  # entries to write, handed to the writer by flush()
+        self._writer = DiskWriter() if store is not None else None
+
+    def add(self, entry: Entry, again: bool = True) -> None:
+        """Write ``entry`` to disk with the next ``flush``; not ``again`` where the store holds
+        its key already (a state point is the same entry whoever reaches it)."""
+        if self.store is not None and (again or self.store.get(entry.key) is None):
+            self._pending.append(self._capture(entry))
+
+    def flush(self) -> None:
+        """Hand pending entries to the disk writer (call once the answer is out)."""
+        pending, self._pending = self._pending, []
+        for captured in pending:
+            self._writer.submit(self._writer_task(captured))
+
+    def sync(self) -> None:
+        """Wait for every write handed to the disk writer (for a consistent view of the disk)."""
+        self.flush()
+        if self._writer is not None:
+            self._writer.drain()
+
+    def close(self) -> None:
+        """Finish the disk writes and close the store."""
+        self.sync()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+            self.store.close()
 
     def _capture(self, entry: Entry) -> tuple:
         """What the disk copy of ``entry`` needs, as references (no copy, no lock): the pages

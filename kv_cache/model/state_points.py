@@ -116,37 +116,3 @@ class StatePoints:
     def clear(self) -> None:
         self.planned, self.taken = [], []
 
-
-class PointEntries:
-    """State points as entries: a part of ``CacheManager`` (``self._entries``, ``self.pool``,
-    ``self.store``, ``self.max_points``, ``_candidate``, ``_keep`` and ``drop`` are its)."""
-
-    def _by_points(self, prompt: Sequence[int], limit: int, boundaries: Sequence[int], best):
-        """``best``, or the longest state point at one of ``boundaries`` (in memory, else in
-        the store's index) where that is more; each is verified by its tokens like any entry."""
-        at = [b for b in boundaries if best.tokens < b <= limit]
-        for b, key in reversed(list(zip(at, point_keys(prompt, at)))):
-            m = self._candidate(prompt, limit, key)[0]
-            if m is not None and m.tokens == b:
-                return m
-        return best
-
-    def _plan_points(self, seq, boundaries: Sequence[int], end: int) -> None:
-        """``seq`` (a prompt running to ``end``) snapshots its state at ``choose``'s points."""
-        if self.pool.spec.has_state and boundaries:
-            seq.points.plan(choose(boundaries, len(seq.tokens), end))
-
-    def _save_points(self, seq, n: int) -> None:
-        """Keep the state snapshots ``seq`` took at or before ``n`` as entries of their own:
-        one already held is only refreshed, one already on disk is not written again; beyond
-        ``max_points`` in memory, the least recently used go (from memory only)."""
-        taken = seq.points.take(n)
-        for (p, snap), key in zip(taken, point_keys(seq.tokens, [p for p, _ in taken])):
-            if key in self._entries:
-                self._entries.move_to_end(key)
-            else:
-                self._keep(key, seq, p, snap, to_disk=self.store is not None
-                           and self.store.get(key) is None)
-        held = [k for k in self._entries if is_point(k)]
-        for key in held[: max(0, len(held) - self.max_points)]:
-            self.drop(key, from_disk=False)
