@@ -1,5 +1,6 @@
-"""A page's metadata (``PageMeta``): what the pool, its prefix index and its sealing read about
-a page besides its data. The pool owns every page's ``PageMeta``; the others only read it."""
+"""A page's metadata (``PageMeta``): what the pool and its prefix index read about a page
+besides its data. The pool owns every page's ``PageMeta``; the index reads it, and marks the
+pages it enters (``indexed``)."""
 
 from __future__ import annotations
 

@@ -2,10 +2,17 @@
 byte budget.
 
 A page belongs to one group of the model's cache spec (``kv_cache.layout.spec``) and holds
-``page_size`` token positions of keys and values for every layer of that group. The pool's parts:
-``storage.py`` keeps the pages' data, ``sealing.py`` seals full pages and finds them by content
-through the prefix index (``prefix_index.py``), ``holders.py`` counts each page's holds by kind of
-holder. The ref counts are the one registry of who holds what.
+``page_size`` token positions of keys and values for every layer of that group. The pool holds
+its parts and keeps their books together: ``storage.py`` keeps the pages' data, ``budget.py``
+what they take of the byte budget, ``prefix_index.py`` finds sealed pages by content,
+``holders.py`` counts each page's holds by kind of holder, ``allocator.py`` hands out page ids,
+``eviction.py`` chooses which cached page goes. The ref counts are the one registry of who holds
+what.
+
+A full page is sealed once: immutable from then on, hashed with a chain over the model
+fingerprint and the group (the chain's root), the parent page's hash and the page's token ids,
+and entered in the prefix index, so every sequence that starts with the same tokens holds the
+same physical page. Pages read from outside (a disk store) come in sealed.
 
 Pages that nothing holds stay cached for reuse until the byte budget needs their room; an
 eviction policy chooses among them, and only among leaf pages (no cached page continues them).
@@ -23,12 +30,12 @@ import mlx.core as mx
 
 from kv_cache.pages.allocator import BlockAllocator
 from kv_cache.errors import InvalidBlockError, OutOfBlocksError
+from kv_cache.pages.budget import Budget
 from kv_cache.pages.eviction import EvictionPolicy, make_policy
-from kv_cache.pages.hashing import root_hash
+from kv_cache.pages.hashing import page_hash, root_hash
 from kv_cache.pages.holders import SEQUENCE, Holders
 from kv_cache.pages.meta import PageMeta
 from kv_cache.pages.prefix_index import PrefixIndex
-from kv_cache.pages.sealing import Sealing
 from kv_cache.pages.storage import PageStorage
 from kv_cache.layout.spec import CacheSpec, GroupSpec
 
@@ -51,7 +58,7 @@ class PoolStats:
     budget_bytes: int
 
 
-class PagePool(Sealing):
+class PagePool:
     """Physical pages, their ref counts (by kind of holder: ``holders``), seals and the prefix
     index, under a byte budget."""
 
@@ -88,7 +95,6 @@ class PagePool(Sealing):
         self.page_size = page_size
         self.group_page_bytes = [g.page_bytes(page_size) for g in self.groups]
         self.page_bytes = self.group_page_bytes[0] if self.groups else 0
-        self.max_bytes = max_bytes
         smallest = min(self.group_page_bytes, default=0)
         self.allocator = BlockAllocator(max_bytes // smallest if smallest else 0)
         self.policy = make_policy(policy) if isinstance(policy, str) else policy
@@ -97,14 +103,15 @@ class PagePool(Sealing):
         self.root = root_hash(fingerprint)
         self._meta: dict[int, PageMeta] = {}
         self.storage = PageStorage(page_size)  # the pages' data
+        self.budget = Budget(max_bytes, self.group_page_bytes)
         self.index = PrefixIndex(page_size, self.roots, self._meta)
         self.holders = Holders()  # the ref counts by kind of holder
-        self._num_cached = 0  # indexed pages with ref_count 0
-        self._cached_bytes = 0
-        self._used_bytes = 0
-        self._evictions = 0
 
     # -- capacity -------------------------------------------------------------------------------
+
+    @property
+    def max_bytes(self) -> int:
+        return self.budget.max_bytes
 
     @property
     def capacity(self) -> int:
@@ -116,11 +123,7 @@ class PagePool(Sealing):
     def can_allocate(self, n: int, group: int = 0) -> bool:
         """Whether ``n`` pages of ``group`` can be had without dropping any holder (evicting
         cached pages)."""
-        if n == 0:
-            return True
-        free_bytes = self.max_bytes - self._used_bytes + self._cached_bytes
-        return (n * self.group_page_bytes[group] <= free_bytes
-                and n <= self.allocator.num_free + self._num_cached)
+        return n == 0 or self.budget.fits(n, group, self.allocator.num_free)
 
     def allocate(self, n: int, group: int = 0) -> list[int]:
         """``n`` new open pages of ``group``, each held once by the caller (a sequence): all or
@@ -130,10 +133,9 @@ class PagePool(Sealing):
             raise ValueError(f"cannot allocate {n} pages")
         if not self.can_allocate(n, group):
             raise OutOfBlocksError(
-                f"need {n} pages; {self.allocator.num_free} free and {self._num_cached} cached "
-                f"of {self.capacity} ({self.group_page_bytes[group]} bytes each)", n, group)
-        need = n * self.group_page_bytes[group]
-        while self.allocator.num_free < n or self._used_bytes + need > self.max_bytes:
+                f"need {n} pages; {self.allocator.num_free} free and {self.budget.cached_pages} "
+                f"cached of {self.capacity} ({self.group_page_bytes[group]} bytes each)", n, group)
+        while self.allocator.num_free < n or self.budget.over(n, group):
             victim = self.policy.victim(self._can_evict)
             if victim is None:
                 # NOTE: cached pages that held pages continue (a sliding window releases the
@@ -146,7 +148,7 @@ class PagePool(Sealing):
         for b in blocks:
             self._meta[b] = PageMeta(ref_count=1, group=group)
             held[b] = 1
-        self._used_bytes += need
+        self.budget.use(n, group)
         return blocks
 
     # -- holders --------------------------------------------------------------------------------
@@ -158,14 +160,13 @@ class PagePool(Sealing):
     def hold_all(self, blocks: Iterable[int | None], by: str = SEQUENCE) -> None:
         """``hold`` each of ``blocks`` (None: a page a table does not hold, skipped). One pass:
         a long chat holds hundreds of pages at once."""
-        access, sizes, held = self.policy.access, self.group_page_bytes, self.holders.counts(by)
+        access, budget, held = self.policy.access, self.budget, self.holders.counts(by)
         for block in blocks:
             if block is None:
                 continue
             meta = self._get(block)
             if meta.ref_count == 0:
-                self._num_cached -= 1
-                self._cached_bytes -= sizes[meta.group]
+                budget.uncache(meta.group)
             meta.ref_count += 1
             held[block] = held.get(block, 0) + 1
             if meta.indexed:
@@ -178,7 +179,7 @@ class PagePool(Sealing):
 
     def release_all(self, blocks: Iterable[int | None], by: str = SEQUENCE) -> None:
         """``release`` each of ``blocks`` (None skipped), in one pass."""
-        sizes, held = self.group_page_bytes, self.holders.counts(by)
+        budget, held = self.budget, self.holders.counts(by)
         for block in blocks:
             if block is None:
                 continue
@@ -194,8 +195,7 @@ class PagePool(Sealing):
             meta.ref_count -= 1
             if meta.ref_count == 0:
                 if meta.indexed:
-                    self._num_cached += 1
-                    self._cached_bytes += sizes[meta.group]
+                    budget.cache(meta.group)
                 else:
                     self._free(block)
 
@@ -291,6 +291,91 @@ class PagePool(Sealing):
         group = self.groups[self._get(blocks[0]).group] if blocks else None
         return self.storage.gather_layers(blocks, num_tokens, room, group)
 
+    # -- sealing --------------------------------------------------------------------------------
+
+    def seal(self, block: int, parent: bytes, h: bytes | None = None) -> int:
+        """Seal a full open page under the chain ``parent``; returns the block now holding it.
+        ``h``: the page's hash where the caller has it already (``page_hash(parent, tokens)``).
+
+        If an identical page (same hash and tokens) is already indexed, the caller's hold moves
+        to that page and ``block`` is freed: pages are stored once.
+        """
+        meta = self._get(block)
+        assert not meta.sealed, f"block {block} is sealed already"
+        assert meta.ref_count == 1, f"seal of block {block} held {meta.ref_count} times"
+        if len(meta.tokens) != self.page_size:
+            raise ValueError(f"only full pages are sealed; block {block} has {len(meta.tokens)}")
+        h = page_hash(parent, meta.tokens) if h is None else h
+        existing = self.index.find(h, meta.tokens)
+        if existing is not None:
+            self.hold(existing)
+            self.release(block)
+            return existing
+        meta.sealed, meta.hash, meta.parent = True, h, parent
+        if self.index.lookup(h) is None:  # else a collision: sealed, not indexed
+            self._enter(block, meta)
+        return block
+
+    def _enter(self, block: int, meta: PageMeta) -> None:
+        """Enter a sealed page (its hash and parent set) in the prefix index and the policy."""
+        self.index.enter(block, meta)
+        self.policy.insert(block, ident=meta.hash)
+
+    def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array,
+                   group: int = 0, h: bytes | None = None) -> int:
+        """A sealed page of ``group`` built from outside data (a disk store); held once by the
+        caller. ``h``: its hash where the caller has it (``page_hash(parent, tokens)``)."""
+        h = page_hash(parent, tokens) if h is None else h
+        existing = self.index.find(h, tuple(tokens))
+        if existing is not None:
+            self.hold(existing)
+            return existing
+        (block,) = self.allocate(1, group)
+        self.write(block, kv, tokens)
+        return self.seal(block, parent, h)
+
+    def add_sealed_run(self, parent: bytes, pages: Sequence[tuple[bytes, Sequence[int]]],
+                       array: mx.array, group: int = 0) -> list[int]:
+        """Consecutive sealed pages of ``group`` (``(hash, tokens)`` each, the first continuing
+        ``parent``) whose data is ``array`` ``[layers, 2, kv_heads, len(pages) * page_size,
+        head_dim]``, one slice a page (``kv_cache.pages.runs``): cached, held by nobody. None of
+        them may be in the pool already. All or none (``OutOfBlocksError``)."""
+        assert all(self.index.lookup(h) is None for h, _ in pages), "a page of the run is cached"
+        if any(len(tokens) != self.page_size for _, tokens in pages):
+            raise ValueError("only full pages are sealed, and a run holds only sealed pages")
+        blocks = self.allocate(len(pages), group)
+        # NOTE: ``seal`` and ``release`` for each page, in one pass: a restore of a long chat
+        # of a small model adds hundreds of pages, and this is per-page interpreter work.
+        for b, (h, tokens) in zip(blocks, pages):
+            meta = self._meta[b]
+            meta.tokens = tuple(map(int, tokens))
+            meta.sealed, meta.hash, meta.parent, meta.ref_count = True, h, parent, 0
+            self._enter(b, meta)
+            parent = h
+        self.storage.add_run(array, blocks)
+        self.budget.cache(group, len(blocks))
+        return blocks
+
+    # -- finding pages by content (the prefix index's) ------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int], group: int = 0) -> list[int]:
+        """The indexed full pages of ``group`` that hold the longest page-aligned prefix of
+        ``tokens``. Not held: the caller holds what it keeps."""
+        return self.index.match_prefix(tokens, group)
+
+    def lookup(self, h: bytes) -> int | None:
+        """The indexed block holding the sealed page with chain hash ``h`` (not held)."""
+        return self.index.lookup(h)
+
+    def match_hashes(self, hashes: Sequence[bytes], tokens: Sequence[int]) -> list[int | None]:
+        """For each chain hash of ``hashes`` (pages of ``tokens``), the indexed block holding it
+        with the same tokens, or None. Not held."""
+        return self.index.match_hashes(hashes, tokens)
+
+    def chain(self, tokens: Sequence[int], group: int = 0) -> list[bytes]:
+        """The chain hashes of every full page of ``tokens`` in ``group``."""
+        return self.index.chain(tokens, group)
+
     # -- eviction -------------------------------------------------------------------------------
 
     def _can_evict(self, block: int) -> bool:
@@ -305,9 +390,7 @@ class PagePool(Sealing):
     def _evict(self, block: int) -> None:
         meta = self._meta[block]
         assert self._can_evict(block), f"evicting block {block}, which is held or not a leaf"
-        self._num_cached -= 1
-        self._cached_bytes -= self.group_page_bytes[meta.group]
-        self._evictions += 1
+        self.budget.evicted(meta.group)
         self._free(block, from_policy=True)
 
     def evict_all_cached(self) -> int:
@@ -325,26 +408,26 @@ class PagePool(Sealing):
             if not from_policy:
                 self.policy.remove(block)
         for b in self.storage.free(block):  # a run's storage goes with its last page
-            self._used_bytes -= self.group_page_bytes[meta.group]
+            self.budget.give_back(meta.group)
             self.allocator.free(b)
 
     # -- reports --------------------------------------------------------------------------------
 
     def stats(self) -> PoolStats:
-        metas, sizes = self._meta.values(), self.group_page_bytes
+        metas, sizes, budget = self._meta.values(), self.group_page_bytes, self.budget
         return PoolStats(
             page_size=self.page_size,
             page_bytes=self.page_bytes,
             capacity_pages=self.capacity,
             used_pages=len(self._meta),
             held_pages=sum(1 for m in metas if m.ref_count > 0),
-            cached_pages=self._num_cached,
+            cached_pages=budget.cached_pages,
             sealed_pages=sum(1 for m in metas if m.sealed),
-            evictions=self._evictions,
+            evictions=budget.evictions,
             prefix_hits=self.index.hits,
-            used_bytes=self._used_bytes,
+            used_bytes=budget.used_bytes,
             shared_bytes=sum(sizes[m.group] for m in metas if m.ref_count > 1),
-            budget_bytes=self.max_bytes,
+            budget_bytes=budget.max_bytes,
         )
 
     def ref_counts(self) -> dict[int, int]:

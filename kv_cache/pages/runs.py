@@ -26,7 +26,8 @@ class Run:
 
 
 class PageRuns:
-    """Which pages share a run array (a part of ``PagePool``, used under its rules)."""
+    """Which pages share a run array, and the slices each page reads of it (held by the
+    pool's storage, ``PageStorage.runs``: the pool decides when a page is added or freed)."""
 
     def __init__(self, page_size: int):
         self.page_size = page_size

@@ -4,7 +4,7 @@ against the page's tokens.
 """
 
 import kv_cache.pages.prefix_index as prefix_index_mod
-import kv_cache.pages.sealing as sealing_mod
+import kv_cache.pages.pool as pool_mod
 
 from tests.kv_cache.pages.pool_helpers import kv, make_pool, sealed
 
@@ -19,7 +19,7 @@ def test_same_tokens_under_another_parent_is_another_page():
 
 def test_a_hash_hit_compares_tokens_too(monkeypatch):
     """With every hash colliding, only the tokens can tell pages apart."""
-    monkeypatch.setattr(sealing_mod, "page_hash", lambda parent, tokens: b"collision")
+    monkeypatch.setattr(pool_mod, "page_hash", lambda parent, tokens: b"collision")
     monkeypatch.setattr(prefix_index_mod, "chain_hashes", lambda root, tokens, P, start=():
                         list(start) + [b"collision"] * (len(tokens) // P - len(start)))
     pool = make_pool(4)

@@ -1,5 +1,5 @@
-"""Sealing (``kv_cache.pages.sealing``): a full page sealed once, hashed on its chain, deduplicated
-onto an identical page (reviving a cached one), and sealed pages added from outside.
+"""Sealing (``PagePool.seal``, ``add_sealed``): a full page sealed once, hashed on its chain,
+deduplicated onto an identical page (reviving a cached one), and sealed pages added from outside.
 """
 
 import numpy as np
