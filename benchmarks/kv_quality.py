@@ -60,7 +60,9 @@ from mlx_lm.models.cache import BatchKVCache, KVCache
 
 from benchmarks.kivi_sim import KiviSim
 from benchmarks.record import OVERRIDE_HELP, write
-from kv_cache import batch_caches, install, key_block_for, open_cache, with_kv_bits
+from kv_cache import open_cache
+from kv_cache.hooks import batch_caches, install
+from kv_cache.layout.spec import key_block_for, with_kv_bits
 from kv_cache.layout.quant import KVQuant, make_quant
 
 PROMPTS = [

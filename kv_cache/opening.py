@@ -1,5 +1,7 @@
-"""One model's cache, built in one call: the page pool, the disk store under the cache
-directory, and the manager over them (``open_cache``; the library's way in: ``kv_cache``).
+"""One model's cache, built in one call: the page pool (its pages in bits where asked), the
+disk store under the cache directory, and the manager over them (``open_cache``; the library's
+way in: ``kv_cache``); and ``check_store_url``, to check a setting before any model is
+loaded.
 
 Prefix views are not made here: whether a model reads shared prefixes through them is known only
 once its forward passes have been tried on sequences of this manager (the runner's start-up
@@ -14,7 +16,8 @@ import logging
 from pathlib import Path
 
 from kv_cache.manager import CacheManager
-from kv_cache.layout.spec import CacheSpec
+from kv_cache.layout.quant import parse_bits
+from kv_cache.layout.spec import CacheSpec, key_block_for, with_kv_bits
 from kv_cache.pages.pool import PagePool
 from kv_cache.tiers.disk.file_format import Geometry
 from kv_cache.tiers.disk.store import DiskStore
@@ -25,13 +28,22 @@ log = logging.getLogger("kv_cache")
 def open_cache(spec: CacheSpec, fingerprint: str, *, page_size: int, max_ram_bytes: int,
                policy: str, disk_dir: Path | None, max_disk_bytes: int, max_resident: int,
                about: dict | None = None, store_url: str | None = None,
-               store_namespace: str = "kv") -> CacheManager:
+               store_namespace: str = "kv", kv_bits: int | str | tuple | None = None
+               ) -> CacheManager:
     """The manager of one model's cache: pages of ``page_size`` tokens within ``max_ram_bytes``,
     and (unless ``disk_dir`` is None) a disk store within ``max_disk_bytes`` in its own
     directory under ``disk_dir``; ``policy`` names the eviction policy of both. ``about`` (the
     model's name and source, say) is written beside the store as ``model.json`` for people
     looking at the directory. ``store_url``: a page store shared with other servers, below
-    the disk (``kv_cache.tiers.store``), its keys under ``store_namespace``."""
+    the disk (``kv_cache.tiers.store``), its keys under ``store_namespace``. ``kv_bits``: pages
+    in bits (``kv_cache.parse_kv_bits``; ``with_kv_bits``, keys per channel over a page where
+    ``key_block_for`` says so), a setting that enters the fingerprint."""
+    if parse_bits(kv_bits) is not None:
+        block = key_block_for(spec, kv_bits, page_size)
+        spec, fingerprint = with_kv_bits(spec, fingerprint, kv_bits, block)
+        log.info("%s: KV pages in %s bits, keys scaled %s",
+                 (about or {}).get("name", fingerprint[:16]), kv_bits,
+                 f"per channel over pages of {block}" if block else "per position")
     pool = PagePool(spec=spec, page_size=page_size, max_bytes=max_ram_bytes, policy=policy,
                     fingerprint=fingerprint)
     store = None if disk_dir is None else open_store(

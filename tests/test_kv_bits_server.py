@@ -76,7 +76,7 @@ def test_restart_in_bits_answers_as_the_warm_server_and_as_without_cache(request
                                                                         caplog, bits, model,
                                                                         keys):
     lm = request.getfixturevalue(model)
-    with caplog.at_level("INFO", logger="mlx_kvserver.engine"), \
+    with caplog.at_level("INFO", logger="kv_cache"), \
             running_server([lm], config(tmp_path, bits)) as url:
         history = run_turns(url, lm.name, "q", TURNS[:3])
         history.append({"role": "user", "content": TURNS[3], "message_id": "q-u3"})

@@ -16,7 +16,7 @@ from array import array
 from collections import deque
 from dataclasses import replace
 
-from kv_cache import common_prefix
+from kv_cache.hooks import common_prefix
 
 from ..chat.output import Divergence
 from ..chat.render import render

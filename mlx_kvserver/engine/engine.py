@@ -24,8 +24,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from kv_cache import (CacheManager, export_entry, import_entry, key_block_for, open_cache,
-                      with_kv_bits)
+from kv_cache import CacheManager, export_entry, import_entry, open_cache
 
 from ..chat.output import Accepted, Done, Error
 from ..config import GB, ServerConfig
@@ -84,20 +83,15 @@ class Engine:
     def _open(self, lm: LoadedModel) -> None:
         """A cache and a scheduler for ``lm`` (its weights counted in the budget)."""
         config = self.config
-        # --kv-bits picks the rest: groups of 64 (32 where 64 does not divide head_dim), rotated,
-        # keys per channel over a page wherever the model has no recurrent state
-        block = key_block_for(lm.cache_spec, config.kv_bits, config.page_size)
-        spec, fingerprint = with_kv_bits(lm.cache_spec, lm.fingerprint, config.kv_bits, block)
-        if config.kv_bits:
-            log.info("%s: KV pages in %s bits, keys scaled %s", lm.name, config.kv_bits,
-                     f"per channel over pages of {block}" if block else "per position")
+        # --kv-bits picks the rest (``open_cache``): groups of 64 (32 where 64 does not divide
+        # head_dim), rotated, keys per channel over a page wherever the model has no recurrent state
         manager = open_cache(
-            spec, fingerprint, page_size=config.page_size,
+            lm.cache_spec, lm.fingerprint, page_size=config.page_size,
             max_ram_bytes=int(config.max_kv_ram_gb * GB), policy=config.eviction_policy,
             disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
             max_resident=config.max_resident_sequences,
             about={"name": lm.name, "source": lm.source}, store_url=config.kv_store,
-            store_namespace=config.kv_store_namespace)
+            store_namespace=config.kv_store_namespace, kv_bits=config.kv_bits)
         draft = self.draft if self.draft is not None and _fits(self._draft_lm, lm) else None
         self.models[lm.name] = lm
         self.managers[lm.name] = manager
@@ -277,7 +271,7 @@ class Engine:
 
     def memory_report(self) -> dict:
         """The budget and what is spent of it: weights, pages, working buffers, MLX's cache."""
-        pages = sum(m.pool.stats().used_bytes for m in self.managers.values())
+        pages = sum(m.pool_stats().used_bytes for m in self.managers.values())
         rep = self.memory.report()
         rep["pages_bytes"] = pages
         rep["working_bytes"] = max(0, rep["mlx_active_bytes"] - rep["weights_bytes"] - pages)

@@ -19,7 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from kv_cache import OWN_KEYS_APART
+from kv_cache.hooks import OWN_KEYS_APART
 
 from ..platform import heap
 from ..platform.memory_facts import MemoryFacts, current

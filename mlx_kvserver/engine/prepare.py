@@ -21,7 +21,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, replace
 
-from kv_cache import CacheManager, OutOfBlocksError, PagedSequence
+from kv_cache import CacheManager, OutOfBlocksError
+from kv_cache.hooks import PagedSequence
 
 from ..chat.conversation import Message, Reasoning, Text, ToolResult
 from ..chat.output import Finish

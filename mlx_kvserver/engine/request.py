@@ -17,7 +17,8 @@ import uuid
 from dataclasses import dataclass, field
 import mlx.core as mx
 
-from kv_cache import Match, PagedSequence, boundaries
+from kv_cache import Match
+from kv_cache.hooks import PagedSequence, boundaries
 
 from ..chat.conversation import Conversation
 from ..chat.output import Delta, Divergence, Event, Finish, TextDelta, TokenLogprob, Usage

@@ -10,8 +10,9 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from kv_cache import (CacheManager, PagedSequence, batch_caches, can_go_ragged, finish_batch,
-                      forward, install, ragged_caches)
+from kv_cache import CacheManager
+from kv_cache.hooks import (PagedSequence, batch_caches, finish_batch, forward, install,
+                            ragged_caches)
 
 log = logging.getLogger("mlx_kvserver.runner")
 
@@ -38,7 +39,7 @@ class Runner:
         self.ragged = False  # verify passes of several sequences: one row per token (``verify``)
         self.batched = install(model) and self._probe(manager)
         # several short prompts in one forward pass (right-padded): attention layers only
-        self.batched_prompts = self.batched and not manager.pool.spec.has_state
+        self.batched_prompts = self.batched and not manager.has_state
         if self.batched:
             manager.share_prefixes()
         else:
@@ -153,7 +154,7 @@ class Runner:
             alone = mx.concatenate([self.decode([seqs[0]], [9]), self.decode([seqs[1]], [10])])
             if not _agree(alone, self.decode(seqs[2:], [9, 10])):
                 return False
-            self.ragged = can_go_ragged(manager.pool) and self._ragged_agrees(seqs)
+            self.ragged = manager.can_go_ragged() and self._ragged_agrees(seqs)
             return True
         except Exception as e:  # a model that indexes its cache in ways a batch cannot serve
             log.info("batched decode probe failed: %s", e)

@@ -66,7 +66,7 @@ class Scheduler(Preemption):
         self.name, self.memory = name, memory  # engine/memory.py MemoryBudget (None: no budget)
         self.pressure = Pressure(self, memory) if memory is not None else None
         self.speculation = Speculation(runner, speculate, num_draft_tokens,
-                                       can_rewind=not manager.pool.spec.has_state, draft=draft,
+                                       can_rewind=not manager.has_state, draft=draft,
                                        name=name)
         self.prefill_chunk, self.max_batch = prefill_chunk, max_batch
         self.requests: list[Request] = []  # admitted, oldest first
@@ -217,7 +217,7 @@ class Scheduler(Preemption):
         if choice is None:
             if r.seq is None:
                 r.seq, r.match = self._start(r, r.prompt, r.keys, r.boundaries
-                                             if self.manager.pool.spec.has_state else ())
+                                             if self.manager.has_state else ())
                 r.done_tokens = r.match.tokens
                 waited = time.perf_counter() - r.started
                 if r.waiting_for is not None:

@@ -22,7 +22,7 @@ def _runner(lm):
 
 def _plain(lm, seq, tokens) -> mx.array:
     """The pass as it was: the model over the whole piece, its last logits evaluated."""
-    from kv_cache import forward
+    from kv_cache.hooks import forward
 
     with forward():
         out = lm.model(mx.array(tokens)[None], cache=seq.prepare())[0, -1]
