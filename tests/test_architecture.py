@@ -1,7 +1,8 @@
 """The layers' import rules, read from the source (docs/ARCHITECTURE.md, "Layers").
 
-``kv_cache`` never imports the server; the server uses the library through its package root
-only (``from kv_cache import ...``), and its own rooms import only down (base < platform, chat <
+``kv_cache`` never imports the server; the server uses the library through its face only
+(``from kv_cache import ...``: ``FACE``) and the runner's hooks (``kv_cache.hooks``: ``HOOKS``),
+never reads the parts a manager holds, and its own rooms import only down (base < platform, chat <
 models < engine < api < cli < clients: ``SERVER_ALLOWED``); inside the library nothing imports a layer above its own,
 floor by floor: ``layout/`` (the cache's description: kinds of layer, a page's geometry and
 codec) knows only the base; ``pages/`` knows the layout; ``model/`` knows pages; ``tiers/`` know
@@ -10,6 +11,8 @@ count, and so does the package root (``from kv_cache import ...`` inside the lib
 import of the top). Imports under ``if TYPE_CHECKING:`` are annotations, not dependencies, and
 are not counted for the floors; no two modules import each other, though, not even through a
 circle of several or for annotations alone (``test_no_module_imports_itself_round_a_circle``).
+In both packages a class is composed of the objects it holds: none inherits a mixin from another
+file (``test_no_class_is_mixed_in_from_another_file``).
 Outside the packages, ``benchmarks/`` and ``scripts/`` share ``harness/`` with the tests (tiny
 models, servers, agent sessions) and never import ``tests/``; the harness imports none of the three.
 """
@@ -37,7 +40,6 @@ def _imports(path: Path, module: str | None = None,
     ``pkg.mod`` is a module here, and relative imports resolved against ``module`` (the file's
     own module name)."""
     module = module if module is not None else _module_of(path)
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(), str(path))
     skip: set[int] = set()
     for node in ast.walk(tree):
@@ -50,17 +52,25 @@ def _imports(path: Path, module: str | None = None,
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = package.split(".")
-                parts = parts[:len(parts) - (node.level - 1)]
-                base = ".".join(parts + ([base] if base else []))
+            base = _from_module(node, path, module)
             for a in node.names:
                 sub = f"{base}.{a.name}"
                 as_module = (ROOT / (sub.replace(".", "/") + ".py")).exists() or \
                     (ROOT / sub.replace(".", "/")).is_dir()
                 out.append((node.lineno, sub if as_module else base))
     return out
+
+
+def _from_module(node: ast.ImportFrom, path: Path, module: str) -> str:
+    """The module ``node`` (in ``path``, of module ``module``) imports from, a relative one
+    resolved."""
+    base = node.module or ""
+    if node.level:
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        parts = package.split(".")
+        parts = parts[:len(parts) - (node.level - 1)]
+        base = ".".join(parts + ([base] if base else []))
+    return base
 
 
 def _layer(module: str) -> str:
@@ -100,11 +110,242 @@ def test_kv_cache_imports_only_its_own_layer_and_below(path):
     assert not bad, f"{module} ({here}) imports above its layer: {bad}"
 
 
-@pytest.mark.parametrize("path", _files("mlx_kvserver"), ids=lambda p: str(p.relative_to(ROOT)))
-def test_the_server_uses_the_library_through_its_package_root(path):
-    bad = [(line, m) for line, m in _imports(path)
-           if m.startswith("kv_cache.") and m.split(".")[1] not in _root_names()]
+FACE = {  # what a user of the cache names: ``from kv_cache import ...``
+    "open_cache", "CacheManager", "CacheSpec", "spec_of_model", "Match", "FormatError",
+    "OutOfBlocksError", "TransferError", "export_entry", "export_key", "import_entry",
+    "parse_kv_bits", "check_store_url"}
+HOOKS = {  # what a model runner names around a forward pass: ``from kv_cache.hooks import ...``
+    "forward", "install", "batch_caches", "ragged_caches", "finish_batch", "OWN_KEYS_APART",
+    "PagedSequence", "boundaries", "common_prefix"}
+WAYS_IN = ("kv_cache", "kv_cache.hooks")
+
+
+def _library_imports(path: Path) -> list[tuple[int, str, str]]:
+    """(line, module, name) of every name ``path`` imports from the library, ``TYPE_CHECKING``
+    imports included (``import kv_cache.x`` gives the name ``*``)."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name, "*") for a in node.names
+                    if a.name.split(".")[0] == "kv_cache"]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module \
+                and node.module.split(".")[0] == "kv_cache":
+            out += [(node.lineno, node.module, a.name) for a in node.names]
+    return sorted(out)
+
+
+def _past_the_face(path: Path) -> list[tuple[int, str, str]]:
+    """The library imports of ``path`` that are not names of the face or of the hooks."""
+    names = {"kv_cache": FACE | {"hooks"}, "kv_cache.hooks": HOOKS}
+    return [(line, m, n) for line, m, n in _library_imports(path)
+            if m not in WAYS_IN or n not in names[m]]
+
+
+@pytest.mark.parametrize("path", _files("mlx_kvserver") + _files("scripts"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_server_uses_the_library_through_its_face_or_the_hooks(path):
+    """The server and its tools name the library's face (``kv_cache``) and the runner's hooks
+    (``kv_cache.hooks``) alone, never a module below them. (The library's own tests, and the
+    benchmarks that measure its layers, reach below.)"""
+    bad = _past_the_face(path)
     assert not bad, f"{path.relative_to(ROOT)} reaches inside kv_cache: {bad}"
+
+
+def test_the_face_and_the_hooks_are_the_listed_names():
+    import kv_cache
+    import kv_cache.hooks
+
+    assert set(kv_cache.__all__) == FACE and len(kv_cache.__all__) == len(FACE)
+    assert set(kv_cache.hooks.__all__) == HOOKS and len(kv_cache.hooks.__all__) == len(HOOKS)
+    assert all(hasattr(kv_cache, n) for n in FACE)
+    assert all(hasattr(kv_cache.hooks, n) for n in HOOKS)
+
+
+def test_the_face_rule_sees_a_violation(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("from kv_cache import open_cache, hooks\nfrom kv_cache.hooks import forward\n"
+                   "from kv_cache.pages.pool import PagePool\nfrom kv_cache import atomic_fs\n"
+                   "import kv_cache.manager\nfrom kv_cache.hooks import CacheSpec\n")
+    assert _past_the_face(src) == [(3, "kv_cache.pages.pool", "PagePool"),
+                                   (4, "kv_cache", "atomic_fs"),
+                                   (5, "kv_cache.manager", "*"),
+                                   (6, "kv_cache.hooks", "CacheSpec")]
+
+
+def _reads_of_parts(path: Path, parts: set[str]) -> list[tuple[int, str]]:
+    """(line, source) of each read in ``path`` of a manager's part: an attribute in ``parts``
+    of something named a manager (``manager``, ``self.manager``, ``self.managers[name]``), or a
+    page pool of anything (``.pool``: the server has none of its own)."""
+    def named_manager(e: ast.expr) -> bool:
+        e = e.value if isinstance(e, ast.Subscript) else e
+        name = e.id if isinstance(e, ast.Name) else e.attr if isinstance(e, ast.Attribute) else ""
+        return name in ("manager", "managers")
+
+    tree = ast.parse(path.read_text(), str(path))
+    return sorted((n.lineno, ast.unparse(n)) for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute)
+                  and (n.attr == "pool" or (n.attr in parts and named_manager(n.value))))
+
+
+@pytest.mark.parametrize("path", _files("mlx_kvserver"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_server_reaches_no_part_of_a_manager(path):
+    """The server asks the manager (its methods), never the parts it holds (its page pool,
+    store, views, counters, entries, ...: what its constructor sets)."""
+    parts = _set_attributes(_class_node(ROOT / "kv_cache" / "manager.py", "CacheManager"))
+    assert {"pool", "store", "lookup", "entries", "residents", "saving", "room"} <= parts
+    bad = _reads_of_parts(path, parts)
+    assert not bad, f"{path.relative_to(ROOT)} reads a manager's parts: {bad}"
+
+
+def test_the_parts_rule_sees_a_violation(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("a = manager.pool.spec\nb = self.manager.store.get(k)\nc = manager.start(p)\n"
+                   "d = sum(m.pool.stats() for m in ms)\ne = self.managers[k].entries\n"
+                   "f = self.store.put(k)\n")
+    assert _reads_of_parts(src, {"pool", "store", "entries"}) == [
+        (1, "manager.pool"), (2, "self.manager.store"), (4, "m.pool"),
+        (5, "self.managers[k].entries")]
+
+
+def _class_node(path: Path, name: str) -> ast.ClassDef:
+    tree = ast.parse(path.read_text(), str(path))
+    return next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+
+def _set_attributes(cls: ast.ClassDef) -> set[str]:
+    """The attributes a class's methods set on ``self`` (``self.x = ...``, augmented or not)."""
+    out = set()
+    for n in ast.walk(cls):
+        targets = n.targets if isinstance(n, ast.Assign) else \
+            [n.target] if isinstance(n, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for e in ast.walk(t):
+                if isinstance(e, ast.Attribute) and isinstance(e.value, ast.Name) \
+                        and e.value.id == "self":
+                    out.add(e.attr)
+    return out
+
+
+def _defined(cls: ast.ClassDef) -> set[str]:
+    """The names a class body defines: methods, properties, class attributes, slots."""
+    out = set()
+    for n in cls.body:
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(n.name)
+        elif isinstance(n, ast.Assign):
+            out.update(t.id for t in n.targets if isinstance(t, ast.Name))
+        elif isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name):
+            out.add(n.target.id)
+    return out
+
+
+def _read_attributes(cls: ast.ClassDef) -> set[str]:
+    return {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Name) and n.value.id == "self"}
+
+
+def _classes(package: str) -> dict[str, dict[str, ast.ClassDef]]:
+    """Module -> its top-level classes, for every module of ``package``."""
+    out = {}
+    for path in _files(package):
+        tree = ast.parse(path.read_text(), str(path))
+        out[_module_of(path)] = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    return out
+
+
+def _bound_names(path: Path, module: str) -> dict[str, tuple[str, str]]:
+    """Name -> (module, name) for each ``from ... import`` of ``path`` (relative ones resolved)."""
+    out = {}
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = _from_module(node, path, module)
+            out.update({a.asname or a.name: (base, a.name) for a in node.names})
+    return out
+
+
+def _mixins_across_files(package: str) -> list[tuple[str, str, str]]:
+    """(module, class, base) for each class of ``package`` built on a mixin of another module of
+    it. A mixin: a class of the package with no ``__init__`` and no base outside the package
+    (``object`` aside), whose methods read an attribute of ``self`` that neither it nor its bases
+    set or define: it works only on a host that sets it."""
+    classes = _classes(package)
+
+    def resolve(module: str, node: ast.expr) -> tuple[str, str] | None:
+        if isinstance(node, ast.Name):
+            if node.id in classes.get(module, {}):
+                return module, node.id
+            target = _bound_names(ROOT / (module.replace(".", "/") + ".py"), module).get(node.id)
+            if target is None:
+                init = ROOT / module.replace(".", "/") / "__init__.py"
+                target = _bound_names(init, module).get(node.id) if init.exists() else None
+            return target if target is not None and target[1] in classes.get(target[0], {}) \
+                else None
+        return None
+
+    def own(module: str, name: str, seen: tuple = ()) -> tuple[set[str], bool]:
+        """What a class and its bases set or define; whether all its bases are the package's."""
+        cls = classes[module][name]
+        names, inside = _set_attributes(cls) | _defined(cls), True
+        for b in cls.bases:
+            if isinstance(b, ast.Name) and b.id == "object":
+                continue
+            where = resolve(module, b)
+            if where is None or where in seen:
+                inside = False
+                continue
+            more, ok = own(*where, seen + ((module, name),))
+            names |= more
+            inside = inside and ok
+        return names, inside
+
+    def is_mixin(module: str, name: str) -> bool:
+        cls = classes[module][name]
+        if "__init__" in _defined(cls):
+            return False
+        names, inside = own(module, name)
+        return inside and bool(_read_attributes(cls) - names)
+
+    found = []
+    for module, by_name in sorted(classes.items()):
+        if module.endswith(".__init__"):
+            continue
+        for name, cls in by_name.items():
+            for b in cls.bases:
+                where = resolve(module, b)
+                if where is not None and where[0] != module and is_mixin(*where):
+                    found.append((module, name, f"{where[0]}.{where[1]}"))
+    return found
+
+
+@pytest.mark.parametrize("package", ["kv_cache", "mlx_kvserver"])
+def test_no_class_is_mixed_in_from_another_file(package):
+    """A class is composed of the objects it holds, each given what it works on; none inherits
+    a mixin from another file (methods that read attributes only their host sets)."""
+    assert _mixins_across_files(package) == []
+
+
+def test_the_cache_manager_and_the_page_pool_are_built_on_nothing():
+    from kv_cache import CacheManager
+    from kv_cache.pages.pool import PagePool
+
+    assert CacheManager.__bases__ == (object,) and PagePool.__bases__ == (object,)
+
+
+def test_the_mixin_rule_sees_a_mixin(tmp_path, monkeypatch):
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "part.py").write_text(
+        "class Part:\n    def size(self):\n        return len(self.items)\n"
+        "class Whole:\n    def __init__(self):\n        self.items = []\n"
+        "class Plain:\n    K = 1\n    def k(self):\n        return self.K\n")
+    (pkg / "host.py").write_text(
+        "from pkg.part import Part, Plain, Whole\nfrom .part import Part as P\n"
+        "class Host(Part):\n    def __init__(self):\n        self.items = [1]\n"
+        "class Again(P):\n    pass\nclass Sub(Whole):\n    pass\nclass Fine(Plain):\n    pass\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert _mixins_across_files("pkg") == [("pkg.host", "Host", "pkg.part.Part"),
+                                           ("pkg.host", "Again", "pkg.part.Part")]
 
 
 SERVER_ALLOWED = {  # the server's rooms, floor by floor: each may import the ones listed
@@ -143,12 +384,6 @@ def test_every_server_module_has_a_room():
              if len(p.relative_to(ROOT / "mlx_kvserver").parts) == 1]
     assert sorted(loose) == ["mlx_kvserver", "mlx_kvserver.__main__", "mlx_kvserver.cli",
                              "mlx_kvserver.config", "mlx_kvserver.errors"]
-
-
-def _root_names() -> set[str]:
-    import kv_cache
-
-    return set(kv_cache.__all__)
 
 
 def test_the_rules_see_a_violation(tmp_path):
