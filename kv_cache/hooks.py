@@ -9,8 +9,8 @@ are read apart, row by row (the runner's memory estimate counts it). ``PagedSequ
 boundaries for ``CacheManager.start`` (where a model with recurrent state snapshots it), and
 ``common_prefix`` compares token ids as the cache verifies a reuse.
 
-The package root (``kv_cache``) is the way in for a user of the cache; this module is the
-runner's, and nothing else the server uses lies below either.
+The package root (``kv_cache``) is the way in for a user of the cache and this module the
+runner's; the server imports nothing else of the library (``tests/test_architecture.py``).
 """
 
 from kv_cache.model.attention import OWN_KEYS_APART, forward, install
