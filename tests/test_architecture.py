@@ -352,11 +352,15 @@ SERVER_ALLOWED = {  # the server's rooms, floor by floor: each may import the on
     "base": {"base"},  # config.py, errors.py
     "platform": {"base", "platform"},  # the CPU's BLAS, ELF symbols, memory facts
     "chat": {"base", "chat"},  # the conversation model, templates, output parsing, grammars
+    "storage": {"base", "chat", "storage"},  # what the server keeps on disk: stored responses
     "models": {"base", "chat", "models"},  # loading, tokenizer, registry
     "engine": {"base", "platform", "chat", "models", "engine"},  # thread, scheduler, runner
-    "api": {"base", "platform", "chat", "models", "engine", "api"},  # HTTP: one module per API
-    "top": {"base", "platform", "chat", "models", "engine", "api", "top"},  # cli.py, __main__.py
-    "clients": {"base", "platform", "chat", "models", "engine", "api", "top", "clients"},
+    "api": {"base", "platform", "chat", "storage", "models", "engine", "api"},  # HTTP: one
+    # module per API
+    "top": {"base", "platform", "chat", "storage", "models", "engine", "api", "top"},  # cli.py,
+    # __main__.py
+    "clients": {"base", "platform", "chat", "storage", "models", "engine", "api", "top",
+                "clients"},
 }
 
 

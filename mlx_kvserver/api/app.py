@@ -21,11 +21,11 @@ from ..chat.output import Accepted, Error
 from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import RequestError
+from ..storage.responses import ResponseStore
 from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
 from ..models.registry import ModelRegistry
 from .openapi import openapi_spec
 from ..engine.request import Job
-from .response_store import ResponseStore
 from .page import page_routes
 from . import anthropic, completions, openai_chat, responses
 from .guard import RequestGuard, allowed_hosts, check_api_key
@@ -36,26 +36,13 @@ from .on_demand import OnDemand
 log = logging.getLogger("mlx_kvserver.api")
 
 
-def open_response_store(config: ServerConfig) -> ResponseStore:
-    """Stored Responses (``previous_response_id``) next to the KV cache on disk, or in memory
-    (logged) when there is no cache folder or it cannot be used."""
-    if config.kv_cache_dir is None:
-        return ResponseStore(None)
-    try:
-        return ResponseStore(config.kv_cache_dir / "responses")
-    except OSError as e:
-        log.warning("stored responses kept in memory only: cannot use %s: %s",
-                    config.kv_cache_dir / "responses", e)
-        return ResponseStore(None)
-
-
 class App:
     """What the route handlers share: config, registry, engine, metrics, and ``start``."""
 
     def __init__(self, config: ServerConfig, registry: ModelRegistry, engine: Engine):
         self.config, self.registry, self.engine = config, registry, engine
         self.metrics = Metrics()
-        self.responses = open_response_store(config)
+        self.responses = ResponseStore.open(config)
         self.normalizer = Normalizer.from_config(config.volatile_rules, config.volatile_rule,
                                                  config.volatile_rule_files)
         self.on_demand = OnDemand(config, registry, engine)

@@ -8,42 +8,41 @@ import tempfile
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from kv_cache import TransferError, export_key
-
+from ..engine.cache_entries import CacheEntries, EntryFileError
 from ..errors import RequestError, bad_request
 from .http import body_chunks
 from .validate import check_message_id
 
 
 class KVRoutes:
-    """Handlers over the engine's cache management calls (run between engine steps)."""
+    """Handlers over the engine's cache entries (:class:`CacheEntries`: run between steps)."""
 
     def __init__(self, served):
-        self.served = served
-        self.engine, self.config = served.engine, served.config
+        self.served, self.config = served, served.config
+        self.entries = CacheEntries(served.engine)
 
     def model_for(self, request, name):
         return self.served.model_for(request, name)
 
     async def kv_stats(self, request: Request) -> Response:
-        stats = await self.engine.call(self.engine.cache_stats)
+        stats = await self.entries.stats()
         return JSONResponse({"object": "kv_cache.stats", "models": stats})
 
     async def kv_entry(self, request: Request) -> Response:
         key = path_key(request)
         if request.method == "DELETE":
-            if not await self.engine.call(lambda: self.engine.delete_entry(key)):
+            if not await self.entries.delete(key):
                 raise no_entry(key)
             return JSONResponse({"object": "kv_cache.entry.deleted", "message_id": key,
                                  "deleted": True})
-        info = await self.engine.call(lambda: self.engine.entry_info(key))
+        info = await self.entries.describe(key)
         if info is None:
             raise no_entry(key)
         return JSONResponse(info)
 
     async def kv_export(self, request: Request) -> Response:
         key = path_key(request)
-        found = await self.engine.call(lambda: self.engine.export_entry(key))
+        found = await self.entries.export(key)
         if found is None:
             raise no_entry(key)
         model, data = found
@@ -61,15 +60,14 @@ class KVRoutes:
                 async for chunk in body_chunks(request, limit, "the file"):
                     f.write(chunk)
             try:
-                named = export_key(path)  # checks the header before MLX reads the file
+                named = self.entries.file_key(path)  # the header, before MLX reads the file
                 if key is None:
                     if named is None:
                         raise bad_request("the file names no message_id; pass ?message_id=",
                                           "message_id", code="invalid_kv_cache_file")
                     key = check_message_id(named, "message_id")
-                info = await self.engine.call(lambda: self.engine.import_entry(lm.name, path,
-                                                                               key))
-            except TransferError as e:
+                info = await self.entries.import_file(lm.name, path, key)
+            except EntryFileError as e:
                 raise bad_request(f"cannot import this file: {e}", code="invalid_kv_cache_file")
             return JSONResponse(info)
         finally:

@@ -18,7 +18,7 @@ that always send them (Codex sends ``web_search``).
 
 A response's id is also the message id its answer is cached under, so ``previous_response_id``
 (the stored history + that answer + the new input, rendered whole) finds the KV cache by id, also
-after a restart. Stored responses (``store``, default true) live in :mod:`..response_store`.
+after a restart. Stored responses (``store``, default true) live in :mod:`..storage.responses`.
 Beyond OpenAI's fields: ``use_kv_cache``, ``top_k``, ``chat_template_kwargs``.
 """
 
@@ -38,7 +38,7 @@ from ..chat.conversation import (Conversation, Message, Reasoning, ResponseForma
 from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
                            Usage)
 from ..errors import RequestError, bad_request
-from .response_store import message_from_json, message_to_json
+from ..storage.responses import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
 from .openai_chat import EFFORTS, response_format, sampling, tool_choice
 from .responses_output import Output, answer_message, usage_body

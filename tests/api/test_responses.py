@@ -25,7 +25,7 @@ from mlx_kvserver.chat.output import (Done, Error, Finish, ReasoningDelta, Start
                                       ToolCallDelta, ToolCallStart, Usage)
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.errors import RequestError
-from mlx_kvserver.api.response_store import ResponseStore
+from mlx_kvserver.storage.responses import ResponseStore
 
 CONFIG = ServerConfig()
 PARAMS = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}

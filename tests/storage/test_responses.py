@@ -8,8 +8,8 @@ import os
 import pytest
 
 from mlx_kvserver.chat.conversation import Message, Reasoning, Text, ToolCall, ToolResult
-from mlx_kvserver.api.response_store import (ResponseStore, file_name, message_from_json,
-                                             message_to_json)
+from mlx_kvserver.storage.responses import (ResponseStore, file_name, message_from_json,
+                                            message_to_json)
 
 RECORD = {"response": {"id": "resp_1", "output": []}, "history": []}
 
@@ -83,11 +83,11 @@ def test_temp_files_left_by_a_crash_are_removed_and_symlinks_not_followed(tmp_pa
 def test_write_is_atomic_a_failed_write_leaves_the_old_record(tmp_path, monkeypatch):
     store = ResponseStore(tmp_path)
     store.put("r", RECORD)
-    from kv_cache.tiers.disk import atomic_fs
+    from mlx_kvserver.storage import files
 
-    def boom(*a, **k):
+    def boom(*a, **k):  # the new file's flush to the disk fails: after its bytes, before rename
         raise OSError("disk full")
-    monkeypatch.setattr(atomic_fs, "atomic_write", boom)
+    monkeypatch.setattr(files, "_flush", boom)
     assert not store.put("r", {"response": {"id": "new"}, "history": []})
     monkeypatch.undo()
     assert store.get("r") == RECORD

@@ -23,9 +23,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from kv_cache import FormatError, atomic_fs as afs
-
 from ..chat.conversation import Message, Reasoning, Text, ToolCall, ToolResult
+from ..config import ServerConfig
+from .files import TMP_PREFIX, UnsafeFile, open_folder, read_file, remove, write_file
 
 log = logging.getLogger("mlx_kvserver.responses")
 
@@ -105,19 +105,31 @@ class ResponseStore:
                 raise PermissionError(f"cannot create {self.root}")
             self._open(create=False)  # NOTE: the folder is made when the first record is kept
 
+    @classmethod
+    def open(cls, config: ServerConfig) -> ResponseStore:
+        """The server's store: next to the KV cache on disk (``responses/`` in its folder), or
+        in memory (logged) when there is no cache folder or it cannot be used."""
+        if config.kv_cache_dir is None:
+            return cls(None)
+        try:
+            return cls(config.kv_cache_dir / "responses")
+        except OSError as e:
+            log.warning("stored responses kept in memory only: cannot use %s: %s",
+                        config.kv_cache_dir / "responses", e)
+            return cls(None)
+
     def _open(self, create: bool) -> int | None:
         """The folder's descriptor (made when ``create``), scanned when first opened."""
         if self._fd is None and (create or self.root.is_dir()):
-            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-            self._fd = afs.open_dir(str(self.root), None, create=False)
+            self._fd = open_folder(self.root)
             self._scan()
         return self._fd
 
     def _scan(self) -> None:
         found = []
         for e in os.scandir(self._fd):
-            if e.name.startswith(afs.TMP_PREFIX):  # a write that a crash cut short
-                afs.unlink(self._fd, e.name)
+            if e.name.startswith(TMP_PREFIX):  # a write that a crash cut short
+                remove(self._fd, e.name)
             elif e.name.endswith(SUFFIX) and e.is_file(follow_symlinks=False):
                 st = e.stat(follow_symlinks=False)
                 found.append((st.st_mtime_ns, e.name, st.st_size))
@@ -137,22 +149,15 @@ class ResponseStore:
             if name not in self._files:
                 return None
             try:
-                fd, size = afs.open_regular(name, self._fd)
-                try:
-                    if size > self.max_bytes:
-                        raise FormatError(f"{size} bytes, more than the store holds")
-                    data = afs.read_all(fd, size)
-                finally:
-                    os.close(fd)
-                record = json.loads(data)
+                record = json.loads(read_file(self._fd, name, self.max_bytes))
                 if not isinstance(record, dict) or record.get("format") != FORMAT \
                         or record.get("id") != response_id:
-                    raise FormatError("not a stored response of this id")
+                    raise UnsafeFile("not a stored response of this id")
                 return record["record"]
             except FileNotFoundError:
                 self._files.pop(name, None)
                 return None
-            except (OSError, ValueError, KeyError, FormatError, RecursionError) as e:
+            except (OSError, ValueError, KeyError, RecursionError) as e:  # UnsafeFile too
                 log.warning("response store: %s is unreadable (%s); removed", name, e)
                 self._remove(name)
                 return None
@@ -175,7 +180,7 @@ class ResponseStore:
                 return False
             name = file_name(response_id)
             try:
-                afs.atomic_write(self._open(create=True), name, [data])
+                write_file(self._open(create=True), name, data)
             except OSError as e:
                 log.warning("response store: could not write %s: %s", name, e)
                 return False
@@ -203,7 +208,7 @@ class ResponseStore:
 
     def _remove(self, name: str) -> None:
         self._files.pop(name, None)
-        afs.unlink(self._fd, name)
+        remove(self._fd, name)
 
     def _trim(self) -> None:
         total = sum(self._files.values())
