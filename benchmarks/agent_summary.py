@@ -7,7 +7,8 @@ and, over the turns after the first but the restart turn (as benchmarks/agent.py
 median TTFT and ours / peer TTFT per turn (the median, and the median over the turns where the peer
 reused all of its previous prompt).
 
-Usage: .venv/bin/python -m benchmarks.agent_summary benchmarks/results/agent/RUN.json [more ...]
+Usage: .venv/bin/python -m benchmarks.agent_summary
+       benchmarks/results/agent/<name>/<stamp>.json [more ...]
 """
 
 from __future__ import annotations

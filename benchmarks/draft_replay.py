@@ -17,7 +17,7 @@ The prompts are rebuilt as the server builds them (the API's parsing, the chat t
 answer's text is tokenized again, which may cut a few tokens differently from the ids the model
 wrote. No model pass runs: only the default model's tokenizer is loaded.
 
-    .venv/bin/python -m benchmarks.draft_replay benchmarks/results/speculation/RUN.json
+    .venv/bin/python -m benchmarks.draft_replay benchmarks/results/speculation/<stamp>.json
         [--workload rewrite] [--num-draft-tokens 8] [--plain-steps LOG ...] [--json FILE]
 
 The result goes to benchmarks/results/draft_replay/<run's UTC time>.json unless --json names a

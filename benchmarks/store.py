@@ -16,8 +16,8 @@
 Usage: .venv/bin/python -m benchmarks.store [--tokens 2400] [--repeat 5] [--reps 2] [--no-ttft]
        [--tiny] [--json FILE]
 (``--tiny``: a tiny random-weight llama model instead of the default model, for the ttft part.)
-The result goes to benchmarks/results/store/<run's UTC time>.json (with --tiny in store/tiny/,
-with --no-ttft in store/throughput/ or store/tiny/throughput/) unless --json names a file.
+The result goes to benchmarks/results/store/<run's UTC time>.json (with --tiny in a folder tiny/
+below it, with --no-ttft in throughput/ or tiny/throughput/) unless --json names a file.
 """
 
 from __future__ import annotations

@@ -55,7 +55,8 @@ def random_model(cfg: dict[str, Any], eos_ids: list[int], *, seed: int,
     """A llama model with seeded random float32 weights whose end-of-turn logits are boosted."""
     mx.random.seed(seed)
     model = llama.Model(llama.ModelArgs.from_dict(cfg))
-    # Untied, scaled-up weights make greedy answers vary with the context (as harness/tiny_model.py).
+    # Untied, scaled-up weights make greedy answers vary with the context (as in
+    # harness/tiny_model.py).
     model.update(tree_map(lambda w: w * 3.0, model.parameters()))
     for layer in model.model.layers:
         layer.input_layernorm.weight = mx.ones_like(layer.input_layernorm.weight)

@@ -174,6 +174,7 @@ def test_two_continuations_share_pages_and_each_goes_on_exactly(lm):
             assert httpx.delete(f"{url}/kv_cache/{key}").status_code == 200, key
         stats = httpx.get(f"{url}/kv_cache/stats").json()["models"][lm.name]
         # (with recurrent state, the state points at the prompts' message boundaries stay too:
-        # after f-u0, and after each answer and each second question: kv_cache/state_points.py)
+        # after f-u0, and after each answer and each second question:
+        # kv_cache/model/state_points.py)
         assert stats["ram"]["entries"] == 2 + (5 if lm.cache_spec.has_state else 0)
         assert stats["ram"]["bytes_shared"] > 0

@@ -1,7 +1,7 @@
 """Hostile ids and files, through the real server: nothing is read or written outside the cache
 directory, planted links are not followed, and malformed files are misses, never crashes.
 
-The disk store's own unit tests already cover these cases file by file (tests/test_disk_store.py:
+The disk store's own unit tests already cover these cases file by file (tests/kv_cache/tiers/disk/:
 test_hostile_keys_never_leave_the_root_and_round_trip, test_planted_symlinks_are_not_followed,
 test_special_files_are_not_opened, test_hostile_page_headers_are_misses,
 test_hostile_manifest_headers_are_misses, test_every_truncation_is_a_miss_and_removed); these

@@ -230,7 +230,8 @@ class Request:
     @functools.cached_property
     def boundaries(self) -> list[int]:
         """Prompt positions right after each end-of-turn token: where its messages end (a
-        model with recurrent state snapshots its state there: ``kv_cache/state_points.py``)."""
+        model with recurrent state snapshots its state there:
+        ``kv_cache/model/state_points.py``)."""
         return boundaries(self.prompt, self.lm.tokenizer.eos_token_ids)
 
     @property

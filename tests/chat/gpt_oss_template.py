@@ -1,8 +1,8 @@
 """gpt-oss's chat template (the Harmony format), written out for tests: ``GPT_OSS``.
 
-Source: openai/gpt-oss-120b's ``chat_template.jinja`` on Hugging Face, as copied into llama.cpp
-(``models/templates/openai-gpt-oss-120b.jinja``, added in commit b204a5a, ggml-org/llama.cpp PR
-#15181 "gpt-oss: implement harmony parsing"), verbatim. What it does that the server relies on:
+Source: openai/gpt-oss-120b's ``chat_template.jinja`` on Hugging Face, verbatim, as copied into
+``llama.cpp/models/templates/openai-gpt-oss-120b.jinja`` (commit b204a5a, ggml-org/llama.cpp PR
+#15181 "gpt-oss: implement harmony parsing"). What it does that the server relies on:
 the first system or developer message becomes the developer message's "# Instructions" and the
 tools go there too; an assistant's reasoning is read from ``thinking`` and rendered as an
 ``analysis`` message only before a tool call that no later final answer follows; one call per

@@ -243,7 +243,7 @@ def test_short_prompts_are_read_together_and_answer_as_alone(lm):
     step(s)
     started = sum(1 for j in jobs if j.started)
     # (with recurrent state, one at a time; its piece also stops where its message ends, at
-    # a state point: kv_cache/state_points.py)
+    # a state point: kv_cache/model/state_points.py)
     assert started <= 1 if lm.cache_spec.has_state else started == 4
     run(s, {0: []})
     assert [j.answers() for j in jobs] == want

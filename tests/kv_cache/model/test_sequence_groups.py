@@ -1,6 +1,6 @@
-"""Sequences over several cache groups (kv_cache/sequence.py, layer_cache.py, manager.py):
-sliding windows that release the pages they no longer read, and recurrent state snapshotted
-where an entry ends — each equal, token for token, to mlx-lm's own caches."""
+"""Sequences over several cache groups (kv_cache/model/sequence.py, layer_cache.py,
+kv_cache/manager.py): sliding windows that release the pages they no longer read, and recurrent
+state snapshotted where an entry ends — each equal, token for token, to mlx-lm's own caches."""
 
 import mlx.core as mx
 import numpy as np

@@ -1,5 +1,5 @@
 """State points: a model with recurrent state resumes from the last message boundary before a
-change, not only where an entry ends (``kv_cache/state_points.py``).
+change, not only where an entry ends (``kv_cache/model/state_points.py``).
 
 Driven through the scheduler (no HTTP) on the tiny qwen3_5 model (gated-delta layers beside
 attention layers): a 4-message history is answered, then the same history with one message
