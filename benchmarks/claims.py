@@ -5,7 +5,7 @@ A claim is listed once in ``benchmarks/claims.toml``::
 
     [[claim]]
     id = "ttft.warm.ours"                                   # what the text names it by
-    file = "benchmarks/results/ttft/20261128-101010.json"   # a kept run's raw result
+    file = "benchmarks/results/ttft/20261128-195232.json"   # a kept run's raw result
     value = "summary.ours.warm_median_s"                    # a dotted path into the JSON
     format = "{:.2f} s"                                     # how the text writes it
 
