@@ -31,13 +31,6 @@ EXTENSION = re.compile(r"\.[a-z][a-z0-9]*$")  # not ``api/validate.RANGES``
 PLACEHOLDER = re.compile(r"[<>*{}]")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 NOT_OURS = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|#|/)")  # a URL, an anchor, an absolute path
-# Whole files that still name paths that are gone, each failing as expected until it no longer
-# does (then its entry goes: the mark is strict): path -> why.
-STALE_FILES = {
-    "docs/BENCHMARKS.md": "its sections predate benchmarks/ (scripts/bench_*.py, raw files in "
-                          "docs/bench_*.json); it becomes a report of the runs in "
-                          "benchmarks/results/",
-}
 
 
 def _ours(path: Path) -> bool:
@@ -124,12 +117,7 @@ def stale(path: Path) -> list[str]:
     return sorted(set(names + links))
 
 
-def _checked_files() -> list:
-    return [pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=STALE_FILES[rel]))
-            if (rel := str(p.relative_to(ROOT))) in STALE_FILES else p for p in _prose_files()]
-
-
-@pytest.mark.parametrize("path", _checked_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("path", _prose_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_path_the_prose_names_exists(path):
     assert stale(path) == [], f"{path.relative_to(ROOT)} names paths that are not here"
 
