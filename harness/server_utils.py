@@ -16,6 +16,7 @@ from mlx_kvserver.api import build_app
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import LoadedModel
 from mlx_kvserver.models.registry import ModelRegistry
+from mlx_kvserver.models.serving import OnDemand
 from mlx_kvserver.engine.engine import Engine
 
 
@@ -68,7 +69,8 @@ def running_server(models: list[LoadedModel], config: ServerConfig | None = None
     (``http://.../v1``)."""
     config = config or ServerConfig()
     engine = engine or make_engine(models, config)
-    app = build_app(config, ModelRegistry(models, config.model_aliases), engine)
+    app = build_app(config, OnDemand(config, ModelRegistry(models, config.model_aliases), engine),
+                    engine)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NOTE: with
     # proto 0, asyncio does not set TCP_NODELAY on accepted connections: 40 ms per request.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -2,7 +2,7 @@
 defaults.
 
 ``ServerConfig`` is the one definition of every setting and its default: the command line
-(``cli.py``) takes its defaults from here, and the engine builds each model's cache and scheduler
+(``flags.py``) takes its defaults from here, and the engine builds each model's cache and scheduler
 from it (``engine.py``). A settings file (``--config FILE``, TOML) gives the flags' values by
 their names without ``--`` (``max-batch = 8``): ``read_settings`` checks each against its flag
 and converts it as the command line would (docs/CONFIGURATION.md).
@@ -45,7 +45,7 @@ def default_cache_dir() -> Path:
 class ServerConfig:
     models: list[str] = field(default_factory=lambda: ["default"])
     model_aliases: list[tuple[str, str]] = field(default_factory=list)  # (name or glob, served)
-    # Models on demand (models/on_demand.py, api/on_demand.py): globs over a request's model name
+    # Models on demand (models/on_demand.py, models/serving.py): globs over a request's model name
     # (folder or .gguf paths, Hugging Face ids) that load on first use; none: only ``models``
     allow_models: list[str] = field(default_factory=list)
     allow_download: bool = False  # Hugging Face ids may be fetched (else: only the local cache)

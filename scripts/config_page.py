@@ -1,4 +1,4 @@
-"""docs/CONFIGURATION.md, made from the server's argument parser (``mlx_kvserver/cli.py``).
+"""docs/CONFIGURATION.md, made from the server's argument parser (``mlx_kvserver/flags.py``).
 
     .venv/bin/python scripts/config_page.py          # writes the page
     .venv/bin/python scripts/config_page.py --check  # exit 1 when the page is not the parser's
@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from mlx_kvserver.cli import build_parser
+from mlx_kvserver.flags import build_parser
 from mlx_kvserver.config import NOT_IN_FILES, file_kind
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,7 +94,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
     out = [
         "# Configuration",
         "",
-        "> Generated from the server's argument parser (`mlx_kvserver/cli.py`) by "
+        "> Generated from the server's argument parser (`mlx_kvserver/flags.py`) by "
         "`scripts/config_page.py`; do not edit it here: change a flag there and run "
         "`.venv/bin/python scripts/config_page.py`. `tests/test_config_page.py` fails when this "
         "page and `mlx-kvserver --help` differ.",

@@ -353,12 +353,12 @@ SERVER_ALLOWED = {  # the server's rooms, floor by floor: each may import the on
     "platform": {"base", "platform"},  # the CPU's BLAS, ELF symbols, memory facts
     "chat": {"base", "chat"},  # the conversation model, templates, output parsing, grammars
     "storage": {"base", "chat", "storage"},  # what the server keeps on disk: stored responses
-    "models": {"base", "chat", "models"},  # loading, tokenizer, registry
+    "models": {"base", "chat", "models"},  # loading, tokenizer, registry, served models
     "engine": {"base", "platform", "chat", "models", "engine"},  # thread, scheduler, runner
     "api": {"base", "platform", "chat", "storage", "models", "engine", "api"},  # HTTP: one
     # module per API
     "top": {"base", "platform", "chat", "storage", "models", "engine", "api", "top"},  # cli.py,
-    # __main__.py
+    # flags.py, server.py, __main__.py
     "clients": {"base", "platform", "chat", "storage", "models", "engine", "api", "top",
                 "clients"},
 }
@@ -387,7 +387,63 @@ def test_every_server_module_has_a_room():
     loose = [_module_of(p) for p in _files("mlx_kvserver")
              if len(p.relative_to(ROOT / "mlx_kvserver").parts) == 1]
     assert sorted(loose) == ["mlx_kvserver", "mlx_kvserver.__main__", "mlx_kvserver.cli",
-                             "mlx_kvserver.config", "mlx_kvserver.errors"]
+                             "mlx_kvserver.config", "mlx_kvserver.errors", "mlx_kvserver.flags",
+                             "mlx_kvserver.server"]
+
+
+MODEL_LOADING = {f"mlx_kvserver.models.{m}" for m in (  # every module of models/ but the registry
+    "loading", "gguf", "convert", "footprint", "tokenizer", "on_demand", "serving")}
+
+
+def _beyond_translation(path: Path, module: str | None = None) -> list[tuple[int, str]]:
+    """The imports of ``path`` (a module of ``api/``) of the cache library or of a module that
+    loads, measures or unloads models (``TYPE_CHECKING`` imports are annotations: not counted)."""
+    return [(line, m) for line, m in _imports(path, module)
+            if m.split(".")[0] == "kv_cache" or m in MODEL_LOADING]
+
+
+@pytest.mark.parametrize("path", _files("mlx_kvserver/api"), ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_api_translates_and_leaves_the_cache_and_model_loading_to_others(path):
+    """``api/`` translates wire formats: it reaches the cache through the engine
+    (``engine/cache_entries.py``), models by name through the registry and the served models it
+    is given (``models/serving.py``, loaded at start by ``server.py``), stored responses through
+    ``storage/``; never ``kv_cache`` nor the modules of ``models/`` that load models."""
+    assert _beyond_translation(path) == []
+
+
+def test_the_model_loading_modules_are_every_module_of_models_but_the_registry():
+    modules = {_module_of(p) for p in _files("mlx_kvserver/models")} - {"mlx_kvserver.models"}
+    assert modules - MODEL_LOADING == {"mlx_kvserver.models.registry"}
+    assert MODEL_LOADING <= modules
+
+
+def _cli_imports(path: Path, module: str | None = None) -> list[tuple[int, str]]:
+    return [(line, m) for line, m in _imports(path, module, typing=True)
+            if m == "mlx_kvserver.cli"]
+
+
+@pytest.mark.parametrize("path", _files("mlx_kvserver/clients"),
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_clients_start_a_server_through_server_py_not_the_cli(path):
+    """``mlx-kvchat`` serves in-process through ``server.load_server`` and extends the server's
+    flags from ``flags.py``, as ``mlx-kvserver`` (``cli.py``) does: the CLI is an entry point,
+    not a library."""
+    assert _cli_imports(path) == []
+
+
+def test_the_api_and_clients_rules_see_a_violation(tmp_path):
+    api = tmp_path / "api.py"
+    api.write_text("from typing import TYPE_CHECKING\nfrom kv_cache import export_key\n"
+                   "from ..models.loading import LoadedModel\nfrom ..models import serving\n"
+                   "from ..models.registry import ModelRegistry\nif TYPE_CHECKING:\n"
+                   "    from ..models.serving import OnDemand\n")
+    assert _beyond_translation(api, "mlx_kvserver.api.x") == [
+        (2, "kv_cache"), (3, "mlx_kvserver.models.loading"), (4, "mlx_kvserver.models.serving")]
+    client = tmp_path / "client.py"
+    client.write_text("from ..cli import build_parser\nfrom .. import cli\n"
+                      "from ..server import load_server\nimport mlx_kvserver.cli\n")
+    assert _cli_imports(client, "mlx_kvserver.clients.x") == [
+        (1, "mlx_kvserver.cli"), (2, "mlx_kvserver.cli"), (4, "mlx_kvserver.cli")]
 
 
 def test_the_rules_see_a_violation(tmp_path):

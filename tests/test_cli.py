@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_kvserver.cli import config_from_args, parse_args
+from mlx_kvserver.flags import config_from_args, parse_args
 
 
 def settings(tmp_path: Path, text: str) -> str:
@@ -81,7 +81,7 @@ def test_no_file_no_change():
 def test_kv_bits_for_a_model_whose_head_dim_takes_no_group_stops_the_start_saying_so(tmp_path):
     """Groups of 64, or 32 where 64 does not divide head_dim: a head_dim of 16 takes neither,
     and the start stops with the reason (not a draft model's)."""
-    from mlx_kvserver.cli import load_engine
+    from mlx_kvserver.server import load_engine
     from harness.tiny_model import make_tiny_model_dir
 
     path = make_tiny_model_dir(tmp_path / "m", hidden=64, heads=4)  # head_dim 16

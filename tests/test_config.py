@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mlx_kvserver.cli import build_parser
+from mlx_kvserver.flags import build_parser
 from mlx_kvserver.config import file_kind, file_options, read_settings
 
 

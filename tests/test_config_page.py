@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from mlx_kvserver.cli import build_parser, config_from_args, parse_args
+from mlx_kvserver.flags import build_parser, config_from_args, parse_args
 from scripts import config_page
 from scripts.config_page import EXAMPLE, PAGE, render
 

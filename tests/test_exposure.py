@@ -9,7 +9,7 @@ import urllib.parse
 import httpx
 import pytest
 
-from mlx_kvserver import cli
+from mlx_kvserver import cli, flags
 from mlx_kvserver.api import host_name
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.api.openapi import openapi_spec
@@ -28,9 +28,9 @@ PUBLIC = {(path, method.upper()) for path, ops in openapi_spec(api_key=True)["pa
 
 def test_cli_binds_loopback_unless_told_otherwise(tiny_model_dir, monkeypatch):
     assert ServerConfig().host == "127.0.0.1"
-    args = cli.build_parser().parse_args([])
-    assert args.host == "127.0.0.1" and cli.config_from_args(args).host == "127.0.0.1"
-    assert cli.config_from_args(cli.build_parser().parse_args(
+    args = flags.build_parser().parse_args([])
+    assert args.host == "127.0.0.1" and flags.config_from_args(args).host == "127.0.0.1"
+    assert flags.config_from_args(flags.build_parser().parse_args(
         ["--host", "0.0.0.0", "--allowed-host", "box.lan"])).allowed_hosts == ["box.lan"]
     # Through main(): what uvicorn is asked to bind.
     import uvicorn

@@ -674,5 +674,8 @@ def engine_app(engine):
     """An app like the fuzzed server's (for its routes; never started)."""
     from mlx_kvserver.api import build_app
     from mlx_kvserver.models.registry import ModelRegistry
+    from mlx_kvserver.models.serving import OnDemand
 
-    return build_app(ServerConfig(), ModelRegistry(list(engine.models.values())), engine)
+    config = ServerConfig()
+    return build_app(config, OnDemand(config, ModelRegistry(list(engine.models.values())), engine),
+                     engine)

@@ -13,7 +13,7 @@ import pytest
 from mlx.utils import tree_map_with_path
 from mlx_lm.utils import _get_classes
 
-from mlx_kvserver import cli
+from mlx_kvserver import flags
 from mlx_kvserver.config import ServerConfig
 from harness.server_utils import running_server
 from tests.test_persistence import TURNS, ask, page_files, run_turns
@@ -52,20 +52,21 @@ def config(cache_dir, bits) -> ServerConfig:
 
 
 def test_flags():
-    default = cli.config_from_args(cli.build_parser().parse_args([]))
+    default = flags.config_from_args(flags.build_parser().parse_args([]))
     assert default.kv_bits is None
-    c = cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "8,4"]))
+    c = flags.config_from_args(flags.build_parser().parse_args(["--kv-bits", "8,4"]))
     assert c.kv_bits == (8, 4)
-    assert cli.config_from_args(cli.build_parser().parse_args(["--kv-bits", "8,8"])).kv_bits == 8
+    assert flags.config_from_args(
+        flags.build_parser().parse_args(["--kv-bits", "8,8"])).kv_bits == 8
     for bad in ("3", "8,3", "8,4,4", "eight"):
         with pytest.raises(SystemExit):
-            cli.build_parser().parse_args(["--kv-bits", bad])
+            flags.build_parser().parse_args(["--kv-bits", bad])
     # what --kv-bits now picks itself is no flag any more
     for gone in (["--kv-group-size", "32"], ["--kv-rotation", "none"],
                  ["--kv-calibration", "on"], ["--kv-key-scales", "position"],
                  ["--kv-attention", "packed"]):
         with pytest.raises(SystemExit):
-            cli.build_parser().parse_args(["--kv-bits", "4", *gone])
+            flags.build_parser().parse_args(["--kv-bits", "4", *gone])
 
 
 @pytest.mark.parametrize("bits,model,keys", [(8, "lm32", "per channel over pages of 8"),

@@ -1,12 +1,14 @@
 """The Starlette application: the route list, the key and Host/Origin guard, errors in each
 API's shape, and the one way every API submits a conversation to the engine. Thin by design: the
-API modules translate, the engine (``engine.py``) owns the models and the caches."""
+API modules translate; the served models (loaded at start or on demand) are what it is given
+(``models/serving.py``), the engine owns the caches (``engine/cache_entries.py``: their routes)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -22,30 +24,31 @@ from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import RequestError
 from ..storage.responses import ResponseStore
-from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
-from ..models.registry import ModelRegistry
-from .openapi import openapi_spec
 from ..engine.request import Job
+from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
+from .openapi import openapi_spec
 from .page import page_routes
 from . import anthropic, completions, openai_chat, responses
 from .guard import RequestGuard, allowed_hosts, check_api_key
 from .http import error_responder, first_event
 from .kv_routes import KVRoutes
-from .on_demand import OnDemand
+
+if TYPE_CHECKING:
+    from ..models.serving import OnDemand
 
 log = logging.getLogger("mlx_kvserver.api")
 
 
 class App:
-    """What the route handlers share: config, registry, engine, metrics, and ``start``."""
+    """What the route handlers share: config, the served models, engine, metrics, ``start``."""
 
-    def __init__(self, config: ServerConfig, registry: ModelRegistry, engine: Engine):
-        self.config, self.registry, self.engine = config, registry, engine
+    def __init__(self, config: ServerConfig, models: OnDemand, engine: Engine):
+        self.config, self.on_demand, self.engine = config, models, engine
+        self.registry = models.registry
         self.metrics = Metrics()
         self.responses = ResponseStore.open(config)
         self.normalizer = Normalizer.from_config(config.volatile_rules, config.volatile_rule,
                                                  config.volatile_rule_files)
-        self.on_demand = OnDemand(config, registry, engine)
 
     @staticmethod
     def model_name(request: Request, name: str | None) -> str | None:
@@ -102,9 +105,10 @@ class App:
         return Response(await self.metrics.scrape(self.engine), media_type=CONTENT_TYPE_LATEST)
 
 
-def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> Starlette:
-    """The Starlette application; the engine starts and stops with it."""
-    app_state = App(config, registry, engine)
+def build_app(config: ServerConfig, models: OnDemand, engine: Engine) -> Starlette:
+    """The Starlette application over ``models`` (the served models, and those requests may load
+    into ``engine``); the engine starts and stops with it."""
+    app_state = App(config, models, engine)
     kv = KVRoutes(app_state)
 
     def guarded(handler, public: bool = False):
@@ -173,6 +177,6 @@ def build_app(config: ServerConfig, registry: ModelRegistry, engine: Engine) -> 
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan,
                     exception_handlers={404: not_found, 405: not_found})
     app.router.redirect_slashes = False  # an API answers 404, not a redirect, to "/v1/models/"
-    app.state.engine, app.state.registry = engine, registry
+    app.state.engine, app.state.registry = engine, models.registry
     app.state.metrics = app_state.metrics
     return app

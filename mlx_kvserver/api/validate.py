@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 
 from ..chat.conversation import Message, Tool
-from ..errors import RequestError, bad_request
+from ..errors import bad_request
 
 ROLES = ("system", "user", "assistant", "developer", "tool")
 MAX_MESSAGE_ID_LEN = 256
@@ -153,13 +153,6 @@ def string(value: Any, what: str, param: str | None = None, empty: bool = False)
         raise bad_request(f"{what} must be a{'' if empty else ' non-empty'} string",
                           param or what)
     return text_value(value, what, param or what)
-
-
-def unknown_model(name: str, available: list[str], hint: str = "serve it under another name "
-                  "with --model-alias NAME=SERVED") -> RequestError:
-    return RequestError(404, f"model {name!r} not found; served: {', '.join(available)} "
-                        f"({hint})", type="not_found_error", param="model",
-                        code="model_not_found")
 
 
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:\-]{1,128}$")

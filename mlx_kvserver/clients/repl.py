@@ -294,7 +294,7 @@ def line_reader(args) -> Callable[[str], str]:
 
 
 def build_arg_parser():
-    from ..cli import build_parser
+    from ..flags import build_parser
 
     p = build_parser()
     p.prog = "mlx-kvchat"
@@ -312,14 +312,10 @@ def build_arg_parser():
 def start_server(args):
     """Load the models and serve them on a loopback thread; returns (base URL, stop)."""
     import logging
-    import socket
-    import threading
 
-    import uvicorn
-
-    from ..api import build_app
+    from ..flags import config_from_args
     from ..platform.blas import blas_status
-    from ..cli import config_from_args, load_engine
+    from ..server import load_server
 
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -328,28 +324,8 @@ def start_server(args):
     config.temperature = args.temp or 0.0
     print(f"loading {', '.join(config.models)} (BLAS: {blas_status()}) ...", file=sys.stderr,
           flush=True)
-    registry, engine = load_engine(config)
-    app = build_app(config, registry, engine)
-    # NOTE: with the protocol given, asyncio sets TCP_NODELAY on accepted connections (with
-    # proto 0 it does not, and Nagle + delayed ACKs add ~40 ms to every response and chunk).
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((config.host, config.port))
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level.lower(), lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise SystemExit("the in-process server failed to start")
-        time.sleep(0.02)
-
-    def stop() -> None:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-
-    host, port = sock.getsockname()[:2]
-    return f"http://{host}:{port}/v1", stop
+    server = load_server(config)
+    return server.start(args.log_level), server.stop
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,6 +21,7 @@ import mlx.core as mx
 
 from kv_cache.hooks import OWN_KEYS_APART
 
+from ..models.footprint import weights_bytes
 from ..platform import heap
 from ..platform.memory_facts import MemoryFacts, current
 
@@ -79,13 +80,6 @@ class Shape:
                    get("num_attention_heads", "n_heads", default=max(1, hidden // 64)),
                    get("num_hidden_layers", "n_layers", default=lm.num_layers),
                    get("vocab_size", default=32000), kv, dt)
-
-
-def weights_bytes(model: Any) -> int:
-    """Bytes of a model's parameters (what loading it holds)."""
-    from mlx.utils import tree_flatten
-
-    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
 
 
 class ModelTooLarge(ValueError):

@@ -19,6 +19,14 @@ from typing import Any
 from . import gguf
 
 
+def weights_bytes(model: Any) -> int:
+    """Bytes of a loaded model's parameters (what loading it holds): what the estimates below
+    foresee from the files."""
+    from mlx.utils import tree_flatten
+
+    return sum(v.nbytes for _, v in tree_flatten(model.parameters()))
+
+
 @dataclass(frozen=True)
 class LoadEstimate:
     """Bytes of MLX memory: ``weights`` once loaded; ``peak`` the most the load holds at once."""

@@ -5,7 +5,7 @@ downloaded with ``--allow-download``), and the state of each model loaded on dem
 ``--model-ttl``). What a load will hold, its weights and its peak, is estimated from the files
 before anything loads (``footprint.py``).
 
-Loading, waiting and unloading through the engine are in ``api/on_demand.py``.
+Loading, waiting and unloading through the engine are in ``serving.py``.
 """
 
 from __future__ import annotations

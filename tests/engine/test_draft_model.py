@@ -7,7 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from mlx_kvserver import cli
+from mlx_kvserver import flags, server
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.draft_model import DraftModelError, check_draft_model
 from mlx_kvserver.engine.engine import Engine
@@ -115,15 +115,15 @@ def test_another_tokenizer_is_refused_at_load(models, tmp_path):
 
 def test_the_command_line(models, tmp_path):
     target = models[0]
-    parser = cli.build_parser()
+    parser = flags.build_parser()
     with pytest.raises(SystemExit, match="--draft-model"):
-        cli.config_from_args(parser.parse_args(["--speculate", "draft"]))
-    config = cli.config_from_args(parser.parse_args(["--draft-model", target.source]))
+        flags.config_from_args(parser.parse_args(["--speculate", "draft"]))
+    config = flags.config_from_args(parser.parse_args(["--draft-model", target.source]))
     assert (config.speculate, config.draft_model) == ("draft", target.source)
-    config = cli.config_from_args(parser.parse_args(["--speculate", "off"]))
+    config = flags.config_from_args(parser.parse_args(["--speculate", "off"]))
     assert config.speculate == "off" and config.draft_model is None
     qwen = make_tiny_chat_model_dir(tmp_path / "q", "qwen3")
-    config = cli.config_from_args(parser.parse_args(
+    config = flags.config_from_args(parser.parse_args(
         ["--model", target.source, "--draft-model", str(qwen), "--no-disk-cache"]))
     with pytest.raises(SystemExit, match="--draft-model: .*another tokenizer"):
-        cli.load_engine(config)
+        server.load_engine(config)

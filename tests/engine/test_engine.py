@@ -122,17 +122,17 @@ def test_disconnect_cancels_generation_and_releases_pages(served, tiny_lm):
 
 
 def test_batch_flags_reach_the_scheduler_and_bad_values_are_refused(tiny_lm):
-    from mlx_kvserver import cli
+    from mlx_kvserver import flags
 
-    args = cli.build_parser().parse_args(["--max-batch", "2", "--prefill-chunk", "64",
-                                          "--no-disk-cache"])
-    engine = make_engine([tiny_lm], cli.config_from_args(args))
+    args = flags.build_parser().parse_args(["--max-batch", "2", "--prefill-chunk", "64",
+                                            "--no-disk-cache"])
+    engine = make_engine([tiny_lm], flags.config_from_args(args))
     scheduler = engine.schedulers[tiny_lm.name]
     assert (scheduler.max_batch, scheduler.prefill_chunk) == (2, 64)
     engine.stop()
     for flag in ("--max-batch", "--prefill-chunk"):
         with pytest.raises(SystemExit, match="must be 1 or more"):
-            cli.config_from_args(cli.build_parser().parse_args([flag, "0"]))
+            flags.config_from_args(flags.build_parser().parse_args([flag, "0"]))
 
 
 def test_the_first_token_goes_out_before_the_next_decode_step(tiny_lm):

@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from mlx_kvserver import cli
+from mlx_kvserver import flags, server
 from mlx_kvserver.engine.memory import GB, MemoryBudget, ModelTooLarge, weights_bytes
 from mlx_kvserver.models import gguf
 from mlx_kvserver.models.footprint import _gguf_elements, estimate_load, estimate_weights
@@ -105,8 +105,8 @@ def test_a_load_that_would_not_fit_is_refused_before_it_allocates(tmp_path):
 
 def test_the_server_does_not_start_with_a_model_that_would_not_fit(tiny_model_dir):
     """At start the budget is built first and each load is checked against it."""
-    args = cli.build_parser().parse_args(["--model", str(tiny_model_dir), "--no-disk-cache",
-                                          "--memory-limit", f"{(32 << 20) / GB:.4f}"])
+    args = flags.build_parser().parse_args(["--model", str(tiny_model_dir), "--no-disk-cache",
+                                            "--memory-limit", f"{(32 << 20) / GB:.4f}"])
     with pytest.raises(SystemExit, match="does not fit: its load would hold about .* raise "
                        "--memory-limit"):
-        cli.load_engine(cli.config_from_args(args))
+        server.load_engine(flags.config_from_args(args))

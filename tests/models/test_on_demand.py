@@ -1,4 +1,4 @@
-"""Models on demand (``models/on_demand.py``, ``api/on_demand.py``): the names a request may load,
+"""Models on demand (``models/on_demand.py``, ``models/serving.py``): the names a request may load,
 a model loaded on first use through each API and waited for, one whose load's peak would not fit
 refused, bad names, the Hugging Face cache without downloads, ``--model-ttl`` and ``--pin``, and
 (a real server process under a small memory limit) the least recently used model unloaded to
@@ -16,10 +16,9 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from mlx_kvserver.api import on_demand as api_on_demand
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.engine.memory import weights_bytes
-from mlx_kvserver.models.footprint import estimate_load, estimate_weights
+from mlx_kvserver.models import serving
+from mlx_kvserver.models.footprint import estimate_load, estimate_weights, weights_bytes
 from mlx_kvserver.models.loading import resolve_and_load
 from mlx_kvserver.models.on_demand import AllowList, Resident, Source, idle_past, lru, source_of
 from harness.server_procs import Server
@@ -115,8 +114,8 @@ def test_ttl_counts_idle_time_from_the_last_look_that_found_the_model_busy(tiny_
 
     async def scenario():
         engine, lm = Engine(), dataclasses.replace(tiny_lm, name="o/x")
-        od = api_on_demand.OnDemand(ServerConfig(allow_models=["o/*"], model_ttl_s=0.2),
-                                    ModelRegistry([tiny_lm, lm]), engine)
+        od = serving.OnDemand(ServerConfig(allow_models=["o/*"], model_ttl_s=0.2),
+                              ModelRegistry([tiny_lm, lm]), engine)
         r = od.residents["o/x"] = Resident(Source("o/x", "o/x", "hub"), False, status="loaded",
                                            lm=lm, loads=1, weights=1)
         r.touch()
@@ -195,13 +194,13 @@ def test_a_model_whose_load_would_not_fit_is_refused_though_its_weights_would(
 
 def slow_loads(monkeypatch, seconds: float) -> list[str]:
     """Every load sleeps ``seconds`` in its thread first; the names loaded."""
-    loaded, load = [], api_on_demand.load_source
+    loaded, load = [], serving.load_source
 
     def slow(src, path, deq):
         loaded.append(src.name)
         time.sleep(seconds)
         return load(src, path, deq)
-    monkeypatch.setattr(api_on_demand, "load_source", slow)
+    monkeypatch.setattr(serving, "load_source", slow)
     return loaded
 
 

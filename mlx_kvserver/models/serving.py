@@ -1,14 +1,16 @@
-"""Models on demand, the doing: a request's model name resolved to a served model, loading it on
-first use when ``--allow-models`` (or ``--pin``) lets it (``models/on_demand.py``: the policy).
+"""The served models, and those loaded on demand: a request's model name resolved to a served
+model, loading it on first use when ``--allow-models`` (or ``--pin``) lets it (``on_demand.py``:
+the policy). The API is given an :class:`OnDemand` and asks it for models by name; the engine it
+loads them into is given to it as a :class:`Host`.
 
 - One load at a time, in a thread of its own (neither the event loop nor the engine thread waits
-  on the disk or the hub); the model joins the engine between two steps (``Engine.add_model``).
+  on the disk or the hub); the model joins the engine between two steps (``Host.add_model``).
   Requests for a model that is loading wait for that one load, however long it takes (the log
   and ``/v1/models`` show its phase every few seconds): a wait is not a failure.
 - Room: before loading, the new model's weights and its load's peak are estimated from its files
   (``models/footprint.py``); while the served models' weights and that peak would pass
   ``WEIGHTS_SHARE`` of the memory limit, the least recently used idle model loaded on demand
-  (not pinned) is unloaded (``Engine.remove_model``: its cache is flushed to disk and stays
+  (not pinned) is unloaded (``Host.remove_model``: its cache is flushed to disk and stays
   there, and in the shared store). Too large even alone: 400; while the models that would make
   room are busy, the load waits for them to finish their answers (logged once).
 - ``--model-ttl``: a loaded-on-demand model unused that long is unloaded.
@@ -20,20 +22,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Callable, Protocol
 
-import mlx.core as mx
-
-from ..config import ServerConfig
-from ..engine.engine import Engine
-from ..engine.memory import GB, weights_bytes
+from ..config import GB, ServerConfig
 from ..errors import RequestError
-from ..models.loading import LoadedModel, auto_dequantize
-from ..models.footprint import estimate_load
-from ..models.on_demand import (WEIGHTS_SHARE, AllowList, NotCached, Resident, hub_bytes,
-                                idle_past, in_thread, load_source, locate, lru, source_of)
-from ..models.registry import ModelRegistry, UnknownModelError
-from .validate import unknown_model
+from .footprint import estimate_load, weights_bytes
+from .loading import LoadedModel, auto_dequantize
+from .on_demand import (WEIGHTS_SHARE, AllowList, NotCached, Resident, hub_bytes, idle_past,
+                        in_thread, load_source, locate, lru, source_of)
+from .registry import ModelRegistry, UnknownModelError
 
 log = logging.getLogger("mlx_kvserver.models")
 
@@ -50,10 +47,27 @@ def _error(status: int, message: str, code: str,
     return RequestError(status, message, type=type, param="model", code=code)
 
 
+class Host(Protocol):
+    """What loading and unloading ask of the engine (``engine/engine.py``'s ``Engine``):
+    ``call`` runs a function on its thread between two steps, where ``add_model`` and
+    ``remove_model`` run; ``memory`` is its budget (``weights`` by model name,
+    ``weights_total``, ``limit``); ``schedulers`` by model name, each ``busy`` while it has
+    requests."""
+
+    memory: Any
+    schedulers: dict[str, Any]
+
+    async def call(self, fn: Callable[[], Any]) -> Any: ...
+
+    def add_model(self, lm: LoadedModel) -> None: ...
+
+    def remove_model(self, name: str) -> bool: ...
+
+
 class OnDemand:
     """The served models and those requests load on demand (see the module's docstring)."""
 
-    def __init__(self, config: ServerConfig, registry: ModelRegistry, engine: Engine) -> None:
+    def __init__(self, config: ServerConfig, registry: ModelRegistry, engine: Host) -> None:
         self.config, self.registry, self.engine = config, registry, engine
         self.allow = AllowList(config.allow_models, config.pin_models)
         self.residents: dict[str, Resident] = {}  # by source key, in order of first request
@@ -129,10 +143,12 @@ class OnDemand:
 
     def not_found(self, name: str | None) -> RequestError:
         shown = str(name) if len(str(name)) <= 200 else str(name)[:200] + "..."
-        return unknown_model(shown, self.registry.names(), (
-            "other names load only when they match the server's --allow-models"
-            if self.allow.enabled else "serve it under another name with --model-alias "
-            "NAME=SERVED, or let requests load it with --allow-models PATTERN"))
+        hint = "other names load only when they match the server's --allow-models" \
+            if self.allow.enabled else "serve it under another name with --model-alias " \
+            "NAME=SERVED, or let requests load it with --allow-models PATTERN"
+        return RequestError(404, f"model {shown!r} not found; served: "
+                            f"{', '.join(self.registry.names())} ({hint})",
+                            type="not_found_error", param="model", code="model_not_found")
 
     def listing(self) -> list[dict[str, Any]]:
         """``/v1/models``' entries: the served models, then every model loaded on demand that
