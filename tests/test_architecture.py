@@ -3,7 +3,10 @@
 ``kv_cache`` never imports the server; the server uses the library through its face only
 (``from kv_cache import ...``: ``FACE``) and the runner's hooks (``kv_cache.hooks``: ``HOOKS``),
 never reads the parts a manager holds, and its own rooms import only down (base < platform, chat <
-models < engine < api < cli < clients: ``SERVER_ALLOWED``); inside the library nothing imports a layer above its own,
+storage, models < engine < api < cli.py, flags.py, server.py < clients: ``SERVER_ALLOWED``); the
+API translates, so ``api/`` imports neither the library nor the modules of ``models/`` that load
+models (``MODEL_LOADING``), and clients start a server through ``server.py``, never ``cli.py``;
+inside the library nothing imports a layer above its own,
 floor by floor: ``layout/`` (the cache's description: kinds of layer, a page's geometry and
 codec) knows only the base; ``pages/`` knows the layout; ``model/`` knows pages; ``tiers/`` know
 pages and the layout; the manager and its parts at the top know everything. Relative imports
