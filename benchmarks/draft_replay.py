@@ -37,7 +37,7 @@ import numpy as np
 from benchmarks.record import OVERRIDE_HELP, write
 from benchmarks.speculation import WORKLOADS
 from benchmarks.steps import steps
-from mlx_kvserver.engine.drafts import Drafter
+from mlx_kvserver.engine.speculation.drafts import Drafter
 
 
 def replay(context: list[int], answer: list[int], max_len: int) -> dict:

@@ -1,8 +1,9 @@
 """What a forward pass ``w`` tokens wide costs against a plain decode step (default model).
 
-A verify pass (engine/speculate.py) feeds each sequence its last token and a draft of ``w - 1``;
-speculation pays where such a pass costs little more than a step (engine/pass_cost.py measures
-it as the server runs). This script measures it apart, per backend:
+A verify pass (engine/speculation/speculate.py) feeds each sequence its last token and a draft of
+``w - 1``; speculation pays where such a pass costs little more than a step
+(engine/speculation/pass_cost.py measures it as the server runs). This script measures it apart, per
+backend:
 
     .venv/bin/python -m benchmarks.pass_width [--widths 1 2 4 9] [--batches 1 8] [--reps 8]
         [--cases shared distinct mlx_lm] [--attention now|padded|none] [--json FILE]

@@ -26,10 +26,11 @@ import pytest
 
 from kv_cache.model import prefix_part
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.engine.pass_cost import PassCost
+from mlx_kvserver.engine.speculation.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.engine.test_scheduler import Collect, text
-from tests.engine.test_speculate import ask, bent, make_scheduler, reference, serve, usage, watch
+from tests.engine.speculation.test_speculate import (ask, bent, make_scheduler, reference, serve,
+                                                     usage, watch)
 from harness.server_utils import running_server
 from harness.tiny_model import make_tiny_model, tiny_config, write_model_dir
 

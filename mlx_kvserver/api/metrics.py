@@ -11,8 +11,9 @@ counts. Three sources feed it:
   tokens of requests' predictions that appeared in the completion or not;
 - a snapshot of the engine's cache stats taken at scrape time (:meth:`Metrics.scrape`): RAM
   pages held, cached and shared, bytes against the budget, disk bytes and entries against the
-  budget, hits, evictions; speculative decoding (``engine/speculate.py``): draft tokens verified
-  and accepted, decode forward passes and the tokens they produced, the mode as a label, so that
+  budget, hits, evictions; speculative decoding (``engine/speculation/speculate.py``): draft
+  tokens verified and accepted, decode forward passes and the tokens they produced, the mode as a
+  label, so that
   ``rate(speculation_accepted_tokens_total) / rate(speculation_draft_tokens_total)`` is the
   acceptance rate and ``rate(decode_step_tokens_total) / rate(decode_steps_total)`` the tokens
   per forward pass; plus the queue depth and the batch size. The batch size is the

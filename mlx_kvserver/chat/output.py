@@ -135,7 +135,7 @@ class Usage:
     draft_accepted: int = 0
     draft_rejected: int = 0
     # the client's prediction (OpenAI's Predicted Outputs): its tokens that appeared in the
-    # completion / that did not (engine/prediction.py); 0 and 0 without one
+    # completion / that did not (engine/speculation/prediction.py); 0 and 0 without one
     prediction_accepted: int = 0
     prediction_rejected: int = 0
     decode_steps: int = 0  # forward passes that produced the completion after its first token

@@ -31,7 +31,7 @@ from ..config import GB, ServerConfig
 from ..errors import RequestError
 from ..models.loading import LoadedModel
 from .request import Job
-from .draft_model import DraftModel, DraftModelError, check_draft_model
+from .speculation.draft_model import DraftModel, DraftModelError, check_draft_model
 from .memory import MemoryBudget, give_back
 from .backlog import Backlog
 from .runner import Runner

@@ -26,7 +26,7 @@ from ..chat.render import encode
 from ..chat.support import chat_support
 from ..errors import RequestError
 from ..models.loading import LoadedModel
-from .prediction import Prediction
+from .speculation.prediction import Prediction
 from .sampling import Sampler, StopMatcher, token_logprob
 
 
@@ -85,7 +85,7 @@ class Choice:
         self.resume: list[int] | None = None  # preempted: tokens to recompute before going on
         self.resume_done = 0
         self.resume_keys: list[str] = []  # where its pages were saved when it was preempted
-        self.drafter = None  # engine/drafts.py Drafter, made at its first decode step
+        self.drafter = None  # speculation/drafts.py Drafter, made at its first decode step
         self.draft_seq = None  # its sequence in the draft model's cache (draft_model.py)
         self.draft_source = ""  # where the last draft came from
         self.steps = 0  # decode forward passes this choice took part in
@@ -212,7 +212,7 @@ class Request:
         # tool-call markers and think tags may be special tokens: the parser must see them
         self.keep_markers = self.parse_output and support.markers_special
         self.use_cache = conv.use_kv_cache
-        self.speculate = conv.speculate  # drafts verified in the batch (engine/speculate.py)
+        self.speculate = conv.speculate  # drafts verified in the batch (speculation/speculate.py)
         self.prediction: list[int] = tok.encode(conv.prediction) if conv.prediction else []
         msgs = conv.messages
         self.keys = [m.message_id for m in reversed(msgs) if m.message_id]

@@ -48,7 +48,7 @@ from .preemption import Preemption
 from .pressure import Pressure
 from .request import Choice, Job, Request
 from .runner import Runner
-from .speculate import Speculation
+from .speculation.speculate import Speculation
 
 log = logging.getLogger("mlx_kvserver.engine")
 
@@ -299,7 +299,7 @@ class Scheduler(Preemption):
         for group in groups:
             try:
                 drafts = [d[:width - 1] for d in self.speculation.drafts(group)]
-                if any(drafts):  # one pass verifies every draft (engine/speculate.py)
+                if any(drafts):  # one pass verifies every draft (engine/speculation/speculate.py)
                     outs = self.speculation.verify(group, drafts)
                 else:
                     t0 = time.perf_counter()

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from benchmarks.steps import in_run
 
-SOURCE = (Path(__file__).resolve().parents[2] / "mlx_kvserver/engine/speculate.py").read_text()
+SOURCE = (Path(__file__).resolve().parents[2]
+          / "mlx_kvserver/engine/speculation/speculate.py").read_text()
 
 
 def _format(kind: str) -> str:

@@ -1,4 +1,4 @@
-"""The draft model (engine/draft_model.py, ``--draft-model``): checked at load (the same
+"""The draft model (engine/speculation/draft_model.py, ``--draft-model``): checked at load (the same
 tokenizer token for token, the same end tokens, no recurrent state), drafting on a paged cache of
 its own, never changing a greedy answer, and its sequences kept for the next turn."""
 
@@ -9,9 +9,9 @@ import pytest
 
 from mlx_kvserver import flags, server
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.engine.draft_model import DraftModelError, check_draft_model
+from mlx_kvserver.engine.speculation.draft_model import DraftModelError, check_draft_model
 from mlx_kvserver.engine.engine import Engine
-from mlx_kvserver.engine.pass_cost import PassCost
+from mlx_kvserver.engine.speculation.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
 from harness.server_utils import running_server

@@ -1,4 +1,4 @@
-"""Where an answer is in a client's prediction (engine/prediction.py), without a model.
+"""Where an answer is in a client's prediction (engine/speculation/prediction.py), without a model.
 
 The prediction's tokens counted as appearing in the answer are checked against the longest
 common subsequence (dynamic programming): never more (no token counted twice, none out of
@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_kvserver.engine.prediction import Prediction
+from mlx_kvserver.engine.speculation.prediction import Prediction
 
 
 def lcs(a: list[int], b: list[int]) -> int:

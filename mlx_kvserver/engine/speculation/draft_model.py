@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import mlx.core as mx
 
 from kv_cache import open_cache
-from ..config import GB, ServerConfig
-from .runner import Runner
+from ...config import GB, ServerConfig
+from ..runner import Runner
 
 log = logging.getLogger("mlx_kvserver.engine")
 

@@ -34,10 +34,10 @@ from typing import Sequence
 
 import mlx.core as mx
 
-from ..chat.output import Delta
+from ...chat.output import Delta
 from .drafts import Drafter, SharedIndex
 from .pass_cost import PassCost
-from .request import Choice
+from ..request import Choice
 
 log = logging.getLogger("mlx_kvserver.engine")
 

@@ -1,7 +1,7 @@
-"""How wide a verify pass is (engine/speculate.py ``Speculation._width``, engine/pass_cost.py
-``PassCost``): the width that gives the most tokens per second, by each answer's recent
-acceptance and what wider passes cost on this machine against a plain step; 1 (a plain decode
-step) where drafts would not pay, with a wide pass tried again now and then."""
+"""How wide a verify pass is (engine/speculation/speculate.py ``Speculation._width``,
+engine/speculation/pass_cost.py ``PassCost``): the width that gives the most tokens per second, by
+each answer's recent acceptance and what wider passes cost on this machine against a plain step; 1
+(a plain decode step) where drafts would not pay, with a wide pass tried again now and then."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import mlx.core as mx
 import pytest
 
-from mlx_kvserver.engine.drafts import Drafter
-from mlx_kvserver.engine.pass_cost import PassCost
+from mlx_kvserver.engine.speculation.drafts import Drafter
+from mlx_kvserver.engine.speculation.pass_cost import PassCost
 from mlx_kvserver.engine.runner import Runner
-from mlx_kvserver.engine.speculate import Speculation
+from mlx_kvserver.engine.speculation.speculate import Speculation
 
 
 def choice(rate: float, source: str = "context"):

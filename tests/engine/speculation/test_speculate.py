@@ -1,4 +1,4 @@
-"""Speculative decoding never changes a greedy answer (engine/speculate.py).
+"""Speculative decoding never changes a greedy answer (engine/speculation/speculate.py).
 
 A random-weight model's answer is random text, so drafts are made to be taken: a ``prediction``
 of the answer without speculation (whole, or with a few tokens changed: taken in part), or the
@@ -20,11 +20,11 @@ from kv_cache import open_cache
 from mlx_kvserver.api import completions
 from mlx_kvserver.chat.output import Accepted, Usage
 from mlx_kvserver.config import ServerConfig
-from mlx_kvserver.engine.drafts import Drafter
+from mlx_kvserver.engine.speculation.drafts import Drafter
 from mlx_kvserver.engine.request import Job
 from mlx_kvserver.engine.runner import Runner
 from mlx_kvserver.engine.scheduler import Scheduler
-from mlx_kvserver.engine.pass_cost import PassCost
+from mlx_kvserver.engine.speculation.pass_cost import PassCost
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.engine.test_scheduler import Collect, run
 from harness.server_utils import running_server

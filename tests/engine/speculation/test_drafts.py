@@ -1,4 +1,4 @@
-"""Draft sources for speculative decoding (engine/drafts.py), without a model.
+"""Draft sources for speculative decoding (engine/speculation/drafts.py), without a model.
 
 ``NgramIndex`` is checked against a brute-force search for the latest earlier occurrence of a
 suffix, built in steps of one token and in bulk (the numpy path); ``SharedIndex`` on saved
@@ -11,7 +11,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlx_kvserver.engine.drafts import Drafter, NgramIndex, SharedIndex, _key
+from mlx_kvserver.engine.speculation.drafts import Drafter, NgramIndex, SharedIndex, _key
 
 BIG = (1 << 20) - 1  # the largest token id a key packs
 
