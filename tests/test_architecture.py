@@ -351,6 +351,42 @@ def test_the_mixin_rule_sees_a_mixin(tmp_path, monkeypatch):
                                            ("pkg.host", "Again", "pkg.part.Part")]
 
 
+MEMORY_POLICY = ("mlx_kvserver/engine/pressure.py", "mlx_kvserver/engine/memory.py")
+STEPPING = {"mlx_kvserver.engine.scheduler", "mlx_kvserver.engine.step",
+            "mlx_kvserver.engine.engine"}  # what decides a step, runs it, runs the thread
+
+
+def _imports_of_stepping(path: Path, module: str | None = None) -> list[tuple[int, str]]:
+    """(line, module) of each import in ``path`` of what decides or runs a step, annotations
+    (``TYPE_CHECKING``) included."""
+    return sorted((line, m) for line, m in _imports(path, module, typing=True) if m in STEPPING)
+
+
+@pytest.mark.parametrize("path", MEMORY_POLICY)
+def test_the_memory_policy_returns_decisions_and_never_calls_the_scheduler(path):
+    """The memory policy (the budget's decisions in ``pressure.py``, the budget itself in
+    ``memory.py``) answers from the facts it is given: it imports neither the scheduler nor
+    what runs a step, not even for an annotation, and is built without one."""
+    assert not _imports_of_stepping(ROOT / path), f"{path} imports the scheduler's side"
+
+
+def test_the_pressure_is_built_on_the_budget_alone():
+    import inspect
+
+    from mlx_kvserver.engine.pressure import Pressure
+
+    assert list(inspect.signature(Pressure).parameters) == ["memory", "name"]
+
+
+def test_the_policy_rule_sees_a_violation(tmp_path):
+    src = tmp_path / "x.py"
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                   "    from .scheduler import Scheduler\nfrom .memory import GB\n"
+                   "from mlx_kvserver.engine import step\n")
+    assert _imports_of_stepping(src, "mlx_kvserver.engine.x") == [
+        (3, "mlx_kvserver.engine.scheduler"), (5, "mlx_kvserver.engine.step")]
+
+
 SERVER_ALLOWED = {  # the server's rooms, floor by floor: each may import the ones listed
     "base": {"base"},  # config.py, errors.py
     "platform": {"base", "platform"},  # the CPU's BLAS, ELF symbols, memory facts

@@ -38,9 +38,29 @@ class RecentTurns:
 
     def __init__(self, keep: int = KEEP):
         self.turns: deque[tuple[list[int], int]] = deque(maxlen=keep)
+        self.reread = {"tokens": 0, "turns": 0, "last": None}  # for the cache stats
 
     def add(self, tokens: list[int], prompt_len: int) -> None:
         self.turns.append((tokens, prompt_len))
+
+    def diagnose(self, request) -> Divergence | None:
+        """Where ``request``'s prompt differs from a history held before it, counted in
+        ``reread`` and logged; None where it does not, or where that cannot be said (a diagnosis
+        never fails a request)."""
+        found = self.find(request.prompt)
+        if found is None:
+            return None
+        try:
+            d = explain(request, *found)
+            self.reread.update(tokens=self.reread["tokens"] + d.reread_tokens,
+                               turns=self.reread["turns"] + 1, last=d.as_dict())
+        except Exception:
+            log.exception("%s: could not explain the re-read", request.id)
+            return None
+        log.info("%s re-reads %d tokens: its prompt differs at token %d (message %s) from a "
+                 "history held before: %r, was %r", request.id, d.reread_tokens, d.position,
+                 d.message_index, d.prompt_excerpt, d.cached_excerpt)
+        return d
 
     def find(self, prompt: list[int]) -> tuple[list[int], int] | None:
         """The held history the prompt diverges from (and where), or None: none shares a

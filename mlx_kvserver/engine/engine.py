@@ -97,11 +97,12 @@ class Engine:
         self.managers[lm.name] = manager
         self.schedulers[lm.name] = Scheduler(
             manager, Runner(lm.model, manager, lm.name),
-            max_batch=config.max_batch, prefill_chunk=config.prefill_chunk, speculate=config.speculate,
-            num_draft_tokens=config.num_draft_tokens, draft=draft, name=lm.name,
-            memory=self.memory)
+            max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
+            speculate=config.speculate, num_draft_tokens=config.num_draft_tokens, draft=draft,
+            name=lm.name, memory=self.memory)
         self.memory.add_model(lm)
-        self.memory.shedders[lm.name] = manager.shed
+        # under pressure: its prepared next turns, then what its cache holds that nothing needs
+        self.memory.shedders[lm.name] = self.schedulers[lm.name].shed
 
     def add_model(self, lm: LoadedModel) -> None:
         """Serve ``lm`` from the next step on (call on the engine thread: ``call``). A model of
@@ -154,8 +155,15 @@ class Engine:
 
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the engine thread; a 429 with ``Retry-After`` when ``--max-queue``
-        requests already wait to start (``backlog.py``)."""
+        requests already wait to start (``backlog.py``). Its conversation is rendered and
+        tokenized here, on the caller's thread (``Job.prepare``), so the engine thread runs
+        passes only; a prompt that cannot run gets its error as an event, as from the engine."""
         self.backlog.enter(job)
+        try:
+            job.prepare()
+        except Exception as e:
+            self._refuse(job, e)
+            return
         self._queue.put(job)
 
     @property
@@ -241,12 +249,16 @@ class Engine:
             return
         try:
             self.schedulers[job.lm.name].add(job)
-        except RequestError as e:
-            self._deliver([(job, Error(e)), (job, Done())])
         except Exception as e:
+            self._refuse(job, e)
+
+    def _refuse(self, job: Job, e: Exception) -> None:
+        """``job`` ends before it starts: its error (a ``RequestError`` as it is, anything else
+        a 500), then ``Done``. Call from an ``except`` block."""
+        if not isinstance(e, RequestError):
             log.exception("%s could not be admitted", job.id)
-            self._deliver([(job, Error(RequestError(500, f"generation failed: {e}",
-                                                    type="server_error"))), (job, Done())])
+            e = RequestError(500, f"generation failed: {e}", type="server_error")
+        self._deliver([(job, Error(e)), (job, Done())])
 
     @staticmethod
     def _control(control: Control) -> None:

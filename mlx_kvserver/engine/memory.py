@@ -121,7 +121,7 @@ class MemoryBudget:
         self._measured = False  # whether the process's resident memory was read
         self._mlx_limit = 0  # MLX's own limit as last set
         self._cache_limit = -1  # MLX's buffer cache limit as last set
-        self.shedders: dict[str, Any] = {}  # per model: its cache's shed() (CacheManager)
+        self.shedders: dict[str, Any] = {}  # per model: what it gives back (Scheduler.shed)
 
     @classmethod
     def of(cls, config: Any) -> "MemoryBudget":
@@ -195,7 +195,8 @@ class MemoryBudget:
         return sum(self.weights.values())
 
     def shed(self) -> int:
-        """Every model's cache gives back what nothing running needs; the pages freed."""
+        """Every model gives back what nothing running needs (its prepared next turns, what its
+        cache holds that nothing needs); the pages freed."""
         return sum(fn() for fn in self.shedders.values())
 
     def in_use(self) -> int:

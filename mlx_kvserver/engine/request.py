@@ -2,9 +2,10 @@
 each), sampling, stop strings, output parsing and the events the HTTP layer reads.
 
 A ``Job`` crosses from the HTTP layer to the engine thread with a ``Conversation``
-(``chat/conversation.py``), never an HTTP type; the scheduler turns it into a ``Request`` (prompt
-rendered and checked) whose ``Choice`` objects each own one running sequence. Nothing here runs
-the model: ``runner.py`` does, the scheduler decides when.
+(``chat/conversation.py``), never an HTTP type, made ready where it is submitted (``Prompt``:
+rendered, tokenized and checked, so the engine thread runs passes only); the scheduler turns it
+into a ``Request`` whose ``Choice`` objects each own one running sequence. Nothing here runs the
+model: ``runner.py`` does, the scheduler decides when.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
+
 import mlx.core as mx
 
 from kv_cache import Match
@@ -48,6 +51,15 @@ class Job:
     id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
     created: int = field(default_factory=lambda: int(time.time()))
     answer_ids: list[str] = field(default_factory=list)  # message ids the API chose, by choice
+    prompt: "Prompt | None" = None  # its conversation made ready (``prepare``)
+
+    def prepare(self) -> "Prompt":
+        """Render and tokenize the conversation and check it (``Prompt.of``), once: where the
+        job is submitted, so the engine thread runs passes only (a ``RequestError`` for a prompt
+        that cannot run)."""
+        if self.prompt is None:
+            self.prompt = Prompt.of(self.conversation, self.lm)
+        return self.prompt
 
     def send(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
@@ -175,45 +187,72 @@ class Choice:
                       tokens=len(self.tokens), reasoning_tokens=self.reasoning_tokens)
 
 
+@dataclass
+class Prompt:
+    """A conversation made ready for the engine before it is queued: rendered with the model's
+    chat template and tokenized (``tokens``), checked against the model (its vocabulary and
+    context), its answer's grammar compiled and a client's prediction tokenized."""
+
+    tokens: list[int]
+    param: str  # the field a client shortens when its prompt is what does not fit
+    max_tokens: int  # the most answer tokens: what the client asked, within the context
+    in_reasoning: bool = False  # the template opened a reasoning block the answer goes on in
+    grammar: Any = None  # what constrains the answer (``chat/constraints.py``), or None
+    prediction: list[int] = field(default_factory=list)  # a client's prediction, tokenized
+
+    @classmethod
+    def of(cls, conv: Conversation, lm: LoadedModel) -> "Prompt":
+        """``conv`` made ready for ``lm``; a ``RequestError`` 400 for a prompt that cannot run
+        (empty, longer than the context, token ids outside the vocabulary, a schema that does
+        not compile)."""
+        tok = lm.tokenizer
+        support = chat_support(lm)
+        in_reasoning = False
+        if conv.prompt is None:
+            tokens, rendered = encode(tok, support.format, conv)
+            in_reasoning = rendered.in_reasoning
+        elif isinstance(conv.prompt, str):
+            tokens = tok.encode(conv.prompt)
+        else:
+            tokens = list(conv.prompt)
+            if any(not 0 <= t < support.vocab_size for t in tokens):
+                raise RequestError(400, "the prompt has token ids outside this model's "
+                                   f"vocabulary (0..{support.vocab_size - 1})", param="prompt")
+        param = "messages" if conv.prompt is None else "prompt"
+        if not tokens:
+            raise RequestError(400, "the prompt is empty", param="prompt")
+        room = lm.context_length - len(tokens)
+        if room < 1:
+            raise RequestError(400, f"the prompt has {len(tokens)} tokens; this model's "
+                               f"context is {lm.context_length}", param=param,
+                               code="context_length_exceeded")
+        return cls(tokens, param, min(conv.sampling.max_tokens or room, room), in_reasoning,
+                   support.grammar_for(conv),  # a 400 for a schema that cannot compile
+                   tok.encode(conv.prediction) if conv.prediction else [])
+
+
 class Request:
-    """A checked job: prompt tokens, limits, grammar, and (once its prompt runs) its choices."""
+    """A job admitted to a scheduler: its prompt (made ready where it was submitted), limits,
+    grammar, and (once its prompt runs) its choices."""
 
     def __init__(self, job: Job, arrival: int):
         self.job, self.arrival = job, arrival
         conv, lm = job.conversation, job.lm
         self.conversation, self.lm, self.n = conv, lm, conv.n
-        tok = lm.tokenizer
+        ready = job.prepare()
         self.support = support = chat_support(lm)
-        self.in_reasoning = False
+        self.prompt, self.prompt_param = ready.tokens, ready.param
+        self.in_reasoning = ready.in_reasoning
         self.parse_output = conv.prompt is None  # raw completions are not chat: text as it is
-        if conv.prompt is None:
-            self.prompt, rendered = encode(tok, support.format, conv)
-            self.in_reasoning = rendered.in_reasoning
-        elif isinstance(conv.prompt, str):
-            self.prompt = tok.encode(conv.prompt)
-        else:
-            self.prompt = list(conv.prompt)
-            if any(not 0 <= t < support.vocab_size for t in self.prompt):
-                raise RequestError(400, "the prompt has token ids outside this model's "
-                                   f"vocabulary (0..{support.vocab_size - 1})", param="prompt")
-        # the field a client shortens when its prompt is what does not fit
-        self.prompt_param = "messages" if conv.prompt is None else "prompt"
-        if not self.prompt:
-            raise RequestError(400, "the prompt is empty", param="prompt")
-        room = lm.context_length - len(self.prompt)
-        if room < 1:
-            raise RequestError(400, f"the prompt has {len(self.prompt)} tokens; this model's "
-                               f"context is {lm.context_length}", param=self.prompt_param,
-                               code="context_length_exceeded")
-        self.max_tokens = min(conv.sampling.max_tokens or room, room)
+        self.max_tokens = ready.max_tokens
         s = conv.sampling
         self.top_logprobs = s.top_logprobs if s.logprobs else None
-        self.grammar = support.grammar_for(conv)  # a 400 for a schema that cannot compile
+        self.grammar = ready.grammar
         # tool-call markers and think tags may be special tokens: the parser must see them
         self.keep_markers = self.parse_output and support.markers_special
         self.use_cache = conv.use_kv_cache
         self.speculate = conv.speculate  # drafts verified in the batch (speculation/speculate.py)
-        self.prediction: list[int] = tok.encode(conv.prediction) if conv.prediction else []
+        self.prediction: list[int] = ready.prediction
         msgs = conv.messages
         self.keys = [m.message_id for m in reversed(msgs) if m.message_id]
         self.prompt_key = msgs[-1].message_id if msgs and not conv.continue_final else None
@@ -223,7 +262,7 @@ class Request:
         self.logits: mx.array | None = None
         self.divergence: Divergence | None = None  # why it re-read tokens, when it did
         self.choices: list[Choice] = []
-        self.started = time.perf_counter()  # checked, rendered and tokenized
+        self.started = time.perf_counter()  # admitted (rendered and checked before)
         self.waiting_for: str | None = None  # what it waits for to start (pressure.py)
         self.forward_s = 0.0  # wall time of the forward passes that ran its prompt
 

@@ -1,32 +1,40 @@
 """Continuous batching for one model: requests join and leave a running batch between steps.
 
-Each ``step()``:
+Each half of a step is decided, then done (``step.py``): the scheduler plans it from its state
+(``plan_prompts``, ``plan_answers``: a ``StepPlan``), the plan's passes run (``run_prompts``,
+``run_decode``: forward passes and sampling only), and the scheduler applies what happened.
 
-1. drops what cancelled requests held (a client that went away frees its sequences here);
-2. runs one prompt chunk (``prefill_chunk`` tokens) of the oldest request whose prompt is not
-   done, or of a preempted choice being recomputed: prompts run one chunk per step, so a long
-   prompt delays everyone else's next token by one chunk, not by the whole prompt. When the
-   oldest prompt ends within the chunk, the next prompts that fit in whole join it in the same
-   forward pass (right-padded; models without recurrent state), so the next turns of many
-   cached conversations arriving together get their first tokens together;
-3. decodes one token for every running choice in one forward pass (``Runner.decode``), samples
-   each with its own sampler, streams text and finishes choices.
+1. ``step_prompts``: cancelled requests drop what they held (a client that went away frees its
+   sequences here); then one prompt chunk (``prefill_chunk`` tokens) of the oldest request whose
+   prompt is not done, or of a preempted choice being recomputed: prompts run one chunk per
+   step, so a long prompt delays everyone else's next token by one chunk, not by the whole
+   prompt. When the oldest prompt ends within the chunk, the next prompts that fit in whole join
+   it in the same forward pass (right-padded; models without recurrent state), so the next turns
+   of many cached conversations arriving together get their first tokens together. With no
+   request, a piece of a prepared next turn is read instead (``prepare.py``).
+2. ``step_answers``: one token for every running choice in one forward pass (``Runner.decode``),
+   or each one's draft verified (``speculation/``), sampled with its own sampler; text streams
+   and choices finish.
 
-``step()`` returns the events it produced, each with its job (``chat/output.py``: ``Accepted``,
-``Start``, deltas, ``Finish``, ``Usage``, ``Error``, ``Done``); the engine hands them over.
+Each half returns the events it produced, each with its job (``chat/output.py``: ``Accepted``,
+``Start``, deltas, ``Finish``, ``Usage``, ``Error``, ``Done``); the engine hands them over, the
+prompts' before the answers' step runs (a first token never waits for the decode step that
+computes the second).
 
 A prompt's pages are committed after each chunk, so a request that arrives while another with the
 same document is still reading it starts from those pages (a prompt starts only when its first
-piece runs, oldest first). ``n > 1`` choices fork the
-prompt's sequence: siblings share its pages and one prefix view, and decode in the same batch.
+piece runs, oldest first). ``n > 1`` choices fork the prompt's sequence: siblings share its pages
+and one prefix view, and decode in the same batch.
 
-Memory: when pages run out (``OutOfBlocksError``), the manager makes room first (resident
-sequences, then entries: ``CacheManager.with_room``); when that is not enough, prepared next turns
-give way, then the youngest other running choice is preempted:
-its sequence is closed and it is queued to recompute its tokens (its streamed text stands; with
-the cache its prompt is found again in pages or on disk). When no other choice runs, the request
-goes on uncached: a running sequence keeps its own positions in working buffers, so pages are the
-record of a turn, never a condition for answering it.
+Memory: the policy decides (``pressure.py``), the scheduler acts. When pages run out
+(``OutOfBlocksError``), the manager makes room first (resident sequences, then entries:
+``CacheManager.with_room``); when that is not enough, prepared next turns give way, then the
+youngest other running choice is preempted: its sequence is closed and it is queued to recompute
+its tokens (its streamed text stands; with the cache its prompt is found again in pages or on
+disk). When no other choice runs, the request goes on uncached: a running sequence keeps its own
+positions in working buffers, so pages are the record of a turn, never a condition for answering
+it. Under a memory budget, prompts wait or are read in smaller chunks, and the newest answers are
+preempted with their pages saved, so they go on later with the same answer.
 """
 
 from __future__ import annotations
@@ -41,21 +49,22 @@ from kv_cache import CacheManager, OutOfBlocksError
 
 from ..chat.output import Accepted, Done, Error, Event, Start
 from ..config import ServerConfig
-from .divergence import RecentTurns, explain
 from ..errors import RequestError
+from .divergence import RecentTurns
 from .prepare import NextTurns
-from .preemption import Preemption
-from .pressure import Pressure
+from .pressure import Pressure, give_way, preempted_key
 from .request import Choice, Job, Request
 from .runner import Runner
 from .speculation.speculate import Speculation
+from .step import (Decode, DecodeOutcome, Piece, PromptOutcome, StepPlan, run_decode,
+                   run_prompts)
 
 log = logging.getLogger("mlx_kvserver.engine")
 
 Events = list[tuple[Job, Event]]
 
 
-class Scheduler(Preemption):
+class Scheduler:
     def __init__(self, manager: CacheManager, runner: Runner, *,
                  prefill_chunk: int = ServerConfig.prefill_chunk,
                  max_batch: int = ServerConfig.max_batch,
@@ -64,7 +73,7 @@ class Scheduler(Preemption):
                  name: str = "model", memory=None):
         self.manager, self.runner = manager, runner
         self.name, self.memory = name, memory  # engine/memory.py MemoryBudget (None: no budget)
-        self.pressure = Pressure(self, memory) if memory is not None else None
+        self.pressure = Pressure(memory, name) if memory is not None else None
         self.speculation = Speculation(runner, speculate, num_draft_tokens,
                                        can_rewind=not manager.has_state, draft=draft,
                                        name=name)
@@ -73,7 +82,6 @@ class Scheduler(Preemption):
         self.decoding: list[Choice] = []
         self.prepares = NextTurns(manager, runner, prefill_chunk)  # read while nothing else runs
         self.recent = RecentTurns()  # the last answered turns: why a prompt re-read tokens
-        self.reread = {"tokens": 0, "turns": 0, "last": None}  # for the cache stats
         self._arrivals = 0
         self._events: Events = []  # what this step produced, for its jobs
 
@@ -84,7 +92,7 @@ class Scheduler(Preemption):
         self._arrivals += 1
         r = Request(job, self._arrivals)
         if self.pressure is not None:
-            self.pressure.admit(r)  # a 400 for what cannot fit even alone
+            r.max_tokens = self.pressure.admit(r)  # a 400 for what cannot fit even alone
         self.requests.append(r)
 
     @property
@@ -95,35 +103,10 @@ class Scheduler(Preemption):
     def batch_size(self) -> int:
         return len(self.decoding)
 
-    # -- one step -------------------------------------------------------------------------------
-
-    def step(self) -> Events:
-        """One step; the events it produced, in order, each with its job."""
-        return self.step_prompts() + self.step_answers()
-
-    def step_prompts(self) -> Events:
-        """A step's first part: cancellations, then a chunk of the prompts (or, with no request,
-        a piece of a prepared next turn). Its events (answers started, with their first tokens)
-        are to be handed over before ``step_answers``: a first token never waits for the decode
-        step that computes the second."""
-        for r in [r for r in self.requests if r.cancelled]:
-            log.info("%s cancelled by the client", r.id)
-            self._end(r, keep=True)  # what it computed is saved, as a finished answer's is
-        if not self.requests and self.prepares:
-            self.prepares.step()
-        elif len(self.decoding) < self.max_batch:
-            self._prefill(self._prompt_tasks())
-        else:
-            self._batch_full()
-        return self._take_events()
-
-    def _batch_full(self) -> None:
-        """Prompts wait while ``max_batch`` answers run; each is logged once."""
-        for r in self.requests:
-            if r.seq is None and not r.choices and r.waiting_for is None:
-                r.waiting_for = "batch"
-                log.info("%s waits for a place in the batch: %d answers run (--max-batch %d)",
-                         r.id, len(self.decoding), self.max_batch)
+    @property
+    def reread(self) -> dict:
+        """Prompt tokens read again where a prompt differed from a history held before it."""
+        return self.recent.reread
 
     def waiting(self) -> dict[str, int]:
         """Requests admitted whose prompt has not started, by what they wait for: memory, a
@@ -134,10 +117,39 @@ class Scheduler(Preemption):
                 out[r.waiting_for if r.waiting_for in out else "prompts_ahead"] += 1
         return out
 
+    def shed(self) -> int:
+        """Under memory pressure (the budget's shedder for this model): the prepared next turns
+        go, then the cache gives back what nothing running needs (``CacheManager.shed``); the
+        pages freed."""
+        self.prepares.clear()
+        return self.manager.shed()
+
+    # -- one step -------------------------------------------------------------------------------
+
+    def step(self) -> Events:
+        """One step; the events it produced, in order, each with its job."""
+        return self.step_prompts() + self.step_answers()
+
+    def step_prompts(self) -> Events:
+        """A step's first half: cancellations, then a chunk of the prompts (or, with no request,
+        a piece of a prepared next turn). Its events (answers started, with their first tokens)
+        are to be handed over before ``step_answers``."""
+        self._drop_cancelled()
+        plan = self.plan_prompts()
+        if plan.prepare:
+            self.prepares.step()
+        elif plan.pieces:
+            self._apply_prompts(plan, run_prompts(self.runner, plan.pieces))
+        return self._take_events()
+
     def step_answers(self) -> Events:
-        """A step's second part: one decode step of the running answers."""
-        if self.decoding:
-            self._decode()
+        """A step's second half: one decode step of the running answers."""
+        plan = self.plan_answers()
+        for group in plan.groups:
+            group = [c for c in group if c in self.decoding]  # an earlier pass may end some
+            decode = self._drafts(group, plan.width) if group else None
+            if decode is not None:
+                self._apply_decode(run_decode(self.runner, self.speculation, decode))
         return self._take_events()
 
     def _send(self, r: Request, *events: Event) -> None:
@@ -146,6 +158,63 @@ class Scheduler(Preemption):
     def _take_events(self) -> Events:
         events, self._events = self._events, []
         return events
+
+    def _drop_cancelled(self) -> None:
+        for r in [r for r in self.requests if r.cancelled]:
+            log.info("%s cancelled by the client", r.id)
+            self._end(r, keep=True)  # what it computed is saved, as a finished answer's is
+
+    # -- deciding -------------------------------------------------------------------------------
+
+    def plan_prompts(self) -> StepPlan:
+        """The prompt pass of this step: ``prefill_chunk`` prompt tokens, the oldest prompt's
+        next piece and, when that finishes it with room to spare, the next prompts that fit in
+        whole (several short prompts, e.g. the next turns of cached conversations, in one
+        forward pass). Prompts not started yet start here (their cache looked up), where the
+        memory policy lets them.
+
+        NOTE: a prompt starts (looks up its cache) only when its first piece runs, so one that
+        arrives while another with the same document is still being read finds its pages."""
+        if not self.requests and self.prepares:
+            return StepPlan(prepare=True)
+        if len(self.decoding) >= self.max_batch:
+            self._batch_full()
+            return StepPlan()
+        plan = StepPlan(started=time.perf_counter())
+        budget = self.prefill_chunk
+        room = self.max_batch - len(self.decoding)  # answers that may still start decoding
+        for r, choice in self._prompt_tasks():
+            if len(plan.pieces) >= room:
+                break
+            if self.pressure is not None and choice is None and r.seq is None \
+                    and not r.choices and not self._may_start(r):
+                continue  # waits for memory
+            opened: list = []
+            self._guard(r, lambda: opened.append(self._open(r, choice)))
+            if not opened:
+                continue  # failed (its client has its error)
+            seq, tokens, done = opened[0]
+            if plan.pieces and len(tokens) - done > budget:
+                break  # started; its prompt runs first next step
+            want = min(budget, len(tokens) - done)
+            if self.pressure is not None:
+                want = self.pressure.chunk(done, want, first=not plan.pieces and not self.decoding)
+                if want == 0:
+                    continue  # not even a small chunk fits now: its turn comes again
+            end = min(seq.points.stop(done, done + want), len(tokens))  # a state point ends one
+            plan.pieces.append(Piece(r, choice, seq, tokens, done, end))
+            budget -= end - done
+            if budget <= 0 or not self.runner.batched_prompts:
+                break
+        return plan
+
+    def _batch_full(self) -> None:
+        """Prompts wait while ``max_batch`` answers run; each is logged once."""
+        for r in self.requests:
+            if r.seq is None and not r.choices and r.waiting_for is None:
+                r.waiting_for = "batch"
+                log.info("%s waits for a place in the batch: %d answers run (--max-batch %d)",
+                         r.id, len(self.decoding), self.max_batch)
 
     def _prompt_tasks(self) -> list[tuple[Request, Choice | None]]:
         """Prompts not done yet, oldest first: (request, None) for a request's prompt, or
@@ -157,60 +226,15 @@ class Scheduler(Preemption):
             tasks += [(r, c) for c in r.choices if c.resume is not None and not c.done]
         return tasks
 
-    def _prefill(self, tasks: list[tuple[Request, Choice | None]]) -> None:
-        """One chunk of ``prefill_chunk`` prompt tokens: the oldest prompt's next piece and,
-        when that finishes it with room to spare, the next prompts that fit in whole (several
-        short prompts, e.g. the next turns of cached conversations, in one forward pass).
-
-        NOTE: a prompt starts (looks up its cache) only when its first piece runs, so one that
-        arrives while another with the same document is still being read finds its pages."""
-        batch: list[tuple] = []
-        budget = self.prefill_chunk
-        t_open = time.perf_counter()
-        room = self.max_batch - len(self.decoding)  # answers that may still start decoding
-        for r, choice in tasks:
-            if len(batch) >= room:
-                break
-            if self.pressure is not None and choice is None and r.seq is None \
-                    and not r.choices and not self._may_start(r):
-                continue  # waits for memory (a 503 after a while)
-            opened: list = []
-            self._guard(r, lambda: opened.append(self._open(r, choice)))
-            if not opened:
-                continue  # failed (its client has its error)
-            seq, tokens, done = opened[0]
-            if batch and len(tokens) - done > budget:
-                break  # started; its prompt runs first next step
-            want = min(budget, len(tokens) - done)
-            if self.pressure is not None:
-                want = self.pressure.chunk(r, done, want, first=not batch and not self.decoding)
-                if want == 0:
-                    continue  # not even a small chunk fits now: its turn comes again
-            piece = tokens[done : seq.points.stop(done, done + want)]  # a state point ends one
-            batch.append((r, choice, seq, tokens, done + len(piece), piece))
-            budget -= len(piece)
-            if budget <= 0 or not self.runner.batched_prompts:
-                break
-        if not batch:
-            return
-        requests = list({id(b[0]): b[0] for b in batch}.values())  # each once
-        t0 = time.perf_counter()
-        try:
-            logits = self.runner.prefill_many([b[2] for b in batch], [b[5] for b in batch],
-                                              [b[4] == len(b[3]) for b in batch])
-        except Exception as e:  # the engine never dies with a request
-            log.exception("prompt step failed")
-            for r in requests:
-                self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
-            return
-        spent = time.perf_counter() - t0
-        log.debug("prompt pass: %d sequences, %d tokens, %.0f ms (%.0f ms starting them)",
-                  len(batch), sum(len(b[5]) for b in batch), spent * 1e3, (t0 - t_open) * 1e3)
-        for r in requests:
-            r.forward_s += spent
-        for (r, choice, seq, tokens, done, _), row in zip(batch, logits):
-            if r in self.requests:
-                self._guard(r, lambda: self._after_piece(r, choice, seq, tokens, done, row))
+    def _may_start(self, r: Request) -> bool:
+        """Whether the memory policy lets ``r``'s prompt start now; it waits for memory if not."""
+        ok: list = []
+        started = [o for o in self.requests if o is not r and o.seq is not None]
+        self._guard(r, lambda: ok.append(self.pressure.may_start(r, started,
+                                                                 len(self.decoding))))
+        if ok and not ok[0]:
+            r.waiting_for = "memory"
+        return bool(ok and ok[0])
 
     def _open(self, r: Request, choice: Choice | None):
         """(sequence, prompt tokens, tokens done) of a task, starting it when it has not."""
@@ -224,7 +248,8 @@ class Scheduler(Preemption):
                     log.info("%s starts after %.1f s waiting (for %s)", r.id, waited,
                              "memory" if r.waiting_for == "memory" else "a place in the batch")
                     r.waiting_for = None
-                self._why_reread(r)
+                if r.use_cache:
+                    r.divergence = self.recent.diagnose(r)
                 self._send(r, Accepted(len(r.prompt), r.match.tokens, r.match.source))
             return r.seq, r.prompt, r.done_tokens
         if choice.seq is None:
@@ -232,25 +257,120 @@ class Scheduler(Preemption):
             choice.resume_done = m.tokens
         return choice.seq, choice.resume, choice.resume_done
 
-    def _after_piece(self, r: Request, choice: Choice | None, seq, tokens: list[int],
-                     done: int, logits: mx.array) -> None:
+    def plan_answers(self) -> StepPlan:
+        """The decode passes of this step: the running answers (``max_batch`` at most), in one
+        pass when the runner batches, and the widest step the memory budget allows (the newest
+        answers preempted, their pages saved, where even a plain step would not fit)."""
+        if not self.decoding:
+            return StepPlan()
+        plan = StepPlan(width=1 + self.speculation.max_draft)
+        if self.pressure is not None:
+            running = self.decoding[: self.max_batch]
+            context = max(len(c.seq.tokens) for c in running)
+            plan.width, fits = self.pressure.width(len(running), plan.width, context)
+            if not fits:
+                for victim in self.pressure.victims(self.decoding, len(running), plan.width,
+                                                    context):
+                    self.preempt(victim, save=True)
+                    plan.preempted.append(victim)
+        running = self.decoding[: self.max_batch]
+        plan.groups = [running] if self.runner.batched else [[c] for c in running]
+        return plan
+
+    def _drafts(self, group: list[Choice], width: int) -> Decode | None:
+        """A decode pass of ``group`` with each choice's draft to verify (speculation's, cut to
+        the step's ``width``); None where drafting failed (its requests have their error)."""
+        try:
+            return Decode(group, [d[:width - 1] for d in self.speculation.drafts(group)])
+        except Exception as e:  # the engine never dies with a request
+            log.exception("decode step failed")
+            self._fail_group(group, e)
+            return None
+
+    # -- memory: room and preemption ------------------------------------------------------------
+
+    def _with_room(self, r: Request, fn: Callable[[], object]) -> bool:
+        """Run ``fn``, which takes pages, with the room the manager can make; when that is not
+        enough, what the policy says gives way (``pressure.give_way``) and ``fn`` is tried
+        again. False when nothing gives way and it still does not fit (the caller goes on
+        without caching: running sequences keep their positions in their own buffers, so a
+        request never needs pages to be answered)."""
+        while True:
+            try:
+                self.manager.with_room(fn)
+                return True
+            except OutOfBlocksError:
+                way = give_way(bool(self.prepares), self.decoding, r)
+                if way.prepared:
+                    self.prepares.clear()
+                elif way.preempt is not None:
+                    self.preempt(way.preempt)
+                else:
+                    return False
+
+    def _start(self, r: Request, tokens: list[int], keys: list[str], boundaries=()):
+        """``manager.start`` with room made for what it loads; uncached when there is none."""
+        out: list = []
+        if r.use_cache and self._with_room(r, lambda: out.append(
+                self.manager.start(tokens, keys, use_cache=True, boundaries=boundaries))):
+            return out[0]
+        r.use_cache = False
+        return self.manager.start(tokens, keys, use_cache=False)
+
+    def preempt(self, c: Choice, save: bool = False) -> None:
+        """Close ``c``'s sequence; it goes on from its tokens when its turn comes again: from
+        its saved pages (``save``: kept under a key of its own, on disk too), else recomputed
+        where the cache no longer holds them."""
+        log.info("%s: choice %d preempted (%s)", c.request.id, c.index,
+                 "memory short: its pages are saved" if save else "pages ran out")
+        self.decoding.remove(c)
+        self.speculation.release(c)
+        c.resume, c.resume_done = list(c.seq.tokens), 0
+        if save and c.request.use_cache:
+            c.resume_keys = [preempted_key(c.message_id)]
+            self._save(c.resume_keys[0], c.seq)
+        c.seq.close()
+        c.seq = None
+
+    # -- applying what a pass did ---------------------------------------------------------------
+
+    def _apply_prompts(self, plan: StepPlan, out: PromptOutcome) -> None:
+        """A prompt pass's outcome: pages committed, prompts that ended start their answers
+        (first tokens sampled from the pass's logits); a failed pass fails its requests."""
+        requests = list({id(p.request): p.request for p in plan.pieces}.values())  # each once
+        if out.error is not None:
+            for r in requests:
+                self._fail(r, RequestError(500, f"generation failed: {out.error}",
+                                           type="server_error"))
+            return
+        log.debug("prompt pass: %d sequences, %d tokens, %.0f ms (%.0f ms starting them)",
+                  len(plan.pieces), sum(p.end - p.done for p in plan.pieces), out.seconds * 1e3,
+                  (out.began - plan.started) * 1e3)
+        for r in requests:
+            r.forward_s += out.seconds
+        for p, row in zip(plan.pieces, out.rows):
+            if p.request in self.requests:
+                self._guard(p.request, lambda: self._after_piece(p, row))
+
+    def _after_piece(self, p: Piece, logits: mx.array) -> None:
+        r, choice = p.request, p.choice
         if r.use_cache:  # its pages are there for whoever shares the prefix
-            if not self._with_room(r, seq.commit):
+            if not self._with_room(r, p.seq.commit):
                 log.warning("%s: out of KV cache pages; this answer is not cached", r.id)
                 r.use_cache = False
         if choice is not None:
-            choice.resume_done = done
-            if done == len(tokens):
+            choice.resume_done = p.end
+            if p.last:
                 choice.resume = None
                 self.decoding.append(choice)
                 if choice.next_token is None:  # a choice recomputing its prompt: first token
                     self._first_token(choice, logits)
             return
-        r.done_tokens = done
-        if done < len(tokens):
+        r.done_tokens = p.end
+        if not p.last:
             return
         log.info("%s: %d prompt tokens, %d from cache (%s), %.3fs since it arrived, %.3fs of "
-                 "it in forward passes", r.id, len(tokens), r.match.tokens, r.match.source,
+                 "it in forward passes", r.id, len(p.tokens), r.match.tokens, r.match.source,
                  time.perf_counter() - r.started, r.forward_s)
         self._start_choices(r, logits)
 
@@ -283,42 +403,17 @@ class Scheduler(Preemption):
         if c.done:
             self._finish(c)
 
-    # -- decode ---------------------------------------------------------------------------------
-
-    def _decode(self) -> None:
-        width = 1 + self.speculation.max_draft
-        if self.pressure is not None:  # the widest step that fits (answers preempted if not)
-            running = self.decoding[: self.max_batch]
-            width = self.pressure.step(len(running), width,
-                                       max(len(c.seq.tokens) for c in running))
-        running = self.decoding[: self.max_batch]
-        if self.runner.batched:
-            groups = [running]
-        else:
-            groups = [[c] for c in running]
-        for group in groups:
-            try:
-                drafts = [d[:width - 1] for d in self.speculation.drafts(group)]
-                if any(drafts):  # one pass verifies every draft (engine/speculation/speculate.py)
-                    outs = self.speculation.verify(group, drafts)
-                else:
-                    t0 = time.perf_counter()
-                    logits = self.runner.decode([c.seq for c in group],
-                                                [c.next_token for c in group])
-                    tokens = [c.sample(logits[i]) for i, c in enumerate(group)]
-                    mx.eval(tokens)
-                    ids = [int(t.item()) for t in tokens]
-                    self.speculation.decoded(group, time.perf_counter() - t0, ids)
-                    outs = [c.accept(t, logits[i]) for i, (c, t) in enumerate(zip(group, ids))]
-            except Exception as e:  # the engine never dies with a request
-                log.exception("decode step failed")
-                for r in {id(c.request): c.request for c in group}.values():
-                    self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
-                continue
-            for c, deltas in zip(group, outs):
-                self._send(c.request, *deltas)
-                if c.done:
-                    self._finish(c)
+    def _apply_decode(self, out: DecodeOutcome) -> None:
+        """A decode pass's outcome: each choice's deltas streamed, the finished ones finished; a
+        failed pass fails its requests."""
+        group = out.decode.choices
+        if out.error is not None:
+            self._fail_group(group, out.error)
+            return
+        for c, deltas in zip(group, out.deltas):
+            self._send(c.request, *deltas)
+            if c.done:
+                self._finish(c)
 
     def _finish(self, c: Choice) -> None:
         r = c.request
@@ -340,22 +435,6 @@ class Scheduler(Preemption):
             seq.close()
         self._retire(r)
 
-    def _why_reread(self, r: Request) -> None:
-        """Where ``r``'s prompt differs from a history held before it (``divergence.py``)."""
-        found = self.recent.find(r.prompt) if r.use_cache else None
-        if found is None:
-            return
-        try:
-            r.divergence = d = explain(r, *found)
-            self.reread.update(tokens=self.reread["tokens"] + d.reread_tokens,
-                               turns=self.reread["turns"] + 1, last=d.as_dict())
-        except Exception:  # a diagnosis never fails a request
-            log.exception("%s: could not explain the re-read", r.id)
-            return
-        log.info("%s re-reads %d tokens: its prompt differs at token %d (message %s) from a "
-                 "history held before: %r, was %r", r.id, d.reread_tokens, d.position,
-                 d.message_index, d.prompt_excerpt, d.cached_excerpt)
-
     def _retire(self, r: Request) -> None:
         # NOTE: choices done in the same step are each finished first (saved, kept)
         if r.choices and all(c.done and c not in self.decoding for c in r.choices) \
@@ -369,7 +448,7 @@ class Scheduler(Preemption):
         except OutOfBlocksError as e:  # the answer still goes out, without a cache entry
             log.warning("not caching %s: %s", key, e)
 
-    # -- memory pressure ------------------------------------------------------------------------
+    # -- ending ---------------------------------------------------------------------------------
 
     def _guard(self, r: Request, fn: Callable[[], None]) -> None:
         """Run ``fn`` for ``r``; an error fails ``r`` alone (the engine never dies with one)."""
@@ -381,7 +460,9 @@ class Scheduler(Preemption):
             log.exception("%s failed", r.id)
             self._fail(r, RequestError(500, f"generation failed: {e}", type="server_error"))
 
-    # -- ending ---------------------------------------------------------------------------------
+    def _fail_group(self, group: list[Choice], error: Exception) -> None:
+        for r in {id(c.request): c.request for c in group}.values():
+            self._fail(r, RequestError(500, f"generation failed: {error}", type="server_error"))
 
     def _fail(self, r: Request, error: RequestError) -> None:
         self._send(r, Error(error))

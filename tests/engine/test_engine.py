@@ -206,3 +206,39 @@ def test_an_idle_engine_gives_the_c_allocators_free_pages_back(served, tiny_lm, 
     while not calls and time.monotonic() < deadline:
         time.sleep(0.05)
     assert calls and not any(calls)  # given back, and only while nothing ran
+
+
+def test_a_prompt_is_made_ready_where_it_is_submitted(tiny_lm):
+    """Rendering and tokenizing happen on the submitting thread (``Job.prepare`` in
+    ``Engine.submit``), so the engine thread runs passes only: a job reaches the engine's queue
+    with its prompt's tokens, and a prompt that cannot run gets its error and ``Done`` with no
+    engine thread running (none is started here) and leaves no place taken in the backlog."""
+    import asyncio
+
+    from mlx_kvserver.api.openai_chat import parse
+    from mlx_kvserver.chat.output import Done, Error
+    from mlx_kvserver.chat.render import encode
+    from mlx_kvserver.chat.support import chat_support
+    from mlx_kvserver.engine.request import Job
+
+    engine = make_engine([tiny_lm], ServerConfig())
+    loop = asyncio.new_event_loop()
+
+    def job(content: str) -> Job:
+        conv = parse({"messages": [{"role": "user", "content": content}]}, ServerConfig())
+        return Job(conv, tiny_lm, loop)
+    try:
+        ok = job("Tell me about the sea.")
+        engine.submit(ok)
+        want, _ = encode(tiny_lm.tokenizer, chat_support(tiny_lm).format, ok.conversation)
+        assert ok.prompt is not None and ok.prompt.tokens == want
+        assert engine.queued == 1
+        too_long = job(" ".join(["sea"] * tiny_lm.context_length))
+        engine.submit(too_long)
+        events = [loop.run_until_complete(too_long.events.get()) for _ in range(2)]
+        assert isinstance(events[0], Error), events
+        assert events[0].error.code == "context_length_exceeded"
+        assert isinstance(events[1], Done) and engine.queued == 1
+    finally:
+        loop.close()
+        engine.stop()

@@ -1,4 +1,4 @@
-"""The memory budget at work (engine/pressure.py, engine/preemption.py), on real server processes
+"""The memory budget at work (engine/pressure.py, engine/scheduler.py), on real server processes
 where it matters: a request that cannot fit even alone is refused with the figures and the next
 is answered; long prompts at once under a small limit all finish with the answers each gets
 alone; a preempted answer goes on from its saved pages with the same answer; a cancelled answer
@@ -113,7 +113,7 @@ def test_a_preempted_answer_goes_on_from_its_saved_pages_with_the_same_answer(ti
     budget = MemoryBudget(1 << 30)
     budget.add_model(tiny_lm)
     s = scheduler(tiny_lm, memory=budget, name=tiny_lm.name)
-    budget.shedders[tiny_lm.name] = s.manager.shed
+    budget.shedders[tiny_lm.name] = s.shed
     short = {"on": False}
     real = budget.in_use
     monkeypatch.setattr(budget, "in_use", lambda: budget.limit + 1 if short["on"] else real())
@@ -182,7 +182,7 @@ def three_prompts(tiny_lm, max_tokens: int, limit: int, **kw):
     budget = MemoryBudget(limit, reserve=0)
     budget.add_model(tiny_lm)
     s = scheduler(tiny_lm, memory=budget, name=tiny_lm.name, **kw)
-    budget.shedders[tiny_lm.name] = s.manager.shed
+    budget.shedders[tiny_lm.name] = s.shed
     return want, budget, s, [Collect(body(k), tiny_lm) for k in range(3)]
 
 
@@ -213,7 +213,7 @@ def room_once_the_cache_is_back() -> Pressure:
     budget.measure_outside()
     fill_mlx_cache()
     budget.limit = budget.in_use() + (8 << 20)
-    p = Pressure(None, budget)
+    p = Pressure(budget)
     assert p.fits(16 << 20) and mx.get_cache_memory() == 0
     return p
 
@@ -235,7 +235,7 @@ def test_admission_keeps_the_margin(tiny_lm):
     budget.add_model(tiny_lm)
     budget.measure_outside()
     assert budget.margin > 0
-    p = Pressure(SimpleNamespace(name=tiny_lm.name), budget)
+    p = Pressure(budget, tiny_lm.name)
     r = SimpleNamespace(prompt=[5] * 400, max_tokens=1, prompt_param="messages", id="r")
     need = budget.request_floor(tiny_lm.name, 400, 1)
     budget.limit = budget.weights_total + budget.outside + need  # fits without the margin only
@@ -244,7 +244,7 @@ def test_admission_keeps_the_margin(tiny_lm):
     assert e.value.status == 400 and e.value.code == "insufficient_memory"
     assert e.value.param == "messages"  # the prompt is the cause: it names the prompt
     budget.limit += budget.margin
-    p.admit(r)
+    assert p.admit(r) == 1
 
 
 def test_an_answer_that_cannot_fit_whole_is_capped_not_refused(tiny_lm):
@@ -256,16 +256,14 @@ def test_an_answer_that_cannot_fit_whole_is_capped_not_refused(tiny_lm):
     budget = MemoryBudget(1 << 40)
     budget.add_model(tiny_lm)
     budget.measure_outside()
-    p = Pressure(SimpleNamespace(name=tiny_lm.name), budget)
+    p = Pressure(budget, tiny_lm.name)
     floor = lambda answer: budget.request_floor(tiny_lm.name, 400, answer)
     budget.limit = budget.weights_total + budget.outside + budget.margin + floor(300)
     r = SimpleNamespace(prompt=[5] * 400, max_tokens=5000, prompt_param="messages", id="r")
-    p.admit(r)
-    assert r.max_tokens == 300  # the most that fits: one more would not
+    assert p.admit(r) == 300  # the most that fits: one more would not
     assert budget.refused == 0
     roomy = SimpleNamespace(prompt=[5] * 400, max_tokens=200, prompt_param="messages", id="q")
-    p.admit(roomy)
-    assert roomy.max_tokens == 200  # what fits whole is left as asked
+    assert p.admit(roomy) == 200  # what fits whole is left as asked
 
 
 def test_prompts_waiting_for_memory_wait_without_a_time_limit(tiny_lm, monkeypatch, caplog):
