@@ -19,7 +19,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def load_engine(config: ServerConfig):
     """Load the configured models and build the registry and the engine."""
-    from .engine.draft_model import DraftModelError
+    from .engine.speculation.draft_model import DraftModelError
     from .engine.engine import Engine
     from .engine.memory import MemoryBudget, ModelTooLarge
     from .models.registry import ModelRegistry
