@@ -156,14 +156,15 @@ class Engine:
     def submit(self, job: Job) -> None:
         """Hand ``job`` to the engine thread; a 429 with ``Retry-After`` when ``--max-queue``
         requests already wait to start (``backlog.py``). Its conversation is rendered and
-        tokenized here, on the caller's thread (``Job.prepare``), so the engine thread runs
-        passes only; a prompt that cannot run gets its error as an event, as from the engine."""
-        self.backlog.enter(job)
+        tokenized first, here on the caller's thread (``Job.prepare``), so the engine thread runs
+        passes only; a prompt that cannot run gets its error as an event, as from the engine,
+        and never takes a place in the backlog (a job counted there is in the engine's queue)."""
         try:
             job.prepare()
         except Exception as e:
             self._refuse(job, e)
             return
+        self.backlog.enter(job)
         self._queue.put(job)
 
     @property
