@@ -160,7 +160,10 @@ def test_a_seeded_request_repeats_its_answer_on_a_fresh_server(tiny_lm):
     _, _, ids = seeded_answer(tiny_lm, scheduler(tiny_lm, speculate="off"))
     runs = [seeded_answer(tiny_lm, scheduler(tiny_lm, speculate="ngram"), ids)
             for _ in range(2)]
-    assert runs[0] == runs[1] and runs[0][1] > 0
+    # the answer and its tokens repeat; how many drafts were verified follows the width the
+    # pass costs measured under the machine's load chose, so it may differ between the runs
+    assert runs[0][0] == runs[1][0] and runs[0][2] == runs[1][2]
+    assert all(verified > 0 for _, verified, _ in runs)
 
 
 def test_a_seeded_request_repeats_its_answer_on_a_server_that_saw_it(tiny_lm):
