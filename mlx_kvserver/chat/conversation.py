@@ -1,10 +1,10 @@
 """The one conversation model every API translates into and out of.
 
 A request, whichever API it came through (OpenAI chat, completions, Responses, Anthropic
-Messages), becomes a :class:`Conversation`: messages made of parts (text, reasoning, tool calls,
-tool results), the tool list, the tool choice, sampling and output constraints. The engine takes
-only this model; the answer comes back as :mod:`.output` events and parts, which each API turns
-into its own shapes.
+Messages), becomes a :class:`Conversation`: messages made of parts (text, images, reasoning, tool
+calls, tool results), the tool list, the tool choice, sampling and output constraints. The engine
+takes only this model; the answer comes back as :mod:`.output` events and parts, which each API
+turns into its own shapes.
 
 NOTE (invariant 9): only what reaches the model is here. Fields that do not (``cache_control``,
 metadata, item ids other than ``message_id``) are dropped by the API modules, so the same history
@@ -61,7 +61,28 @@ class ToolResult:
     is_error: bool = False
 
 
-Part = Union[Text, Reasoning, ToolCall, ToolResult]
+@dataclass(frozen=True)
+class Image:
+    """A picture in a message, decoded (``chat/images.py``): ``rgb`` holds its pixels row by
+    row, three bytes each. Two images are the same when their ``digest`` is: a hash of the size
+    and the pixels, so the same picture sent as another file is the same image."""
+
+    digest: str
+    width: int
+    height: int
+    rgb: bytes = field(default=b"", repr=False, compare=False)
+
+
+Part = Union[Text, Reasoning, ToolCall, ToolResult, Image]
+
+
+def add_text(parts: list, text: str, sep: str = "") -> None:
+    """``text`` put at the end of ``parts``: joined by ``sep`` to the text part it follows, else
+    a part of its own (an empty text adds nothing)."""
+    if text and parts and isinstance(parts[-1], Text):
+        parts[-1] = Text(parts[-1].text + sep + text)
+    elif text:
+        parts.append(Text(text))
 
 
 @dataclass
@@ -85,6 +106,10 @@ class Message:
     @property
     def tool_results(self) -> list[ToolResult]:
         return [p for p in self.parts if isinstance(p, ToolResult)]
+
+    @property
+    def images(self) -> list[Image]:
+        return [p for p in self.parts if isinstance(p, Image)]
 
 
 @dataclass(frozen=True)
@@ -157,6 +182,11 @@ class Conversation:
     echo: bool = False  # completions: the prompt's text comes back before the answer
     speculate: bool = True  # drafts verified in the batch (never changes the answer)
     prediction: str | None = None  # a client's guess of the answer (OpenAI's Predicted Outputs)
+
+    @property
+    def images(self) -> list[Image]:
+        """Every image of the conversation, in order."""
+        return [im for m in self.messages for im in m.images]
 
     @property
     def calls_tools(self) -> bool:

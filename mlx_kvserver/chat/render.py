@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
-from .conversation import Conversation, Message, Text, Tool, ToolCall, ToolResult
+from .conversation import Conversation, Message, Reasoning, Text, Tool, ToolCall, ToolResult
 from .formats import ChatFormat
 
 TOOLS_INTRO = ("# Tools\n\nYou can call these tools. Each line is one tool: its name, what it "
@@ -58,6 +58,7 @@ TOOLS_HOW = ('To call a tool, answer with <tool_call>{"name": <tool name>, "argu
              '<the arguments as a JSON object>}</tool_call>, one such block per call. Each '
              "result comes back in <tool_response></tool_response>.")
 SYSTEM_PREFIX = "[System message]\n"
+TEXT_PARTS = (Text, Reasoning, ToolCall, ToolResult)  # what a text prompt renders (no images)
 _RESERVED = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
              "continue_final_message", "tokenize", "return_dict"}
 
@@ -81,6 +82,9 @@ def encode(tok: Any, fmt: ChatFormat, conv: Conversation) -> tuple[list[int], Re
 def render(tok: Any, fmt: ChatFormat, conv: Conversation) -> Rendered:
     """``conv`` rendered with ``tok``'s chat template (a ``ChatTokenizer``). A template error,
     or ``template_kwargs`` that name the template's own arguments, are a ``RequestError`` 400."""
+    if any(not isinstance(p, TEXT_PARTS) for m in conv.messages for p in m.parts):
+        raise RequestError(400, "this model's prompt is rendered as text only: it does not take "
+                           "images", param="messages", code="images_not_supported")
     bad = sorted(_RESERVED & set(conv.template_kwargs))
     if bad:
         raise RequestError(400, f"template_kwargs may not set {', '.join(bad)}",

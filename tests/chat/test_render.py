@@ -6,8 +6,8 @@ import re
 
 import pytest
 
-from mlx_kvserver.chat.conversation import (Conversation, Message, Reasoning, Text, Tool, ToolCall,
-                                            ToolResult)
+from mlx_kvserver.chat.conversation import (Conversation, Image, Message, Reasoning, Text, Tool,
+                                            ToolCall, ToolResult)
 from mlx_kvserver.chat.formats import detect
 from mlx_kvserver.chat.render import SYSTEM_PREFIX, TOOLS_HOW, TOOLS_INTRO, render
 from mlx_kvserver.errors import RequestError
@@ -202,6 +202,17 @@ def test_template_errors_are_400(template: str) -> None:
     with pytest.raises(RequestError) as e:
         render(tok, detect(tok), Conversation(messages=[msg("user", "Hi")]))
     assert e.value.status == 400 and "chat template" in e.value.message
+
+
+def test_an_image_is_never_rendered_away() -> None:
+    """A text prompt has no place for an image: refused, not rendered without it."""
+    picture = Image("0" * 64, 2, 1, bytes(6))
+    for messages in ([msg("user", "What is this?", picture)],
+                     [msg("user", "a"), msg("assistant", call()),
+                      msg("tool", ToolResult("call_1", "shot"), picture)]):
+        with pytest.raises(RequestError) as e:
+            render_family("qwen25", messages)
+        assert e.value.status == 400 and e.value.code == "images_not_supported"
 
 
 def test_alternation_errors_are_400() -> None:
