@@ -84,6 +84,8 @@ class ServerConfig:
     cors_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond loopback, --host
     max_body_bytes: int = 8 << 20
+    max_images: int = 16  # images in one request, at most (api/images.py)
+    allow_image_urls: bool = False  # http(s) image URLs fetched (never from this machine)
     max_import_bytes: int = 4 << 30
     max_queue: int = 64  # requests waiting to start before a 429 (0: no bound; backlog.py)
     dequantize: bool | None = None  # None: on MLX's CPU backend only

@@ -75,6 +75,14 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
     g.add_argument("--temp", metavar="T", type=float, default=D.temperature,
                    help=f"default sampling temperature (default {D.temperature:g}: greedy)")
 
+    g = p.add_argument_group("images", "what a request may send a model that takes images")
+    g.add_argument("--max-images", metavar="N", type=int, default=D.max_images,
+                   help=f"images in one request, at most (default {D.max_images})")
+    g.add_argument("--allow-image-urls", action="store_true",
+                   help="fetch images that a request gives as http(s) URLs (at most 20 MiB "
+                        "each, within 10 s; never from this machine's own addresses). "
+                        "Without it only images sent inline (base64, data URLs) are read")
+
     g = p.add_argument_group("batching and speculation")
     g.add_argument("--max-batch", metavar="N", type=int, default=D.max_batch,
                    help="answers decoded together in one forward pass, at most (default "
@@ -223,6 +231,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         raise SystemExit("--memory-limit must be a positive number of GB")
     if args.memory_reserve_gb is not None and args.memory_reserve_gb < 0:
         raise SystemExit("--memory-reserve must be 0 or more GB")
+    if args.max_images < 0:
+        raise SystemExit("--max-images must be 0 or more")
     if args.num_draft_tokens < 0:
         raise SystemExit("--num-draft-tokens must be 0 or more")
     speculate = args.speculate or ("draft" if args.draft_model else "ngram")
@@ -266,4 +276,5 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
         dequantize=False if args.keep_quantized else None,
         volatile_rules=not args.no_volatile_rules, volatile_rule=args.volatile_rule,
-        volatile_rule_files=args.volatile_rules)
+        volatile_rule_files=args.volatile_rules, max_images=args.max_images,
+        allow_image_urls=args.allow_image_urls)

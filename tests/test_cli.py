@@ -30,17 +30,21 @@ memory-limit = 12
 no-disk-cache = true
 eviction-policy = "s3fifo"
 kv-cache-dir = "kv"
+max-images = 4
+allow-image-urls = true
 """)
     c = config_from_args(parse_args(["--config", f], environ={}))
     assert c.models == ["/models/a", "/models/b"] and c.model_aliases == [("*", "default")]
     assert (c.port, c.temperature, c.max_batch, c.kv_bits) == (8081, 0.5, 8, (8, 4))
     assert c.page_size == 16 and c.memory_limit_gb == 12.0
     assert c.kv_cache_dir is None and c.eviction_policy == "s3fifo"
+    assert c.max_images == 4 and c.allow_image_urls
     # the same settings as flags give the same config
     flags = ["--model", "/models/a", "--model", "/models/b", "--model-alias", "*=default",
              "--port", "8081", "--temp", "0.5", "--max-batch", "8", "--kv-bits", "8,4",
              "--page-size", "16", "--memory-limit", "12", "--no-disk-cache",
-             "--eviction-policy", "s3fifo", "--kv-cache-dir", "kv"]
+             "--eviction-policy", "s3fifo", "--kv-cache-dir", "kv", "--max-images", "4",
+             "--allow-image-urls"]
     assert config_from_args(parse_args(flags, environ={})) == c
 
 

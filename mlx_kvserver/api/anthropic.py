@@ -9,7 +9,9 @@ What a body becomes:
 - content blocks: ``text`` -> text, ``thinking`` -> reasoning (``redacted_thinking`` dropped),
   ``tool_use`` -> a tool call (its ``input`` as JSON text), ``tool_result`` -> one ``tool``
   message per result, in order; text after results in the same user message becomes a user
-  message after them. Images, documents and Anthropic's server tools are refused (400).
+  message after them. ``image`` blocks (base64 or url) in a user message or a tool result
+  become images where they are (read in ``api/images.py``); documents and Anthropic's server
+  tools are refused (400).
 - a history that ends with an assistant message is a prefill: the answer continues it and its
   content is only the continuation.
 - ``temperature`` absent: the server's default (``--temperature``), as on every API.
@@ -37,24 +39,42 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling, Text,
-                                 ToolCall, ToolChoice, ToolResult)
+                                 ToolCall, ToolChoice, ToolResult, add_text)
+from ..chat.images import MEDIA_TYPES, ImageSource, base64_bytes
 from ..chat.output import Error, Finish, Usage
 from ..chat.tool_choice import checked
 from ..errors import RequestError, bad_request
 from .anthropic_output import message_body, stream
 from .http import SSE_HEADERS, job_events, read_object
+from .images import refuse_unless_taken
 from .validate import (boolean, check_history, check_message_id, integer, json_schema, model_name,
                        number, obj, one_of, optional_obj, stop_list, string, tool, tool_entries,
                        tool_list)
 
 ROLES = ("user", "assistant", "system")
-UNSERVED = ("image", "document", "search_result", "container_upload")
+UNSERVED = ("document", "search_result", "container_upload")
 
 
 def _unserved(kind: str, where: str) -> RequestError:
-    what = "images" if kind == "image" else f"{kind} blocks"
-    return bad_request(f"{where}: {what} are not served (this server serves text models)",
-                       where, code="unsupported_content")
+    return bad_request(f"{where}: {kind} blocks are not served", where,
+                       code="unsupported_content")
+
+
+def _image(block: dict, where: str) -> ImageSource:
+    """An ``image`` block: its ``source`` base64 (``media_type``, ``data``) or a ``url``."""
+    src = obj(block.get("source"), f"{where}.source")
+    kind = src.get("type")
+    if kind == "base64":
+        media = src.get("media_type")
+        if media not in MEDIA_TYPES:
+            raise bad_request(f"{where}.source.media_type must be one of "
+                              f"{', '.join(MEDIA_TYPES)}", where, code="invalid_image")
+        data = string(src.get("data"), f"{where}.source.data")
+        return ImageSource(where, where, data=base64_bytes(data, where, where))
+    if kind == "url":
+        return ImageSource(where, where, url=string(src.get("url"), f"{where}.source.url"))
+    raise bad_request(f"{where}.source.type must be 'base64' or 'url' (files are not served)",
+                      where, code="unsupported_content")
 
 
 def _block(raw: Any, where: str) -> dict:
@@ -71,19 +91,31 @@ def _text_of(block: dict, where: str) -> str:
 
 
 def _texts(content: Any, where: str, sep: str = "\n\n") -> str:
-    """A string, or text blocks joined by ``sep`` (system prompts, tool results)."""
+    """A string, or text blocks joined by ``sep`` (system prompts)."""
+    text, _ = _texts_and_images(content, where, sep)
+    return text
+
+
+def _texts_and_images(content: Any, where: str, sep: str = "\n\n",
+                      images: bool = False) -> tuple[str, list[ImageSource]]:
+    """A string, or text blocks joined by ``sep`` and, where ``images`` (a tool result), the
+    image blocks among them."""
     if isinstance(content, str):
-        return string(content, where, empty=True)
+        return string(content, where, empty=True), []
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of text blocks", where)
-    out = []
+    out, found = [], []
     for k, raw in enumerate(content):
         block = _block(raw, f"{where}[{k}]")
-        if block["type"] != "text":
-            raise bad_request(f"{where}[{k}] must be a text block, not {block['type']!r}",
-                              where)
-        out.append(_text_of(block, f"{where}[{k}]"))
-    return sep.join(out)
+        if block["type"] == "image" and images:
+            found.append(_image(block, f"{where}[{k}]"))
+        elif block["type"] != "text":
+            raise bad_request(f"{where}[{k}] must be a text block"
+                              + (" or an image block" if images else "")
+                              + f", not {block['type']!r}", where)
+        else:
+            out.append(_text_of(block, f"{where}[{k}]"))
+    return sep.join(out), found
 
 
 def _messages(raw: Any, role: str, i: int, names: dict[str, str]) -> list[Message]:
@@ -109,11 +141,9 @@ def _messages(raw: Any, role: str, i: int, names: dict[str, str]) -> list[Messag
         block = _block(b, w)
         kind = block["type"]
         if kind == "text":
-            text = _text_of(block, w)
-            if text and parts and isinstance(parts[-1], Text):  # blocks are paragraphs: kept
-                parts[-1] = Text(parts[-1].text + "\n\n" + text)  # apart, not glued together
-            elif text:
-                parts.append(Text(text))
+            add_text(parts, _text_of(block, w), "\n\n")  # blocks are paragraphs: kept apart
+        elif kind == "image" and role == "user":
+            parts.append(_image(block, w))
         elif kind in ("thinking", "redacted_thinking") and role == "assistant":
             if kind == "thinking":
                 parts.append(Reasoning(string(block.get("thinking"), f"{w}.thinking",
@@ -130,10 +160,11 @@ def _messages(raw: Any, role: str, i: int, names: dict[str, str]) -> list[Messag
                 parts = []
             call_id = string(block.get("tool_use_id"), f"{w}.tool_use_id")
             result = block.get("content")
-            text = "" if result is None else _texts(result, f"{w}.content")
+            text, images = ("", []) if result is None else _texts_and_images(
+                result, f"{w}.content", images=True)
             is_error = boolean(block, "is_error", False)
             out.append(Message("tool", [ToolResult(call_id, text, names.get(call_id),
-                                                   is_error)]))
+                                                   is_error), *images]))
         else:
             raise bad_request(f"{w}: a {kind!r} block is not supported in a {role} message",
                               w, code="unsupported_content")
@@ -295,6 +326,8 @@ async def count_tokens(served, request: Request) -> Response:
     the same body (no job is submitted)."""
     body = await read_object(request, served.config.max_body_bytes)
     conv = parse(body, served.config, count_only=True)
+    await served.read_images(request, conv)
     lm = await served.resolve_model(request, conv.model)
+    refuse_unless_taken(conv, lm, served.registry)
     conv, _ = served.normalizer.apply(conv)  # as /v1/messages renders it
     return JSONResponse({"input_tokens": await run_in_threadpool(prompt_tokens, lm, conv)})

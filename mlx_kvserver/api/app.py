@@ -30,6 +30,7 @@ from .openapi import openapi_spec
 from .page import page_routes
 from . import anthropic, completions, openai_chat, responses
 from .guard import RequestGuard, allowed_hosts, check_api_key
+from .images import check_sources, read_images, refuse_unless_taken, sources
 from .http import error_responder, first_event
 from .kv_routes import KVRoutes
 
@@ -70,7 +71,9 @@ class App:
         and its cache looked up (a ``RequestError`` before any byte is sent otherwise).
         ``job_id`` names the job (the API's response id); ``answer_ids`` are the message ids
         the answers are cached under (by choice; new ones otherwise)."""
+        await self.read_images(request, conv)
         lm = await self.resolve_model(request, conv.model)  # NOTE: no await until submit
+        refuse_unless_taken(conv, lm, self.registry)
         conv, applied = self.normalizer.apply(conv)
         if applied:
             log.info("volatile-line rules applied: %s", ", ".join(applied))
@@ -90,6 +93,20 @@ class App:
             job.cancel()
             raise
         return job, event, watch
+
+    async def read_images(self, request: Request, conv: Conversation) -> None:
+        """``conv``'s images counted, checked and read (``api/images.py``): refused before any
+        fetch or decoding when the model it names is served now and takes no images."""
+        if not sources(conv):
+            return
+        check_sources(conv, self.config.max_images, self.config.allow_image_urls)
+        try:
+            lm = self.model_for(request, conv.model)
+        except RequestError:
+            lm = None  # loaded on demand: the model is asked once it has loaded
+        if lm is not None:
+            refuse_unless_taken(conv, lm, self.registry)
+        await read_images(conv)
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok", "models": self.registry.names(),

@@ -16,7 +16,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Sampling, Text,
-                                 ToolCall, ToolChoice, ToolResult)
+                                 ToolCall, ToolChoice, ToolResult, add_text)
+from ..chat.images import ImageSource
 from ..chat.output import (Error, Finish, ReasoningDelta, Start, TextDelta, TokenLogprob,
                            ToolCallDelta, ToolCallStart, Usage)
 from ..chat.tool_choice import checked
@@ -29,28 +30,50 @@ from .validate import (ROLES, boolean, check_history, check_message_id, json_sch
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
-def _content(content: Any, where: str) -> str:
+def _content(content: Any, where: str, images: bool = False) -> list:
+    """A message's content as parts: its text (text parts joined) and, where ``images`` (a
+    user message), its ``image_url`` parts in their places."""
     if isinstance(content, str):
-        return text_value(content, f"{where}.content", f"{where}.content")
-    if isinstance(content, list):  # content parts: text only until images are served
-        parts = []
-        for i, part in enumerate(content):
-            if isinstance(part, dict) and part.get("type") in ("image_url", "input_audio",
-                                                               "file"):
-                raise bad_request(f"{where}.content[{i}]: {part['type']} parts are not "
-                                  "supported (this server serves text models)",
-                                  f"{where}.content", code="unsupported_content")
-            if not isinstance(part, dict) or part.get("type") != "text" \
-                    or not isinstance(part.get("text"), str):
-                raise bad_request(f"{where}.content[{i}] must be a text part "
-                                  "({'type': 'text', 'text': ...})", f"{where}.content")
-            parts.append(text_value(part["text"], f"{where}.content[{i}].text",
-                                    f"{where}.content"))
-        return "".join(parts)
+        text = text_value(content, f"{where}.content", f"{where}.content")
+        return [Text(text)] if text else []
     if content is None:
-        return ""
-    raise bad_request(f"{where}.content must be a string or a list of text parts",
-                      f"{where}.content")
+        return []
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or a list of content parts",
+                          f"{where}.content")
+    parts: list = []
+    for i, part in enumerate(content):
+        w, kind = f"{where}.content[{i}]", part.get("type") if isinstance(part, dict) else None
+        if kind == "image_url":
+            if not images:
+                raise bad_request(f"{w}: images are taken in user messages only",
+                                  f"{where}.content", code="unsupported_content")
+            parts.append(image_part(part, w, f"{where}.content"))
+            continue
+        if kind in ("input_audio", "file"):
+            raise bad_request(f"{w}: {kind} parts are not supported", f"{where}.content",
+                              code="unsupported_content")
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise bad_request(f"{w} must be a text part ({{'type': 'text', 'text': ...}})"
+                              + (" or an image_url part" if images else ""), f"{where}.content")
+        add_text(parts, text_value(part["text"], f"{w}.text", f"{where}.content"))
+    return parts
+
+
+def image_part(part: dict, where: str, param: str) -> ImageSource:
+    """An ``image_url`` part: ``{"image_url": {"url": ..., "detail": ...}}`` (or the URL as a
+    string, as the Responses API's ``input_image`` has it): a data URL, or an http(s) URL (read
+    in ``api/images.py``)."""
+    raw = part.get("image_url")
+    url = raw.get("url") if isinstance(raw, dict) else raw
+    if not isinstance(url, str) or not url:
+        raise bad_request(f"{where}.image_url.url must be a data URL "
+                          "('data:image/png;base64,...') or an http(s) URL", param)
+    return ImageSource(where, param, url=url)
+
+
+def _text(parts: list) -> str:
+    return "".join(p.text for p in parts if isinstance(p, Text))
 
 
 def _calls(raw: Any, where: str) -> list[ToolCall]:
@@ -80,18 +103,17 @@ def _message(m: Any, i: int) -> Message:
         raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
                           f"{where}.role")
     mid = check_message_id(m.get("message_id"), f"{where}.message_id")
-    text = _content(m.get("content"), where)
+    content = _content(m.get("content"), where, images=role == "user")
     if role == "tool":
         call_id = string(m.get("tool_call_id"), f"{where}.tool_call_id")
-        return Message("tool", [ToolResult(call_id, text)], mid)
+        return Message("tool", [ToolResult(call_id, _text(content))], mid)
     parts: list = []
     if role == "assistant":  # the reasoning under either name (both checked), the first given
         thoughts = [string(m[k], f"{where}.{k}", empty=True)
                     for k in ("reasoning_content", "reasoning") if m.get(k) is not None]
         if thoughts:
             parts.append(Reasoning(thoughts[0]))
-    if text:
-        parts.append(Text(text))
+    parts += content
     if role == "assistant":
         parts += _calls(m.get("tool_calls"), where)
     return Message(role, parts, mid)
@@ -211,7 +233,7 @@ def _prediction(body: dict) -> str | None:
         raise bad_request("'prediction.type' must be 'content'", "prediction")
     if raw.get("content") is None:
         raise bad_request("'prediction.content' is required", "prediction.content")
-    return _content(raw["content"], "prediction") or None
+    return _text(_content(raw["content"], "prediction")) or None
 
 
 def include_usage(body: dict) -> bool:

@@ -1,7 +1,8 @@
 """``/v1/responses``: OpenAI's Responses API, translated into and out of the one conversation
 model (``chat/conversation.py``), and ``GET``/``DELETE /v1/responses/{id}``.
 
-``input`` is a string or a list of items: messages (``input_text``/``output_text`` parts),
+``input`` is a string or a list of items: messages (``input_text``/``output_text`` parts, and
+``input_image`` parts in user messages and function call outputs, read in ``api/images.py``),
 ``function_call``, ``function_call_output`` and ``reasoning`` items (its ``content`` text, else its
 summary; ``encrypted_content`` is ignored). Consecutive assistant-side items (reasoning, assistant
 messages, function calls) make one assistant message, as one response's output does. Item ids
@@ -34,13 +35,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ..chat.conversation import (Conversation, Message, Reasoning, ResponseFormat, Text, ToolCall,
-                                 ToolResult)
+                                 ToolResult, add_text)
+from ..chat.images import ImageSource
 from ..chat.output import (Error, Finish, ReasoningDelta, TextDelta, ToolCallDelta, ToolCallStart,
                            Usage)
 from ..errors import RequestError, bad_request
 from ..storage.responses import message_from_json, message_to_json
 from .http import SSE_HEADERS, job_events, openai_error_body, read_object, sse
-from .openai_chat import EFFORTS, response_format, sampling, tool_choice
+from .openai_chat import EFFORTS, image_part, response_format, sampling, tool_choice
 from .responses_output import Output, answer_message, usage_body
 from .validate import (TOOL_NAME, boolean, check_history, check_message_id, model_name, number,
                        obj, one_of, optional_obj, string, text_value, tool, tool_entries,
@@ -65,21 +67,41 @@ def flat_name(namespace: str, name: str) -> str:
 
 def _parts_text(content: Any, where: str, param: str = "input") -> str:
     """A string, or text parts (``input_text``, ``output_text``, ...) joined."""
+    return "".join(p.text for p in _parts(content, where, param) if isinstance(p, Text))
+
+
+def _parts(content: Any, where: str, param: str = "input", images: bool = False) -> list:
+    """A string, or text parts joined and, where ``images`` (a user message, a function call's
+    output), ``input_image`` parts in their places."""
     if isinstance(content, str):
-        return text_value(content, where, param)
+        text = text_value(content, where, param)
+        return [Text(text)] if text else []
     if not isinstance(content, list):
         raise bad_request(f"{where} must be a string or a list of text parts", param)
-    out = []
+    out: list = []
     for i, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
+        w, kind = f"{where}[{i}]", part.get("type") if isinstance(part, dict) else None
+        if kind == "input_image" and images:
+            out.append(_image(part, w, param))
+            continue
         if kind in ("input_image", "input_file", "input_audio"):
-            raise bad_request(f"{where}[{i}]: {kind} parts are not supported (this server "
-                              "serves text models)", param, code="unsupported_content")
+            raise bad_request(f"{w}: {kind} parts are not supported here", param,
+                              code="unsupported_content")
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
-            raise bad_request(f"{where}[{i}] must be a text part ({{'type': 'input_text', "
+            raise bad_request(f"{w} must be a text part ({{'type': 'input_text', "
                               "'text': ...}})", param)
-        out.append(text_value(part["text"], f"{where}[{i}].text", param))
-    return "".join(out)
+        add_text(out, text_value(part["text"], f"{w}.text", param))
+    return out
+
+
+def _image(part: dict, where: str, param: str) -> ImageSource:
+    """An ``input_image`` part: its ``image_url``; a ``file_id`` is refused (this server has no
+    Files API)."""
+    if part.get("file_id") is not None and part.get("image_url") is None:
+        raise bad_request(f"{where}: input_image with a file_id is not supported (this server "
+                          "has no Files API); send image_url as a data URL "
+                          "('data:image/png;base64,...')", param, code="unsupported_content")
+    return image_part(part, where, param)
 
 
 def _reasoning_text(item: dict, where: str) -> str:
@@ -115,12 +137,12 @@ def input_messages(raw: Any) -> list[Message]:
             if role not in INPUT_ROLES:
                 raise bad_request(f"{w}.role must be one of {', '.join(INPUT_ROLES)}; got "
                                   f"{role!r}", "input")
-            text = _parts_text(item.get("content"), f"{w}.content")
+            parts = _parts(item.get("content"), f"{w}.content", images=role == "user")
             if role == "assistant":
-                if text:
-                    assistant().parts.append(Text(text))
+                if parts:
+                    assistant().parts.extend(parts)
             else:
-                out.append(Message(role, [Text(text)] if text else []))
+                out.append(Message(role, parts))
         elif kind == "reasoning":
             text = _reasoning_text(item, w)
             if text:
@@ -137,8 +159,10 @@ def input_messages(raw: Any) -> list[Message]:
                 string(args, f"{w}.arguments", "input", empty=True) or "{}"))
         elif kind == "function_call_output":
             call_id = string(item.get("call_id"), f"{w}.call_id", "input")
-            out.append(Message("tool", [ToolResult(call_id, _parts_text(
-                item.get("output"), f"{w}.output"))]))
+            output = _parts(item.get("output"), f"{w}.output", images=True)
+            text = "".join(p.text for p in output if isinstance(p, Text))
+            out.append(Message("tool", [ToolResult(call_id, text),
+                                        *(p for p in output if not isinstance(p, Text))]))
         else:
             raise bad_request(f"{w}: items of type {kind!r} are not supported (messages, "
                               "function_call, function_call_output, reasoning)", "input",

@@ -5,6 +5,7 @@ a real server on the tiny model."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 
@@ -23,6 +24,7 @@ from mlx_kvserver.chat.output import (Done, Error, Finish, ReasoningDelta, TextD
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.errors import RequestError
 from harness.server_utils import running_server
+from tests.chat.pictures import png
 
 CONFIG = ServerConfig()
 WEATHER = {"name": "get_weather", "description": "The weather in a city.",
@@ -199,14 +201,20 @@ def test_thinking_and_output_config():
     ({"messages": [{"role": "tool", "content": "x"}]}, "role"),
     ({"messages": [{"role": "user"}]}, "content is required"),
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
-        "type": "base64", "media_type": "image/png", "data": "AA=="}}]}]}, "images are not served"),
+        "type": "base64", "media_type": "image/tiff", "data": "AA=="}}]}]}, "media_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "base64", "media_type": "image/png", "data": "not base64!"}}]}]}, "base64"),
+    ({"messages": [{"role": "user", "content": [{"type": "image", "source": {
+        "type": "file", "file_id": "f"}}]}]}, "files are not served"),
+    ({"messages": [{"role": "assistant", "content": [{"type": "image", "source": {
+        "type": "url", "url": "https://example.com/a.png"}}]}]}, "not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
      "document blocks are not served"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "nope", "content": "x"}]}]}, "'nope'"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": [{"type": "image"}]}]}]},
-     "images are not served"),
+     "source must be"),
     ({"messages": [{"role": "user", "content": [
         {"type": "tool_use", "id": "t", "name": "x", "input": {}}]}]}, "not supported"),
     ({"messages": [{"role": "user", "content": "x", "message_id": ""}]}, "message_id"),
@@ -372,12 +380,11 @@ def test_stream_events_match_the_non_streaming_answer(client, server, tiny_lm):
 def test_errors_in_anthropics_shape(client, server, tiny_lm):
     with pytest.raises(anthropic.BadRequestError) as e:
         client.messages.create(model=tiny_lm.name, max_tokens=8, messages=[
-            {"role": "user", "content": [{"type": "image", "source": {
-                "type": "base64", "media_type": "image/png", "data": "AA=="}}]}])
+            {"role": "user", "content": [IMAGE, {"type": "text", "text": "What is it?"}]}])
     assert e.value.status_code == 400
     assert e.value.body["type"] == "error"
     assert e.value.body["error"]["type"] == "invalid_request_error"
-    assert "images are not served" in e.value.body["error"]["message"]
+    assert "no served model takes images" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model=tiny_lm.name, max_tokens=8, stream=True,
                                messages=[{"role": "user", "content": "x"}],
@@ -389,6 +396,33 @@ def test_errors_in_anthropics_shape(client, server, tiny_lm):
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="no-such-model", max_tokens=8,
                                messages=[{"role": "user", "content": "x"}])
+
+
+IMAGE = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                    "data": base64.b64encode(png()).decode()}}
+
+
+def test_images_to_the_text_model_are_a_400_in_anthropics_shape(client, server, tiny_lm):
+    """In a user message, in a tool result, by URL, and counted: never a 500, never dropped."""
+    ask = [{"role": "user", "content": "Take a screenshot."},
+           {"role": "assistant", "content": [{"type": "tool_use", "id": "t1",
+                                              "name": "screenshot", "input": {}}]},
+           {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                         "content": [{"type": "text", "text": "done"},
+                                                     IMAGE]}]}]
+    for messages in ([{"role": "user", "content": [IMAGE, IMAGE]}], ask):
+        for call in (client.messages.create, client.messages.count_tokens):
+            extra = {"max_tokens": 8} if call == client.messages.create else {}
+            with pytest.raises(anthropic.BadRequestError) as e:
+                call(model=tiny_lm.name, messages=messages, **extra)
+            assert e.value.body["error"]["type"] == "invalid_request_error"
+            assert "no served model takes images" in e.value.body["error"]["message"]
+    url = {"type": "image", "source": {"type": "url", "url": "https://example.com/a.png"}}
+    r = httpx.post(f"{server}/v1/messages", json={"model": tiny_lm.name, "max_tokens": 8,
+                                                  "messages": [{"role": "user",
+                                                                "content": [url]}]})
+    assert r.status_code == 400 and r.json()["type"] == "error"
+    assert "--allow-image-urls" in r.json()["error"]["message"]
 
 
 def test_turn_two_reads_the_cache_and_count_tokens_agrees(client, tiny_lm):

@@ -16,6 +16,7 @@ from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.models.loading import resolve_and_load
 from tests.chat.tiny_chat_model import make_tiny_chat_model_dir
 from harness.server_utils import running_server
+from tests.chat.pictures import data_url, png
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -225,3 +226,27 @@ def test_a_tool_list_larger_than_the_context_is_a_400(client, tiny_lm):
     assert e.value.body["code"] == "context_length_exceeded"
     assert client.chat.completions.create(model=tiny_lm.name, messages=HI,
                                           max_tokens=1).choices  # nothing lost
+
+
+def test_an_image_to_the_text_models_is_a_400_in_openais_shape(client, server, tiny_lm):
+    """No served model takes images: the answer says so (streamed or not), never a 500 and
+    never an answer without the image."""
+    content = [{"type": "text", "text": "Compare these."},
+               {"type": "image_url", "image_url": {"url": data_url(), "detail": "low"}},
+               {"type": "image_url", "image_url": {"url": data_url(png(color=(1, 2, 3)))}}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=tiny_lm.name, stream=stream, messages=[
+                {"role": "user", "content": content}])
+        assert e.value.body["type"] == "invalid_request_error"
+        assert e.value.body["code"] == "images_not_supported"
+        assert "no served model takes images" in e.value.body["message"]
+    r = httpx.post(f"{server}/chat/completions", json={"model": tiny_lm.name, "messages": [
+        {"role": "user", "content": [{"type": "image_url",
+                                      "image_url": {"url": "http://example.com/a.png"}}]}]})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "image_urls_not_allowed"
+    assert "--allow-image-urls" in r.json()["error"]["message"]
+    r = httpx.post(f"{server}/chat/completions", json={"model": tiny_lm.name, "messages": [
+        {"role": "system", "content": [{"type": "image_url", "image_url": {
+            "url": data_url()}}]}, {"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "user messages only" in r.json()["error"]["message"]

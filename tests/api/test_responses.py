@@ -26,6 +26,7 @@ from mlx_kvserver.chat.output import (Done, Error, Finish, ReasoningDelta, Start
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.errors import RequestError
 from mlx_kvserver.storage.responses import ResponseStore
+from tests.chat.pictures import data_url
 
 CONFIG = ServerConfig()
 PARAMS = {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}
@@ -183,7 +184,10 @@ BAD = [
     ({"input": ""}, "input"),
     ({}, "input"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "file-1"}]}]},
+     "input"),
+    ({"input": [{"role": "assistant", "content": [{"type": "input_image",
+                                                   "image_url": "data:image/png;base64,AA=="}]}]},
      "input"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"input": [{"role": "user", "content": "q"},
@@ -532,3 +536,21 @@ def test_logprobs_when_included():
     got = r.output[0].content[0].logprobs
     assert [(g.token, g.logprob) for g in got] == [("Hi", -0.25)]
     assert [t.token for t in got[0].top_logprobs] == ["Hi", "Yo"]
+
+
+def test_live_an_input_image_to_the_text_model_is_a_400(live, tiny_lm):
+    client = _live(live.url)
+    image = {"type": "input_image", "image_url": data_url(), "detail": "auto"}
+    call = [{"type": "function_call", "call_id": "c1", "name": "look", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [image]}]
+    for items in ([{"role": "user", "content": [{"type": "input_text", "text": "What?"},
+                                                image]}], [{"role": "user", "content": "Look."},
+                                                          *call]):
+        for stream in (False, True):
+            with pytest.raises(openai.BadRequestError) as e:
+                client.responses.create(model=tiny_lm.name, input=items, stream=stream)
+            assert e.value.body["type"] == "invalid_request_error"
+            assert "no served model takes images" in e.value.body["message"]
+    r = httpx.post(f"{live.url}/responses", json={"model": tiny_lm.name, "input": [
+        {"role": "user", "content": [{"type": "input_image", "file_id": "file-abc"}]}]})
+    assert r.status_code == 400 and "file_id" in r.json()["error"]["message"]
