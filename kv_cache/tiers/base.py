@@ -4,7 +4,8 @@ interface and the plain values that cross it.
 A tier keeps pages by content (a sealed full page by its chain hash, ``kv_cache.pages.hashing``)
 and entries by message id: an entry is the token ids of a finished turn, the hashes of its full
 pages per cache group, its open tail page per group and, for a model with one, its recurrent
-state. The manager's calls, by what they are for:
+state, and the image spans among its tokens (``kv_cache.pages.spans``). The manager's calls, by
+what they are for:
 
     find    ``get`` (an entry by its key, from the tier's index: no page read), ``find_prefix``
             and ``find_end`` (by a prompt's content), ``has_page``, ``keys``
@@ -19,8 +20,8 @@ state. The manager's calls, by what they are for:
 Only plain values cross it (token ids, hashes, MLX or host arrays and the dataclasses below),
 never a tier's internals, so the manager works over any tier the same way. A tier never calls
 up into the manager or the pool. Every read checks what it reads: a missing, damaged or
-foreign page or entry is a miss (None), never an exception. Token ids always decide how much of
-a stored entry is valid (docs/ARCHITECTURE.md, invariant 3).
+foreign page or entry is a miss (None), never an exception. Token ids (and image spans) always
+decide how much of a stored entry is valid (docs/ARCHITECTURE.md, invariant 3).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Collection, Protocol, Sequence
 
 import mlx.core as mx
 import numpy as np
+
+from kv_cache.pages.spans import Span
 
 if TYPE_CHECKING:
     from kv_cache.pages.pool import PagePool
@@ -57,6 +60,7 @@ class StoredEntry:
     tail_tokens: int  # tokens in the open tail page (0 if none)
     layout: tuple[tuple[int, int], ...] = ()  # per group: (pages not stored, pages stored)
     has_state: bool = False  # carries the recurrent state after its tokens
+    spans: tuple[Span, ...] = ()  # the image spans among its tokens (``pages.spans``)
 
     def group_hashes(self) -> list[list[bytes | None]]:
         """Per group, the hash of each full page (None where the entry does not store it)."""
@@ -104,13 +108,17 @@ class Tier(Protocol):
     def get(self, key: str) -> StoredEntry | None:
         """``key``'s entry from the tier's index (no page read), or None."""
 
-    def find_prefix(self, prompt: Sequence[int], limit: int) -> FoundPrefix | None:
-        """The longest prefix of ``prompt[:limit]`` whose pages the tier holds for every cache
-        group (a sliding window's group from the first page its window reads); None if none."""
+    def find_prefix(self, prompt: Sequence[int], limit: int,
+                    spans: Sequence[Span] = ()) -> FoundPrefix | None:
+        """The longest prefix of ``prompt[:limit]`` (with image ``spans``: the page hashes
+        carry them) whose pages the tier holds for every cache group (a sliding window's group
+        from the first page its window reads); None if none."""
 
-    def find_end(self, prompt: Sequence[int], limit: int) -> str | None:
+    def find_end(self, prompt: Sequence[int], limit: int,
+                 spans: Sequence[Span] = ()) -> str | None:
         """The key of the longest entry whose tokens are all a prefix of ``prompt[:limit]``
-        (verified token for token), or None."""
+        (verified token for token) and whose image spans are the prompt's ``spans`` there, or
+        None."""
 
     def has_page(self, h: bytes) -> bool:
         """Whether the tier holds sealed full page ``h`` (``put`` then needs no data for it)."""
@@ -141,10 +149,12 @@ class Tier(Protocol):
 
     def put(self, key: str, tokens: Sequence[int], pages: Sequence[PageRecord],
             pinned: Collection[str] = (), *, tails: dict | None = None,
-            layout: Sequence[tuple[int, int]] | None = None, state=None) -> bool:
+            layout: Sequence[tuple[int, int]] | None = None, state=None,
+            spans: Sequence[Span] = ()) -> bool:
         """Save ``key``: its sealed full pages in order (group after group; ``layout``: per
         group, how many leading pages are left out and how many follow), its open tail page per
-        group (``tails``) and its recurrent ``state`` (per state slot, its arrays). True if
+        group (``tails``), its recurrent ``state`` (per state slot, its arrays) and the image
+        ``spans`` among its tokens (its pages' hashes carry them). True if
         saved, within the tier's budget (evicting entries other than ``key`` and ``pinned``);
         False if it does not fit or the write fails. Inconsistent records are a
         ``ValueError``."""

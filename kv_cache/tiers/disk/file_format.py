@@ -11,19 +11,23 @@ The header's ``__metadata__`` (strings only) says what the file is and for which
     cache_spec      the model's cache spec as canonical JSON (``kv_cache.layout.spec``): its paged groups
                     (kind, layers, heads, head size, dtype, window) and recurrent-state slots
     tokens          JSON list of token ids
-    page:   group, hash, parent (hex; hash == page_hash(parent, tokens), in that group's chain);
+    page:   group, hash, parent (hex; hash == page_hash(parent, tokens, extras), in that group's
+            chain), extras (only for a page that holds an image's tokens: JSON [[image hash,
+            offset into the image at the page's start, its length], ...], ``pages.spans``);
             tensor "kv" [group layers, 2, H, P, D] in the group's dtype
     tail:   a partial page, as a page but with 1..P-1 tokens (hash == page_hash(parent,
-            tokens) too) and tensor "kv" [group layers, 2, H, tokens, D]
+            tokens, extras) too) and tensor "kv" [group layers, 2, H, tokens, D]
     entry:  key (the message id, only here), page_hashes (JSON list of hex, every group's pages
             one group after another), layout (JSON [[skip, count], ...] per group: the first
             ``skip`` full pages are not stored, as no sliding window at the entry's end reads
             them, then ``count`` pages), tail_tokens, state ("1" when the entry carries the
-            recurrent state after its tokens); tensors "state.<slot>.<i>" per recurrent-state
-            array. An entry's open tail page (its last tail_tokens tokens, per group) is not in
-            the manifest: it is the first tail_tokens positions of any stored page or tail
-            whose parent is the entry's last full page's chain hash (the group's root when
-            there is none) and whose tokens begin with the entry's tail tokens
+            recurrent state after its tokens), spans (only for an entry with images: JSON
+            [[start, length, image hash], ...]; its pages chain over them); tensors
+            "state.<slot>.<i>" per recurrent-state array. An entry's open tail page (its last
+            tail_tokens tokens, per group) is not in the manifest: it is the first tail_tokens
+            positions of any stored page or tail whose parent is the entry's last full page's
+            chain hash (the group's root when there is none) and whose tokens (and image keys)
+            over them are the entry's tail's
     data_checksum   xxh3-128 of the tensor bytes (checked when data is loaded)
     meta_checksum   xxh3-128 of the canonical JSON of every other metadata field
 
@@ -31,6 +35,8 @@ The checksums detect corruption (torn writes, flipped bits, truncation); they ar
 authentication. Page identity is the page hash (sha256 chain, ``kv_cache.pages.hashing``), checked
 against the tokens in the header.
 
+Files with images say so in the optional ``extras`` and ``spans``, which a file of text has not:
+a text page or entry is byte for byte what it was before images, so they need no new version.
 Version 4 (this one) stores an entry's open tail page once, as a content-addressed partial page
 (a "tail" file) that every entry ending inside that page shares, each with its own length, and
 that a longer tail or the full page continuing it replaces; version 3 kept a copy of the tail in
@@ -62,6 +68,7 @@ import xxhash
 from kv_cache.errors import ForeignError, FormatError  # noqa: F401 - the format's errors
 from kv_cache.layout.spec import CacheSpec
 from kv_cache.pages.hashing import chain_hashes, page_hash, root_hash
+from kv_cache.pages.spans import Extra, Span, as_spans
 from kv_cache.tiers.disk.framing import Header, encode
 from kv_cache.tiers.disk.framing import read_header  # noqa: F401 - reads a file's header
 
@@ -162,22 +169,28 @@ def seal_metadata(meta: dict[str, str]) -> dict[str, str]:
 
 
 def page_metadata(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
-                  data_sum: str, group: int = 0, kind: str = PAGE_FORMAT) -> dict[str, str]:
-    return seal_metadata({"format": kind, **geo.metadata(), "group": str(group),
-                          "hash": h.hex(),
-                          "parent": parent.hex(), "tokens": json.dumps(list(tokens)),
-                          "data_checksum": data_sum})
+                  data_sum: str, group: int = 0, kind: str = PAGE_FORMAT,
+                  extras: Sequence[Extra] = ()) -> dict[str, str]:
+    meta = {"format": kind, **geo.metadata(), "group": str(group), "hash": h.hex(),
+            "parent": parent.hex(), "tokens": json.dumps(list(tokens)),
+            "data_checksum": data_sum}
+    if extras:  # NOTE: a text page's file says nothing of images: as before them
+        meta["extras"] = json.dumps([list(e) for e in extras])
+    return seal_metadata(meta)
 
 
 def entry_metadata(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
                    tail_tokens: int, data_sum: str, layout: Sequence[tuple[int, int]],
-                   state: bool) -> dict[str, str]:
-    return seal_metadata({"format": ENTRY_FORMAT, **geo.metadata(), "key": key,
-                          "tokens": json.dumps(list(tokens)),
-                          "page_hashes": json.dumps([h.hex() for h in hashes]),
-                          "layout": json.dumps([list(x) for x in layout]),
-                          "tail_tokens": str(tail_tokens), "state": "1" if state else "0",
-                          "data_checksum": data_sum})
+                   state: bool, spans: Sequence[Span] = ()) -> dict[str, str]:
+    meta = {"format": ENTRY_FORMAT, **geo.metadata(), "key": key,
+            "tokens": json.dumps(list(tokens)),
+            "page_hashes": json.dumps([h.hex() for h in hashes]),
+            "layout": json.dumps([list(x) for x in layout]),
+            "tail_tokens": str(tail_tokens), "state": "1" if state else "0",
+            "data_checksum": data_sum}
+    if spans:
+        meta["spans"] = json.dumps([list(s) for s in spans])
+    return seal_metadata(meta)
 
 
 def _uint(meta: dict[str, str], name: str) -> int:
@@ -200,6 +213,32 @@ def _tokens(meta: dict[str, str]) -> tuple[int, ...]:
             and all(type(t) is int and INT64[0] <= t < INT64[1] for t in toks)):
         raise FormatError("metadata 'tokens' is not a list of int64 token ids")
     return tuple(toks)
+
+
+def _spans(meta: dict[str, str]) -> tuple[Span, ...]:
+    """An entry's image spans (none where the metadata names none: a text entry)."""
+    if "spans" not in meta:
+        return ()
+    got = _json(meta, "spans")
+    try:
+        if not isinstance(got, list):
+            raise ValueError
+        return as_spans(got)
+    except ValueError:
+        raise FormatError("metadata 'spans' is not a list of image spans") from None
+
+
+def _extras(meta: dict[str, str]) -> tuple[Extra, ...]:
+    """A page's extra keys (none where the metadata names none: a text page)."""
+    if "extras" not in meta:
+        return ()
+    got = _json(meta, "extras")
+    if not (isinstance(got, list) and got and all(
+            isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and e[0]
+            and all(type(v) is int and INT64[0] <= v < INT64[1] for v in e[1:]) and e[2] > 0
+            for e in got)):
+        raise FormatError("metadata 'extras' is not a list of a page's image keys")
+    return tuple((e[0], e[1], e[2]) for e in got)
 
 
 def _hex(v, what: str) -> bytes:
@@ -236,6 +275,7 @@ class PageMetaInfo:
     tokens: tuple[int, ...]
     group: int = 0
     checksum: str = ""  # the data's checksum, as its header gives it
+    extras: tuple[Extra, ...] = ()  # its image keys (``kv_cache.pages.spans.page_extras``)
 
 
 def parse_page(geo: Geometry, h: Header, expect: bytes, kind: str = PAGE_FORMAT) -> PageMetaInfo:
@@ -245,13 +285,13 @@ def parse_page(geo: Geometry, h: Header, expect: bytes, kind: str = PAGE_FORMAT)
     if group >= len(geo.spec.groups):
         raise FormatError("a page of no group of this model")
     ph, parent = _hex(meta.get("hash"), "hash"), _hex(meta.get("parent"), "parent")
-    tokens = _tokens(meta)
+    tokens, extras = _tokens(meta), _extras(meta)
     n = len(tokens)
     if not (n == geo.page_size if kind == PAGE_FORMAT else 0 < n < geo.page_size) \
-            or page_hash(parent, tokens) != ph or ph != expect:
+            or page_hash(parent, tokens, extras) != ph or ph != expect:
         raise FormatError("page hash does not match its tokens, parent or file name")
     _check_tensors(h, {"kv": (geo.shape(n, group), geo.group_dtype(group))}, "page")
-    return PageMetaInfo(ph, parent, tokens, group, str(meta.get("data_checksum", "")))
+    return PageMetaInfo(ph, parent, tokens, group, str(meta.get("data_checksum", "")), extras)
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +303,7 @@ class EntryMetaInfo:
     layout: tuple[tuple[int, int], ...] = ()
     has_state: bool = False
     tail_parents: tuple[bytes, ...] = ()  # per group, the parent of its open tail page (if any)
+    spans: tuple[Span, ...] = ()  # the image spans among its tokens
 
 
 def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
@@ -283,11 +324,11 @@ def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
             or sum(count for _, count in layout) != len(hashes) \
             or meta.get("state") not in ("0", "1"):
         raise FormatError("entry key, tokens, pages and tail do not agree")
-    at, parents = 0, []
+    at, parents, spans = 0, [], _spans(meta)
     for g, (skip, count) in enumerate(layout):
         if skip and groups[g].kind.reads_all:
             raise FormatError("a full-attention group skips pages")
-        chain = chain_hashes(geo.root(g), tokens, P)
+        chain = chain_hashes(geo.root(g), tokens, P, spans=spans)
         if chain[skip:] != hashes[at : at + count]:
             raise FormatError("entry page hashes do not match its tokens")
         at += count
@@ -295,27 +336,29 @@ def parse_entry(geo: Geometry, h: Header) -> EntryMetaInfo:
     has_state = meta["state"] == "1"
     _check_tensors(h, geo.state_tensors() if has_state else {}, "entry")
     return EntryMetaInfo(key, tokens, hashes, tail, tuple(tuple(x) for x in layout), has_state,
-                         tuple(parents) if tail else ())
+                         tuple(parents) if tail else (), spans)
 
 
 def page_file(geo: Geometry, h: bytes, parent: bytes, tokens: Sequence[int],
-              data: mx.array, group: int = 0) -> tuple[list, str]:
-    """A sealed page's file (or, with fewer than page_size tokens, a tail file), as chunks to
-    write, and its data's checksum."""
+              data: mx.array, group: int = 0,
+              extras: Sequence[Extra] = ()) -> tuple[list, str]:
+    """A sealed page's file (or, with fewer than page_size tokens, a tail file) with its image
+    keys ``extras``, as chunks to write, and its data's checksum."""
     dt = geo.group_dtype(group)
     arr = to_storage(data, dt)
     kind = PAGE_FORMAT if len(tokens) == geo.page_size else TAIL_FORMAT
     data_sum = checksum(arr)
-    meta = page_metadata(geo, h, parent, tokens, data_sum, group, kind)
+    meta = page_metadata(geo, h, parent, tokens, data_sum, group, kind, extras)
     return encode({"kv": arr}, DTYPES[dt][1], meta), data_sum
 
 
 def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[bytes],
                layout: Sequence[tuple[int, int]] | None = None,
-               state: Sequence[Sequence[mx.array | np.ndarray]] | None = None) -> list:
-    """An entry's manifest (with its recurrent state), as chunks to write. ``layout``: per group
-    (skip, count), default all pages of one group. Its open tail page is stored apart (a page
-    or tail file that holds it)."""
+               state: Sequence[Sequence[mx.array | np.ndarray]] | None = None,
+               spans: Sequence[Span] = ()) -> list:
+    """An entry's manifest (with its recurrent state and its image ``spans``), as chunks to
+    write. ``layout``: per group (skip, count), default all pages of one group. Its open tail
+    page is stored apart (a page or tail file that holds it)."""
     full = len(tokens) // geo.page_size
     layout = [(0, full)] if layout is None else list(layout)
     tensors, codes = {}, {}
@@ -327,5 +370,5 @@ def entry_file(geo: Geometry, key: str, tokens: Sequence[int], hashes: Sequence[
                 dt = specs[name][1]
                 tensors[name], codes[name] = to_storage(a, dt), DTYPES[dt][1]
     meta = entry_metadata(geo, key, tokens, hashes, len(tokens) - geo.page_size * full,
-                          checksum(*tensors.values()), layout, state is not None)
+                          checksum(*tensors.values()), layout, state is not None, spans)
     return encode(tensors, codes, meta)

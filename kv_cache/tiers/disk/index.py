@@ -35,6 +35,7 @@ import numpy as np
 from kv_cache.errors import ForeignError
 from kv_cache.pages.eviction import EvictionPolicy
 from kv_cache.pages.hashing import chain_hashes
+from kv_cache.pages.spans import Extra, Span, head_extras, page_extras
 from kv_cache.tiers.disk import atomic_fs as afs
 from kv_cache.tiers.disk import file_format as fmt
 
@@ -80,6 +81,7 @@ class IndexedEntry:  # the in-memory index of one manifest
     tails: tuple[bytes | None, ...] = ()  # per group, the file holding its open tail page
     head_sum: bytes = b""  # framing.head_digest of its header: a load parses its metadata once
     end: bytes = b""  # group 0's chain hash of the page it ends in (``end_parent``)
+    spans: tuple[Span, ...] = ()  # the image spans among its tokens (``pages.spans``)
 
     @property
     def files(self) -> set[bytes]:
@@ -95,6 +97,7 @@ class FileInfo:  # a page or tail file's identity, from its header
     partial: bool  # a tail file (tails/), else a full page (pages/)
     checksum: str = ""  # the data's, as the header says
     head_sum: bytes = b""  # framing.head_digest of the header: a restore parses no header again
+    extras: tuple[Extra, ...] = ()  # its image keys (``pages.spans.page_extras``)
 
 
 def token_array(tokens: Sequence[int]) -> np.ndarray:
@@ -107,7 +110,7 @@ def token_array(tokens: Sequence[int]) -> np.ndarray:
 
 
 def end_parent(geo: fmt.Geometry, tokens: Sequence[int], page_hashes: Sequence[bytes],
-               layout: Sequence[tuple[int, int]]) -> bytes:
+               layout: Sequence[tuple[int, int]], spans: Sequence[Span] = ()) -> bytes:
     """Where an entry ends, by content: group 0's chain hash of the last full page of its tokens
     (the root when there is none); the entries ending in one page share it."""
     full = len(tokens) // geo.page_size
@@ -115,7 +118,8 @@ def end_parent(geo: fmt.Geometry, tokens: Sequence[int], page_hashes: Sequence[b
         return geo.root(0)
     if layout and layout[0][1]:
         return page_hashes[layout[0][1] - 1]
-    return chain_hashes(geo.root(0), tokens[: full * geo.page_size], geo.page_size)[-1]
+    return chain_hashes(geo.root(0), tokens[: full * geo.page_size], geo.page_size,
+                        spans=spans)[-1]
 
 
 def entry_name(key: str) -> str:
@@ -189,11 +193,13 @@ class StoreIndex:
         most recently used entry."""
         tokens = token_array(info.tokens)
         tail = tokens[len(tokens) - info.tail_tokens:] if info.tail_tokens else tokens[:0]
-        holders = tuple(self.holder(g, parent, tail) for g, parent in
+        extras = page_extras(info.spans, len(tokens) - len(tail), len(tail))
+        holders = tuple(self.holder(g, parent, tail, extras) for g, parent in
                         enumerate(info.tail_parents)) if info.tail_tokens else ()
         e = IndexedEntry(key, name, tuple(info.page_hashes), info.tail_tokens, size,
                          self._next_id, tokens, tuple(info.layout), info.has_state, holders,
-                         head_sum, end_parent(self.geo, tokens, info.page_hashes, info.layout))
+                         head_sum, end_parent(self.geo, tokens, info.page_hashes, info.layout,
+                                              info.spans), info.spans)
         self._next_id += 1
         self.ends.setdefault(e.end, set()).add(key)
         self.entries[key] = e
@@ -230,14 +236,16 @@ class StoreIndex:
         self.info[h] = info
         self.kids.setdefault(info.parent, set()).add(h)
 
-    def holder(self, group: int, parent: bytes, tail: np.ndarray) -> bytes | None:
-        """The stored file that holds an open tail page: a full page first, else the longest
-        tail file; None when no file holds it."""
+    def holder(self, group: int, parent: bytes, tail: np.ndarray,
+               extras: Sequence[Extra] = ()) -> bytes | None:
+        """The stored file that holds an open tail page (with image keys ``extras``): a full
+        page first, else the longest tail file; None when no file holds it."""
         best, rank = None, None
         n = len(tail)
         for h in self.kids.get(parent, ()):
             f = self.info[h]
-            if f.group == group and len(f.tokens) >= n and np.array_equal(f.tokens[:n], tail):
+            if f.group == group and len(f.tokens) >= n and np.array_equal(f.tokens[:n], tail) \
+                    and head_extras(f.extras, n) == tuple(extras):
                 r = (not f.partial, len(f.tokens), h)
                 if rank is None or r > rank:
                     best, rank = h, r
@@ -249,7 +257,8 @@ class StoreIndex:
         for x in self.kids.get(f.parent, ()):
             o = self.info[x]
             if x != h and o.partial and o.group == f.group and len(o.tokens) < len(f.tokens) \
-                    and np.array_equal(f.tokens[: len(o.tokens)], o.tokens):
+                    and np.array_equal(f.tokens[: len(o.tokens)], o.tokens) \
+                    and head_extras(f.extras, len(o.tokens)) == o.extras:
                 out.append(x)
         return out
 

@@ -6,7 +6,9 @@ the cache group, every token before it and its own), and its parent hash and tok
 store's index (read from its header when it was written or indexed). So the prompt's own chain
 hashes name the page files that hold its prefix, and the pages and tail files continuing the
 last of them (the index's ``_kids``) hold the partial page after it: the first positions of any
-of them whose tokens the prompt begins with are valid keys and values for it. Every hit is
+of them whose tokens (and image keys) the prompt begins with are valid keys and values for it.
+A prompt's image spans go into its chain hashes as into the pool's, and a prefix found never
+ends inside an image. Every hit is
 compared by tokens too (invariant 3), and a lookup reads no file: the restore then reads only
 the pages and the one tail page it uses.
 
@@ -20,9 +22,12 @@ A ``DiskStore`` holds one ``ContentLookup`` over its index and calls it under it
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from kv_cache.pages.hashing import chain_hashes
+from kv_cache.pages.spans import Extra, Span, agree, extras_agree, outside, page_extras
 from kv_cache.tiers.base import FoundPrefix
 from kv_cache.tiers.disk.index import StoreIndex
 from kv_cache.tokens import common_prefix
@@ -34,58 +39,63 @@ class ContentLookup:
     def __init__(self, index: StoreIndex):
         self.index, self.geo, self.page_size = index, index.geo, index.geo.page_size
 
-    def find_end(self, toks: np.ndarray) -> str | None:
+    def find_end(self, toks: np.ndarray, spans: Sequence[Span] = ()) -> str | None:
         """The key of the longest entry whose tokens are all a prefix of ``toks`` (verified
-        token for token), or None."""
+        token for token) and whose image spans are ``spans`` there, or None."""
         groups, ix = self.geo.spec.groups, self.index
         # Every entry stores all of a full-attention group 0's pages and its tail's holder.
         pruned = bool(groups) and groups[0].kind.reads_all
         best, best_n = None, 0
-        for parent in [self.geo.root(0)] + chain_hashes(self.geo.root(0), toks, self.page_size):
+        for parent in [self.geo.root(0)] + chain_hashes(self.geo.root(0), toks, self.page_size,
+                                                        spans=spans):
             keys = ix.ends.get(parent, ())
             if pruned and not keys and not ix.kids.get(parent):
                 break  # no stored file continues this page: no entry ends further on
             for key in keys:
                 e = ix.entries[key]
                 n = len(e.tokens)
-                if best_n < n <= len(toks) and np.array_equal(e.tokens, toks[:n]):
+                if best_n < n <= len(toks) and np.array_equal(e.tokens, toks[:n]) \
+                        and agree(n, e.spans, spans) == n:
                     best, best_n = key, n
         return best
 
-    def find_prefix(self, toks: np.ndarray) -> FoundPrefix | None:
-        """The longest prefix of ``toks`` whose keys and values stored page and tail files hold
-        for every cache group, a sliding window's group from the first page its window reads
-        there; None when there is none."""
+    def find_prefix(self, toks: np.ndarray, spans: Sequence[Span] = ()) -> FoundPrefix | None:
+        """The longest prefix of ``toks`` (with image ``spans``) whose keys and values stored
+        page and tail files hold for every cache group, a sliding window's group from the first
+        page its window reads there, never ending inside an image; None when there is none."""
         P, groups, limit = self.page_size, self.geo.spec.groups, len(toks)
         pages = limit // P
         hashes: list[list[bytes]] = [[] for _ in groups]
         have: list[list[bool]] = [[] for _ in groups]
         for g, spec in enumerate(groups):  # full attention first: they bound the others
             if spec.kind.reads_all:
-                hashes[g], have[g] = self._chain(toks, g, pages, stop=True)
+                hashes[g], have[g] = self._chain(toks, g, pages, True, spans)
                 pages = min(pages, len(hashes[g]))
         for g, spec in enumerate(groups):
             if not spec.kind.reads_all:
-                hashes[g], have[g] = self._chain(toks, g, pages, stop=False)
+                hashes[g], have[g] = self._chain(toks, g, pages, False, spans)
         tails = {}
         for g in range(len(groups)):  # the partial page after ``pages`` full ones
             parent = hashes[g][pages - 1] if pages else self.geo.root(g)
-            tails[g] = self._tail(g, parent, toks[pages * P : (pages + 1) * P])
+            tails[g] = self._tail(g, parent, toks[pages * P : (pages + 1) * P],
+                                  page_extras(spans, pages * P, P))
         k = min(t[1] for t in tails.values())
-        if k and self._window_ok(have, pages * P + k):
+        k = outside(pages * P + k, spans) - pages * P
+        if k > 0 and self._window_ok(have, pages * P + k):
             return FoundPrefix(pages * P + k, [hs[:pages] for hs in hashes],
                             {g: h for g, (h, _) in tails.items()})
         for j in range(pages, 0, -1):  # NOTE: an earlier page boundary may have its window
-            if self._window_ok(have, j * P):
+            if outside(j * P, spans) == j * P and self._window_ok(have, j * P):
                 return FoundPrefix(j * P, [hs[:j] for hs in hashes], {})
         return None
 
-    def _chain(self, toks: np.ndarray, g: int, n: int,
-               stop: bool) -> tuple[list[bytes], list[bool]]:
-        """The chain hashes of the first ``n`` full pages of ``toks`` in group ``g`` and whether
-        the store has each page (``stop``: up to the first it does not have)."""
+    def _chain(self, toks: np.ndarray, g: int, n: int, stop: bool,
+               spans: Sequence[Span]) -> tuple[list[bytes], list[bool]]:
+        """The chain hashes of the first ``n`` full pages of ``toks`` (with image ``spans``) in
+        group ``g`` and whether the store has each page (``stop``: up to the first it does not
+        have)."""
         P = self.page_size
-        hashes = chain_hashes(self.geo.root(g), toks[: n * P], P)
+        hashes = chain_hashes(self.geo.root(g), toks[: n * P], P, spans=spans)
         files = [self.index.info.get(h) if h in self.index.pages else None for h in hashes]
         have = [f is not None and not f.partial and f.group == g for f in files]
         found = [i for i, ok in enumerate(have) if ok]
@@ -99,14 +109,17 @@ class ContentLookup:
             return hashes[:i], have[:i]
         return hashes, have
 
-    def _tail(self, g: int, parent: bytes, chunk: np.ndarray) -> tuple[bytes | None, int]:
-        """The stored file continuing ``parent`` in group ``g`` whose tokens share the longest
-        prefix with ``chunk`` (a full page first at a tie), and that prefix's length."""
+    def _tail(self, g: int, parent: bytes, chunk: np.ndarray,
+              extras: Sequence[Extra]) -> tuple[bytes | None, int]:
+        """The stored file continuing ``parent`` in group ``g`` whose tokens (and image keys:
+        ``extras``, the prompt's page's) share the longest prefix with ``chunk`` (a full page
+        first at a tie), and that prefix's length."""
         best, rank = None, (0, False)
         for h in self.index.kids.get(parent, ()) if len(chunk) else ():
             f = self.index.info[h]
             if f.group == g:
-                r = (common_prefix(f.tokens.tolist(), chunk.tolist()), not f.partial)
+                n = common_prefix(f.tokens.tolist(), chunk.tolist())
+                r = (extras_agree(n, f.extras, extras), not f.partial)
                 if r > rank:
                     best, rank = h, r
         return best, rank[0] if best is not None else 0

@@ -1,11 +1,11 @@
 """A put made ready, then written: its records checked against its tokens and the model, and the
 page and tail files it must write (only those no stored file holds).
 
-Sealed pages must chain over the entry's tokens, per group, with the data's shape of that group;
-a page the store has needs no data. An entry's open tail page (per group) is written only when
-no stored file holds it: a full page continuing it, or a longer tail (``StoreIndex.holder``);
-else that file holds it and nothing is written. Inconsistent records are a ``ValueError``; a
-manifest that cannot be written (a header over the cap) is a refusal, counted.
+Sealed pages must chain over the entry's tokens (and image spans), per group, with the data's shape
+of that group; a page the store has needs no data. An entry's open tail page (per group) is written
+only when no stored file holds it: a full page continuing it, or a longer tail
+(``StoreIndex.holder``); else that file holds it and nothing is written. Inconsistent records are a
+``ValueError``; a manifest that cannot be written (a header over the cap) is a refusal, counted.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from kv_cache.errors import FormatError
 from kv_cache.pages.hashing import chain_hashes, page_hash
+from kv_cache.pages.spans import Span, as_spans, page_extras
 from kv_cache.tiers.disk import atomic_fs as afs
 from kv_cache.tiers.disk import file_format as fmt
 from kv_cache.tiers.disk import framing
@@ -54,12 +55,14 @@ class Prepared:
     manifest: Manifest | None
     layout: list[tuple[int, int]]
     held: set[bytes]
+    spans: tuple[Span, ...] = ()  # the image spans among its tokens
 
 
 
 def prepare(index: StoreIndex, key, tokens, pages, tails=None, layout=None,
-            state=None) -> Prepared:
+            state=None, spans=()) -> Prepared:
     """Check a put (``DiskStore.put``) and make its files."""
+    spans = as_spans(spans)
     if not isinstance(key, str):
         raise ValueError("a key is a str")
     tokens = tuple(int(t) for t in tokens)
@@ -90,7 +93,7 @@ def prepare(index: StoreIndex, key, tokens, pages, tails=None, layout=None,
                          if geo.spec.has_state else "this model has no recurrent state")
     new_pages, new_set, hashes, at, parents = [], set(), [], 0, []
     for g, (skip, count) in enumerate(layout):
-        chain = chain_hashes(geo.root(g), tokens, P)
+        chain = chain_hashes(geo.root(g), tokens, P, spans=spans)
         parents.append(chain[-1] if chain else geo.root(g))
         group_pages = sealed[at : at + count]
         at += count
@@ -108,37 +111,39 @@ def prepare(index: StoreIndex, key, tokens, pages, tails=None, layout=None,
                 if h not in index.pages and h not in new_set:
                     new_set.add(h)
                     parent = geo.root(g) if i == 0 else chain[i - 1]
-                    chunks, data_sum = fmt.page_file(geo, h, parent, p.tokens, p.data, g)
+                    extras = page_extras(spans, i * P, P)
+                    chunks, data_sum = fmt.page_file(geo, h, parent, p.tokens, p.data, g, extras)
                     new_pages.append(NewFile(h, chunks, framing.nbytes(chunks), FileInfo(
                         parent, token_array(p.tokens), g, False, data_sum,
-                        framing.head_digest(chunks[0]))))
+                        framing.head_digest(chunks[0]), extras)))
             elif h not in index.pages:
                 raise ValueError(f"page {h.hex()[:12]} is not on disk and came without data")
     n_tail, held = len(tokens) % P, set()
     tail = token_array(tokens[len(tokens) - n_tail:]) if n_tail else None
+    extras = page_extras(spans, len(tokens) - n_tail, n_tail)
     for g, data in sorted(tails.items()):
         _check_shape(geo, data, n_tail, g)
-        holder = index.holder(g, parents[g], tail)
+        holder = index.holder(g, parents[g], tail, extras)
         if holder is not None and not index.page_file_exists(holder):
             index.lost_page(holder)
-            holder = index.holder(g, parents[g], tail)
+            holder = index.holder(g, parents[g], tail, extras)
         if holder is not None:
             held.add(holder)  # NOTE: a stored page or longer tail holds it: nothing written
             continue
-        h = page_hash(parents[g], tail.tolist())
-        chunks, data_sum = fmt.page_file(geo, h, parents[g], tail.tolist(), data, g)
+        h = page_hash(parents[g], tail.tolist(), extras)
+        chunks, data_sum = fmt.page_file(geo, h, parents[g], tail.tolist(), data, g, extras)
         new_pages.append(NewFile(h, chunks, framing.nbytes(chunks),
                                  FileInfo(parents[g], tail, g, True, data_sum,
-                                          framing.head_digest(chunks[0]))))
+                                          framing.head_digest(chunks[0]), extras)))
     try:
-        chunks = fmt.entry_file(geo, key, tokens, hashes, layout, state)
+        chunks = fmt.entry_file(geo, key, tokens, hashes, layout, state, spans)
     except FormatError as e:
         log.warning("disk store: entry refused: %s", e)
         index.counts.refused += 1
-        return Prepared(tokens, new_pages, None, layout, held)
+        return Prepared(tokens, new_pages, None, layout, held, spans)
     return Prepared(tokens, new_pages, Manifest(chunks, hashes, framing.nbytes(chunks),
                                                 tuple(parents) if n_tail else ()),
-                    layout, held)
+                    layout, held, spans)
 
 
 def _check_shape(geo: fmt.Geometry, data, n: int, group: int = 0) -> None:

@@ -72,7 +72,7 @@ def _index_pages(index: StoreIndex, base_fd: int, kind: str, what: str) -> None:
                         (info, digest), size, _ = got
                         index.file_landed(h, size, FileInfo(
                             info.parent, token_array(info.tokens), info.group,
-                            kind == fmt.TAIL_FORMAT, info.checksum, digest))
+                            kind == fmt.TAIL_FORMAT, info.checksum, digest, info.extras))
         finally:
             os.close(sub_fd)
 

@@ -46,6 +46,7 @@ import numpy as np
 from kv_cache.errors import FormatError
 from kv_cache.layout.spec import CacheSpec
 from kv_cache.pages.eviction import make_policy
+from kv_cache.pages.spans import Span, as_spans
 from kv_cache.tiers.base import FoundPrefix, LoadedEntry, PageRecord, StoredEntry
 from kv_cache.tiers.disk import atomic_fs as afs
 from kv_cache.tiers.disk import file_data
@@ -111,23 +112,29 @@ class DiskStore:
         if e is None:
             return None
         return StoredEntry(key, tuple(e.tokens.tolist()), list(e.page_hashes), e.tail_tokens,
-                           e.layout, e.has_state)
+                           e.layout, e.has_state, e.spans)
 
-    def find_prefix(self, prompt: Sequence[int], limit: int) -> FoundPrefix | None:
-        """The longest prefix of ``prompt[:limit]`` that stored page and tail files hold
-        (``ContentLookup.find_prefix``); None when there is none. No file is read."""
+    def find_prefix(self, prompt: Sequence[int], limit: int,
+                    spans: Sequence[Span] = ()) -> FoundPrefix | None:
+        """The longest prefix of ``prompt[:limit]`` (with image ``spans``) that stored page and
+        tail files hold (``ContentLookup.find_prefix``); None when there is none. No file is
+        read."""
         with self._lock:
             if self._closed or not self.geo.spec.groups:
                 return None
-            return self._lookup.find_prefix(np.asarray(prompt[:limit], dtype=np.int64))
+            return self._lookup.find_prefix(np.asarray(prompt[:limit], dtype=np.int64),
+                                            as_spans(spans))
 
-    def find_end(self, prompt: Sequence[int], limit: int) -> str | None:
+    def find_end(self, prompt: Sequence[int], limit: int,
+                 spans: Sequence[Span] = ()) -> str | None:
         """The key of the longest entry whose tokens are all a prefix of ``prompt[:limit]``
-        (verified token for token), or None. No file is read."""
+        (verified token for token) with the prompt's image ``spans`` there, or None. No file
+        is read."""
         with self._lock:
             if self._closed:
                 return None
-            return self._lookup.find_end(np.asarray(prompt[:limit], dtype=np.int64))
+            return self._lookup.find_end(np.asarray(prompt[:limit], dtype=np.int64),
+                                         as_spans(spans))
 
     @_locked
     def has_page(self, h: bytes) -> bool:
@@ -153,7 +160,7 @@ class DiskStore:
         info, tensors = got
         e = self._index.entries[key]
         stored = StoredEntry(key, info.tokens, list(info.page_hashes), info.tail_tokens,
-                             info.layout, info.has_state)
+                             info.layout, info.has_state, info.spans)
         tails = {}
         for g, h in enumerate(e.tails):
             data = None if h is None else self._load_holder(h)
@@ -205,11 +212,13 @@ class DiskStore:
     @_locked
     def put(self, key: str, tokens: Sequence[int], pages: Sequence[PageRecord],
             pinned: Collection[str] = (), *, tails: dict | None = None,
-            layout: Sequence[tuple[int, int]] | None = None, state=None) -> bool:
+            layout: Sequence[tuple[int, int]] | None = None, state=None,
+            spans: Sequence[Span] = ()) -> bool:
         """Save ``key``: its sealed full pages in order (group after group; ``layout`` says per
         group how many leading pages are left out and how many follow), its open tail page
-        per group (``tails``; a one-group store also takes it as a last record without hash)
-        and its recurrent ``state`` (per state slot, its arrays), if the model has one.
+        per group (``tails``; a one-group store also takes it as a last record without hash),
+        its recurrent ``state`` (per state slot, its arrays), if the model has one, and the
+        image ``spans`` among its tokens (its pages' hashes chain over them).
 
         Pages already on disk are not written again. True if saved; afterwards the store is
         within ``max_bytes``, having evicted entries other than ``key`` and ``pinned``. False
@@ -218,7 +227,7 @@ class DiskStore:
         ``tokens``, wrong shapes, no data for a page the store lacks) are a ``ValueError``.
         """
         ix = self._index
-        put = prepare(ix, key, tokens, pages, tails, layout, state)
+        put = prepare(ix, key, tokens, pages, tails, layout, state, spans)
         man, new_files = put.manifest, put.new_files
         if man is None:
             return False
@@ -250,7 +259,8 @@ class DiskStore:
             ix.forget_entry(old)
         ix.add_entry(key, name, fmt.EntryMetaInfo(
             key, put.tokens, man.hashes, len(put.tokens) % self.geo.page_size,
-            tuple(tuple(x) for x in put.layout), state is not None, man.tail_parents), msize,
+            tuple(tuple(x) for x in put.layout), state is not None, man.tail_parents,
+            put.spans), msize,
             head_sum=framing.head_digest(man.chunks[0]))
         if old is not None:
             ix.gc(old.files)
@@ -344,7 +354,8 @@ class DiskStore:
                 if len(got) == e.size else None
             if tensors is not None:
                 return fmt.EntryMetaInfo(e.key, tuple(e.tokens.tolist()), list(e.page_hashes),
-                                         e.tail_tokens, e.layout, e.has_state), tensors
+                                         e.tail_tokens, e.layout, e.has_state,
+                                         spans=e.spans), tensors
             info, tensors = file_data.decode_entry(self.geo, got)
             if info.key != e.key:
                 raise FormatError("the manifest is another key's")

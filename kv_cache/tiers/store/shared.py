@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from kv_cache.pages.hashing import chain_hashes, page_hash
+from kv_cache.pages.spans import page_extras
 from kv_cache.tiers.disk import file_format as fmt
 from kv_cache.tiers.store import values as val
 from kv_cache.tiers.store.connection import Link, StoreUnavailable
@@ -64,6 +65,7 @@ class WriteJob:
     tails: dict = field(default_factory=dict)  # group -> host array of the open tail page
     layout: list = field(default_factory=list)
     state: list | None = None
+    spans: tuple = ()  # the image spans among its tokens (``kv_cache.pages.spans``)
 
 
 class SharedStore:
@@ -172,24 +174,28 @@ class SharedStore:
     def write(self, job: WriteJob) -> bool:
         """Write ``job`` now: its absent pages (those with data), then its manifest."""
         P, geo = self.geo.page_size, self.geo
-        parents = [chain_hashes(geo.root(g), job.tokens, P) for g in range(len(geo.spec.groups))]
+        parents = [chain_hashes(geo.root(g), job.tokens, P, spans=job.spans)
+                   for g in range(len(geo.spec.groups))]
         at = [{h: i for i, h in enumerate(chain)} for chain in parents]
         items: list[tuple[bytes, Callable[[], bytes]]] = []
         for p in job.pages:
             if p.hash is not None and p.data is not None:
                 i = at[p.group][bytes(p.hash)]
                 parent = parents[p.group][i - 1] if i else geo.root(p.group)
+                extras = page_extras(job.spans, i * P, P)
                 items.append((bytes(p.hash), _page_maker(geo, p.hash, parent, p.tokens, p.data,
-                                                         p.group)))
+                                                         p.group, extras)))
         n_tail = len(job.tokens) % P
         for g, data in sorted(job.tails.items()):
             chain = parents[g][: len(job.tokens) // P]
             parent = chain[-1] if chain else geo.root(g)
             tail = job.tokens[len(job.tokens) - n_tail:]
-            items.append((page_hash(parent, tail), _page_maker(geo, None, parent, tail, data,
-                                                                  g)))
+            extras = page_extras(job.spans, len(job.tokens) - n_tail, n_tail)
+            items.append((page_hash(parent, tail, extras), _page_maker(geo, None, parent, tail,
+                                                                       data, g, extras)))
         hashes = [h for p in job.pages if p.hash is not None for h in [bytes(p.hash)]]
-        manifest = val.entry_value(geo, job.key, job.tokens, hashes, job.layout, job.state)
+        manifest = val.entry_value(geo, job.key, job.tokens, hashes, job.layout, job.state,
+                                   job.spans)
         # last page first: the store's LRU then drops an entry's later pages before its first
         # ones (TOUCH and SET both count as use; EXISTS does not, and a beginning that every
         # conversation shares went first), which keeps what it holds a usable prefix
@@ -253,11 +259,12 @@ class SharedStore:
             pass
 
 
-def _page_maker(geo, h, parent, tokens, data, group) -> Callable[[], bytes]:
-    """The value of a page, made when it is sent (only pages the store lacks are encoded)."""
+def _page_maker(geo, h, parent, tokens, data, group, extras=()) -> Callable[[], bytes]:
+    """The value of a page (with its image keys ``extras``), made when it is sent (only pages
+    the store lacks are encoded)."""
     tokens = tuple(int(t) for t in tokens)
-    ph = bytes(h) if h is not None else page_hash(parent, tokens)
-    return lambda: val.page_value(geo, ph, parent, tokens, data, group)
+    ph = bytes(h) if h is not None else page_hash(parent, tokens, extras)
+    return lambda: val.page_value(geo, ph, parent, tokens, data, group, extras)
 
 
 def _pipelined(client, command: str, names: list[str]) -> list:

@@ -27,6 +27,7 @@ import mlx.core as mx
 import numpy as np
 
 from kv_cache.pages.hashing import chain_hashes, page_hash
+from kv_cache.pages.spans import Span, as_spans, outside, page_extras
 from kv_cache.tiers.base import FoundPrefix, LoadedEntry, StoredEntry, Tier
 from kv_cache.tiers.disk.file_data import as_page, run_dest, to_array
 from kv_cache.tiers.store.shared import SharedStore, WriteJob
@@ -64,24 +65,28 @@ class TieredStore:
             while len(self._manifests) > MANIFESTS:
                 self._manifests.popitem(last=False)
         return StoredEntry(key, tuple(info.tokens), list(info.page_hashes), info.tail_tokens,
-                           tuple(info.layout), info.has_state)
+                           tuple(info.layout), info.has_state, info.spans)
 
-    def find_prefix(self, prompt: Sequence[int], limit: int) -> FoundPrefix | None:
-        found = self.disk.find_prefix(prompt, limit)
+    def find_prefix(self, prompt: Sequence[int], limit: int,
+                    spans: Sequence[Span] = ()) -> FoundPrefix | None:
+        spans = as_spans(spans)
+        found = self.disk.find_prefix(prompt, limit, spans)
         if not self.by_content:
             return found
         P = self.geo.page_size
         pages = limit // P
         if pages == 0 or (found is not None and found.tokens >= pages * P):
             return found
-        hashes = chain_hashes(self.geo.root(0), prompt[: pages * P], P)
+        hashes = chain_hashes(self.geo.root(0), prompt[: pages * P], P, spans=spans)
         n = self.shared.count_present(hashes)
+        n = outside(n * P, spans) // P  # NOTE: never inside an image: back to a page before it
         if n * P <= (found.tokens if found is not None else 0):
             return found
         return FoundPrefix(n * P, [hashes[:n]], {})
 
-    def find_end(self, prompt: Sequence[int], limit: int) -> str | None:
-        return self.disk.find_end(prompt, limit)
+    def find_end(self, prompt: Sequence[int], limit: int,
+                 spans: Sequence[Span] = ()) -> str | None:
+        return self.disk.find_end(prompt, limit, spans)
 
     def has_page(self, h: bytes) -> bool:
         """Never: a ``put`` brings every page's data (host views of the pool's arrays, no
@@ -107,7 +112,8 @@ class TieredStore:
         tails: dict[int, mx.array] = {}
         if info.tail_tokens:
             tail = tokens[len(tokens) - info.tail_tokens:]
-            hashes = [page_hash(parent, tail) for parent in info.tail_parents]
+            extras = page_extras(info.spans, len(tokens) - len(tail), len(tail))
+            hashes = [page_hash(parent, tail, extras) for parent in info.tail_parents]
             for g, found in enumerate(self.shared.load_pages(hashes, tail=True, stop=False)):
                 if found is not None:
                     tails[g] = to_array(*found)
@@ -116,7 +122,7 @@ class TieredStore:
             state = [[tensors[f"state.{si}.{i}"] for i in range(len(s.shapes))]
                      for si, s in enumerate(self.geo.spec.states)]
         stored = StoredEntry(key, tokens, list(info.page_hashes), len(tokens) % P,
-                             tuple(info.layout), info.has_state)
+                             tuple(info.layout), info.has_state, info.spans)
         return LoadedEntry(stored, tails, state)
 
     def load_page(self, h: bytes) -> mx.array | None:
@@ -154,12 +160,13 @@ class TieredStore:
 
     def put(self, key: str, tokens: Sequence[int], pages: Sequence, pinned: Collection[str] = (),
             *, tails: dict | None = None, layout: Sequence[tuple[int, int]] | None = None,
-            state=None) -> bool:
+            state=None, spans: Sequence[Span] = ()) -> bool:
         """The disk's put, then the entry queued for the store."""
-        ok = self.disk.put(key, tokens, pages, pinned, tails=tails, layout=layout, state=state)
+        ok = self.disk.put(key, tokens, pages, pinned, tails=tails, layout=layout, state=state,
+                           spans=spans)
         layout = list(layout) if layout is not None else [(0, len(pages))]
         self.shared.submit(WriteJob(key, tuple(int(t) for t in tokens), list(pages),
-                                    dict(tails or {}), layout, state))
+                                    dict(tails or {}), layout, state, as_spans(spans)))
         return ok
 
     def touch(self, key: str) -> None:

@@ -116,9 +116,11 @@ def unwrap(geo: fmt.Geometry, kind: int, ident: bytes, value: bytes | None) -> m
     return payload
 
 
-def page_value(geo: fmt.Geometry, h: bytes, parent: bytes, tokens, data, group: int) -> bytes:
-    """A page's (or open tail page's) value: the disk tier's file of it, wrapped."""
-    chunks, _ = fmt.page_file(geo, h, parent, tokens, data, group)
+def page_value(geo: fmt.Geometry, h: bytes, parent: bytes, tokens, data, group: int,
+               extras=()) -> bytes:
+    """A page's (or open tail page's) value, with its image keys ``extras``: the disk tier's
+    file of it, wrapped."""
+    chunks, _ = fmt.page_file(geo, h, parent, tokens, data, group, extras)
     return join(wrap(geo, PAGE, h, chunks))
 
 
@@ -132,10 +134,12 @@ def check_page(geo: fmt.Geometry, h: bytes, value: bytes | None, tail: bool = Fa
         raise BadValue(str(e)) from e
 
 
-def entry_value(geo: fmt.Geometry, key: str, tokens, hashes, layout, state) -> bytes:
-    """An entry's manifest value: the disk tier's manifest under the id's hash, wrapped."""
+def entry_value(geo: fmt.Geometry, key: str, tokens, hashes, layout, state,
+                spans=()) -> bytes:
+    """An entry's manifest value (with its image ``spans``): the disk tier's manifest under the
+    id's hash, wrapped."""
     ident = entry_id(key)
-    chunks = fmt.entry_file(geo, ident.hex(), tokens, hashes, layout, state)
+    chunks = fmt.entry_file(geo, ident.hex(), tokens, hashes, layout, state, spans)
     return join(wrap(geo, ENTRY, ident, chunks))
 
 

@@ -14,7 +14,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from kv_cache.pages.hashing import root_hash
+from kv_cache.pages.hashing import chain_hashes, root_hash
 from kv_cache.tiers.disk import file_format as fmt
 from kv_cache.tiers.disk.store import DiskStore
 from tests.kv_cache.tiers.disk.disk_helpers import (
@@ -315,3 +315,39 @@ def test_hostile_manifest_headers_are_misses(tmp_path, stores):
             assert s.get("k") is None, name
             assert not entry_path(root, "k").exists() and s.keys() == [], name
             s.close()
+
+
+def test_files_with_images_name_them_and_text_files_do_not(tmp_path, stores):
+    from kv_cache.pages.spans import as_spans, page_extras
+    from kv_cache.tiers.base import PageRecord
+    from tests.kv_cache.tiers.disk.disk_helpers import kv
+
+    s = stores(tmp_path)
+    toks = list(range(7))
+    assert s.put("text", toks, records(toks))
+    meta = header_of(page_path(tmp_path, hashes(toks)[0]))[0]["__metadata__"]
+    assert "extras" not in meta and "tokens" in meta  # a text page's file is as before images
+    assert "spans" not in header_of(entry_path(tmp_path, "text"))[0]["__metadata__"]
+    spans = as_spans([(2, 3, "c" * 64)])  # positions 2..4: pages 0 and 1
+    chain = chain_hashes(root_hash(FP), toks, 4, spans=spans)
+    assert chain[0] != hashes(toks)[0]
+    recs = [PageRecord(chain[0], tuple(toks[:4]), kv(chain[0], 4)),
+            PageRecord(None, tuple(toks[4:]), kv(b"tail", 3))]
+    assert s.put("image", toks, recs, spans=spans)
+    page_meta = header_of(page_path(tmp_path, chain[0]))[0]["__metadata__"]
+    assert json.loads(page_meta["extras"]) == [list(e) for e in page_extras(spans, 0, 4)]
+    entry_meta = header_of(entry_path(tmp_path, "image"))[0]["__metadata__"]
+    assert json.loads(entry_meta["spans"]) == [[2, 3, "c" * 64]]
+    s.close()
+    s = stores(tmp_path)  # read back at start-up: both entries, each with its own spans
+    assert s.get("text").spans == () and s.get("image").spans == spans
+    assert s.load_entry("image").entry.spans == spans
+    assert s.find_end(toks + [9], 7, spans) == "image" and s.find_end(toks + [9], 7) == "text"
+    s.close()
+    # an image's keys changed in a page's file (its checksum made good again): a miss
+    path = page_path(tmp_path, chain[0])
+    header, data = header_of(path)
+    header["__metadata__"]["extras"] = json.dumps([["d" * 64, -2, 3]])
+    write_with_header(path, header, data)
+    s = stores(tmp_path)
+    assert page_of(s, chain[0]) is None and not path.exists()
