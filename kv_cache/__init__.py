@@ -2,8 +2,8 @@
 
 A user (the server) describes a model's cache (``spec_of_model``: a ``CacheSpec``), opens it
 with ``open_cache`` and works through the ``CacheManager`` it returns: ``start`` a sequence for a
-prompt (a ``Match`` says what it reused), ``save`` it under a key, ``keep`` it resident,
-``report`` and ``describe`` for stats. ``export_entry``/``import_entry`` (and ``export_key``)
+prompt and its image spans, if any (a ``Match`` says what it reused), ``save`` it under a key,
+``keep`` it resident, ``report`` and ``describe`` for stats. ``export_entry``/``import_entry`` (and ``export_key``)
 move an entry between servers as a file (``TransferError``, ``FormatError`` where one is not
 ours); ``OutOfBlocksError`` says the pages ran out. ``parse_kv_bits`` and ``check_store_url``
 check ``open_cache``'s settings before a model is loaded.

@@ -1,11 +1,11 @@
 """The entries in memory: what finished turns left behind, each holding its pages.
 
 An ``Entry`` is a saved sequence under a key: the token ids of prompt + answer, the pages of each
-group that hold their keys and values, and the recurrent state after them where the model has
-one. ``Entries`` keeps them least recently used first; each entry is one holder (``ENTRY``) of
-its pages in the pool, so a page an entry uses stays in memory while the entry does. Dropping an
-entry gives its holds back: its sealed pages stay cached (and findable by tokens) until the
-pool's own eviction takes them. What goes to disk, and when, is ``saving.py``'s.
+group that hold their keys and values, the recurrent state after them where the model has one, and
+the image spans among them. ``Entries`` keeps them least recently used first; each entry is one
+holder (``ENTRY``) of its pages in the pool, so a page an entry uses stays in memory while the entry
+does. Dropping an entry gives its holds back: its sealed pages stay cached (and findable by tokens)
+until the pool's own eviction takes them. What goes to disk, and when, is ``saving.py``'s.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from kv_cache.model.sequence import PagedSequence, Snapshot
 from kv_cache.model.state_points import is_point
 from kv_cache.pages.holders import ENTRY
 from kv_cache.pages.pool import PagePool
+from kv_cache.pages.spans import Span, before
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class Entry:
     tokens: tuple[int, ...]
     tables: list[list[int | None]]  # per cache group; None: a page no window at the end reads
     state: Snapshot | None = None  # recurrent state after ``tokens``
+    spans: tuple[Span, ...] = ()  # the image spans that begin in ``tokens`` (pages.spans)
 
     @property
     def blocks(self) -> list[int | None]:
@@ -65,7 +67,8 @@ class Entries:
         for t in tables:
             self.pool.hold_all(t, ENTRY)
         self.drop(key)
-        self._entries[key] = entry = Entry(key, tuple(seq.tokens[:n]), tables, state)
+        self._entries[key] = entry = Entry(key, tuple(seq.tokens[:n]), tables, state,
+                                           before(seq.spans, n))
         return entry
 
     def drop(self, key: str) -> bool:

@@ -32,6 +32,7 @@ from kv_cache.model.batch import can_go_ragged
 from kv_cache.model.sequence import PagedSequence
 from kv_cache.model.views import PrefixViews
 from kv_cache.pages.pool import PagePool, PoolStats
+from kv_cache.pages.spans import Span, as_spans
 from kv_cache.residents import Residents
 from kv_cache.restore import Restore
 from kv_cache.room import Room
@@ -110,23 +111,27 @@ class CacheManager:
     # -- starting a sequence --------------------------------------------------------------------
 
     def find(self, prompt: Sequence[int], keys: Iterable[str],
-             boundaries: Sequence[int] = ()) -> Match:
-        """The longest verified reuse for ``prompt`` (``Lookup.find``)."""
-        return self.lookup.find(prompt, keys, boundaries)
+             boundaries: Sequence[int] = (), spans: Sequence[Span] = ()) -> Match:
+        """The longest verified reuse for ``prompt`` with image ``spans`` (``Lookup.find``)."""
+        return self.lookup.find(prompt, keys, boundaries, spans)
 
     def start(
         self, prompt: Sequence[int], keys: Iterable[str] = (), use_cache: bool = True,
-        boundaries: Sequence[int] = ()
+        boundaries: Sequence[int] = (), spans: Sequence[Span] = ()
     ) -> tuple[PagedSequence, Match]:
         """A sequence that holds the reusable prefix of ``prompt``; the caller runs the rest.
         ``boundaries``: the prompt's message boundaries (``state_points.boundaries``); a model
         with recurrent state resumes from the last one it holds a state at, and the sequence
         snapshots its state at those after the reuse (``seq.points``: the caller stops its
-        prompt pieces there), saved with the next ``save`` of it."""
+        prompt pieces there), saved with the next ``save`` of it. ``spans``: the prompt's image
+        spans, ``(start, length, image hash)`` each (``kv_cache.pages.spans``): a reuse holds
+        only where the stored images are the same in the same places, never ends inside an
+        image, and the sequence's pages and entries carry them."""
+        spans = as_spans(spans)
         if not use_cache:
-            return self.new_sequence(), Match(0, no_tables(self.pool), "none")
-        match = self.lookup.find(prompt, keys, boundaries)
-        resident = self.residents.take(prompt, match.tokens)
+            return self.new_sequence(spans), Match(0, no_tables(self.pool), "none")
+        match = self.lookup.find(prompt, keys, boundaries, spans)
+        resident = self.residents.take(prompt, match.tokens, spans)
         if resident is not None:
             self.stats.hits += 1
             self.stats.tokens_served += len(resident.tokens)
@@ -137,7 +142,7 @@ class CacheManager:
         if match.stored is not None or match.found is not None:
             match.tokens, loaded, match.state = \
                 self.restore.load(match.stored, match.tokens) if match.stored is not None \
-                else self.restore.load_found(match.found, prompt)
+                else self.restore.load_found(match.found, prompt, spans)
             match.tables = loaded
             if match.tokens == 0:
                 match.source = "none"
@@ -154,15 +159,15 @@ class CacheManager:
         else:
             self.stats.misses += 1
         seq = PagedSequence(self.pool, prompt[: match.tokens],
-                            match.tables if match.tokens else [], match.state, self.views)
+                            match.tables if match.tokens else [], match.state, self.views, spans)
         for t in loaded:  # the sequence holds them now
             self.pool.release_all(t)
         self._plan_points(seq, boundaries, len(prompt))
         return seq, match
 
-    def new_sequence(self) -> PagedSequence:
-        """An empty sequence (no reuse)."""
-        return PagedSequence(self.pool, views=self.views)
+    def new_sequence(self, spans: Sequence[Span] = ()) -> PagedSequence:
+        """An empty sequence (no reuse) for a prompt with image ``spans``."""
+        return PagedSequence(self.pool, views=self.views, spans=spans)
 
     def _plan_points(self, seq: PagedSequence, boundaries: Sequence[int], end: int) -> None:
         """``seq`` (a prompt running to ``end``) snapshots its state at ``choose``'s points."""
@@ -290,21 +295,23 @@ class CacheManager:
                 "page_size": P, "pages": -(-n // P)}
 
     @contextmanager
-    def holding(self, key: str) -> Iterator[tuple[tuple[int, ...], list, list | None] | None]:
-        """``(tokens, tables, state)`` of ``key``'s whole entry, its pages held while the block
-        runs (an entry in memory holds its own; one loaded from disk is held for the block):
-        from memory, else from disk. None where neither has all of it (a model with recurrent
-        state needs the state after its last token too)."""
+    def holding(self, key: str) -> Iterator[tuple[tuple[int, ...], list, list | None,
+                                                  tuple[Span, ...]] | None]:
+        """``(tokens, tables, state, spans)`` of ``key``'s whole entry, its pages held while the
+        block runs (an entry in memory holds its own; one loaded from disk is held for the
+        block): from memory, else from disk. None where neither has all of it (a model with
+        recurrent state needs the state after its last token too)."""
         self.sync()
         entry = self.get(key)
         tables: list = []
         if entry is not None:
-            found = (entry.tokens, entry.tables, entry.state)
+            found = (entry.tokens, entry.tables, entry.state, entry.spans)
         else:
             stored = self.store.get(key) if self.store is not None else None
             n, tables, state = (0, [], None) if stored is None else \
                 self.restore.load(stored, len(stored.tokens))
-            found = (stored.tokens, tables, state) if n and n == len(stored.tokens) else None
+            found = (stored.tokens, tables, state, stored.spans) \
+                if n and n == len(stored.tokens) else None
         if found is not None and self.pool.spec.has_state and found[2] is None:
             found = None
         try:

@@ -3,7 +3,8 @@
 A turn that continues a resident sequence goes on from it without gathering its pages from the
 pool. At most ``max_resident`` are kept, the least recently kept closed first; each holds its
 pages as a ``RESIDENT`` (``kv_cache.pages.holders``), and as a ``SEQUENCE`` again once handed
-out. Like any reuse, one is taken only as far as the new prompt's tokens verify it.
+out. Like any reuse, one is taken only as far as the new prompt's tokens (and image spans)
+verify it.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from kv_cache.lookup import whole
 from kv_cache.model.sequence import PagedSequence
 from kv_cache.pages.holders import RESIDENT, SEQUENCE
 from kv_cache.pages.pool import PagePool
+from kv_cache.pages.spans import Span, agree, as_spans
 from kv_cache.tokens import common_prefix
 
 
@@ -47,18 +49,20 @@ class Residents:
         return [b for s in self._seqs.values() for t in s.tables for b in t.blocks
                 if b is not None]
 
-    def take(self, prompt: Sequence[int], at_least: int) -> PagedSequence | None:
-        """The resident sequence ``prompt`` goes on from, trimmed to what the tokens verify and
-        no longer resident; None where none holds more than ``at_least`` tokens of it (what the
-        pages hold), or where each would lose more than half its tokens (NOTE)."""
-        best, best_n = None, 0
+    def take(self, prompt: Sequence[int], at_least: int,
+             spans: Sequence[Span] = ()) -> PagedSequence | None:
+        """The resident sequence ``prompt`` (with image ``spans``) goes on from, trimmed to what
+        the tokens and spans verify and no longer resident; None where none holds more than
+        ``at_least`` tokens of it (what the pages hold), or where each would lose more than half
+        its tokens (NOTE)."""
+        best, best_n, spans = None, 0, as_spans(spans)
         for seq in self._seqs.values():
-            n = min(common_prefix(seq.tokens, prompt), len(prompt) - 1)
+            n = agree(min(common_prefix(seq.tokens, prompt), len(prompt) - 1), seq.spans, spans)
             if not seq.can_trim_to(n):
                 # NOTE: keys per channel: a resident sequence holds the floats of its open page
                 # and of the last page it sealed (so it goes on mid-page, unlike a reuse from
                 # pages); further back only from a page boundary.
-                n = whole(self.pool, n)
+                n = agree(whole(self.pool, n), seq.spans, spans)
             # NOTE: a sequence trimmed by more than half is another conversation that shares
             # only a beginning (agents' system prompt): taking it would save one copy of that
             # beginning from the pages and cost its own conversation the copy of all of its
@@ -70,6 +74,7 @@ class Residents:
             return None
         self._release(id(best))
         best.trim(len(best.tokens) - best_n)  # NOTE: verified by tokens, like any other reuse
+        best.spans = spans  # the same as its own up to best_n; the new prompt's after
         return best
 
     def close_oldest(self) -> None:

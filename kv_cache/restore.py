@@ -17,6 +17,7 @@ from kv_cache.errors import OutOfBlocksError
 from kv_cache.lookup import cut, whole
 from kv_cache.model.sequence import Snapshot
 from kv_cache.pages.pool import PagePool
+from kv_cache.pages.spans import Span
 from kv_cache.stats import ManagerStats
 from kv_cache.tiers.base import FoundPrefix, FoundTails, StoredEntry, Tier
 
@@ -41,24 +42,28 @@ class Restore:
         full-attention group keeps what loads up to the first page that cannot be had; any
         other gets all it needs or nothing."""
         loaded = self.store.load_entry(stored.key)  # NOTE: the manifest read and verified
-        if loaded is None or loaded.entry.tokens != stored.tokens:
+        if loaded is None or loaded.entry.tokens != stored.tokens \
+                or loaded.entry.spans != stored.spans:
             return 0, [], None
         state = loaded.state if n == len(stored.tokens) else None
         if self.pool.spec.has_state and state is None:
             return 0, [], None
         return self._load_pages(stored.tokens, stored.group_hashes(), loaded.tails, n, state,
-                                stored.key)
+                                stored.key, stored.spans)
 
-    def load_found(self, found: FoundPrefix, prompt: Sequence[int]):
-        """``load`` for a prefix found on disk by content: no manifest, the pages by hash and
-        the partial page's file only if the load gets that far (``FoundTails``)."""
+    def load_found(self, found: FoundPrefix, prompt: Sequence[int],
+                   spans: Sequence[Span] = ()):
+        """``load`` for a prefix found on disk by content (of ``prompt`` with image
+        ``spans``): no manifest, the pages by hash and the partial page's file only if the load
+        gets that far (``FoundTails``)."""
         return self._load_pages(prompt, found.hashes, FoundTails(self.store, self.pool, found),
-                                found.tokens, None, "a prompt's stored prefix")
+                                found.tokens, None, "a prompt's stored prefix", spans)
 
     def _load_pages(self, tokens: Sequence[int], hashes: list[list[bytes | None]], tails,
-                    n: int, state: Snapshot | None, what: str):
+                    n: int, state: Snapshot | None, what: str, spans: Sequence[Span]):
         """What ``load`` does once it has the manifest: the pages ``hashes`` (per group, of
-        ``tokens``) and the partial page after them (``tails.get(group)``: data holding it)."""
+        ``tokens`` with image ``spans``) and the partial page after them (``tails.get(group)``:
+        data holding it)."""
         pool, P = self.pool, self.pool.page_size
         n = whole(pool, n)
         tables: list[list[int | None]] = []
@@ -94,7 +99,7 @@ class Restore:
                             if i and hashes[g][i - 1] is not None:
                                 parent = hashes[g][i - 1]
                             elif i:
-                                chain = chain or pool.chain(tokens[: i * P], g)
+                                chain = chain or pool.chain(tokens[: i * P], g, spans)
                                 parent = chain[i - 1]
                             else:
                                 parent = pool.roots[g]

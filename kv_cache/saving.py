@@ -105,10 +105,10 @@ class Saving:
             pages += [(g, pool.hash_of(b), pool.tokens(b), pool.data(b)) for _, b in present]
             if n % P:
                 tails[g] = mx.contiguous(pool.data(table[full])[:, :, :, : n % P, :])
-        return entry.key, entry.tokens, pages, tails, layout, entry.state
+        return entry.key, entry.tokens, pages, tails, layout, entry.state, entry.spans
 
     def _writer_task(self, captured: tuple) -> Callable[[], None]:
-        key, tokens, pages, tails, layout, state = captured
+        key, tokens, pages, tails, layout, state, spans = captured
         # Pages already on disk need no data; the rest go over as host bytes (zero-copy).
         records = [PageRecord(h, t, None if self.store.has_page(h) else host_array(d), g)
                    for g, h, t, d in pages]
@@ -118,7 +118,7 @@ class Saving:
         def write() -> None:
             try:
                 ok = self.store.put(key, tokens, records, pinned=(key,), tails=tails,
-                                    layout=layout, state=state)
+                                    layout=layout, state=state, spans=spans)
             except ValueError as e:  # e.g. a page evicted from disk since the check above
                 log.info("cache entry %s not saved to disk: %s", key, e)
                 ok = False

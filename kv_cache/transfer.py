@@ -2,7 +2,9 @@
 
 Both go through the manager's public surface: an export reads the entry's pages while the
 manager holds them (``CacheManager.holding``); an import writes the file's keys and values into
-pool pages, as a restore from disk does, and keeps them with ``CacheManager.save``.
+pool pages, as a restore from disk does, and keeps them with ``CacheManager.save``. An entry with
+images carries its image spans (metadata ``spans``, in the checksum); one without has none, as
+before images.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from kv_cache.errors import FormatError
 from kv_cache.entries import Entry
 from kv_cache.manager import CacheManager
 from kv_cache.model.sequence import PagedSequence
+from kv_cache.pages.spans import as_spans
 from kv_cache.tiers.disk.file_format import read_header
 
 FORMAT = "mlx-kvcache-export"
@@ -29,9 +32,11 @@ class TransferError(ValueError):
     """An export file that cannot be imported here (corrupt, foreign, malformed)."""
 
 
-def _checksum(tensors: dict[str, mx.array], tokens) -> str:
+def _checksum(tensors: dict[str, mx.array], tokens, spans=()) -> str:
     h = hashlib.blake2b(digest_size=32)
     h.update(json.dumps(list(tokens)).encode())
+    if spans:  # NOTE: an export of text is checked as it always was
+        h.update(_spans_json(spans).encode())
     for name in sorted(tensors):
         kv = tensors[name]
         h.update(name.encode())
@@ -52,14 +57,18 @@ def _gather(pool, tables, n: int) -> dict[str, mx.array]:
     return out
 
 
-def entry_kv(manager: CacheManager, key: str) -> tuple[tuple[int, ...], dict[str, mx.array]] | None:
-    """The tokens and tensors (``kv.<group>`` pages, ``state.<slot>.<i>``) of ``key``, from
-    memory or disk; None when neither has it whole."""
+def _spans_json(spans) -> str:
+    return json.dumps([list(s) for s in spans])
+
+
+def entry_kv(manager: CacheManager, key: str):
+    """The tokens, tensors (``kv.<group>`` pages, ``state.<slot>.<i>``) and image spans of
+    ``key``, from memory or disk; None when neither has it whole."""
     pool = manager.pool
     with manager.holding(key) as found:
         if found is None:
             return None
-        tokens, tables, state = found
+        tokens, tables, state, spans = found
         tensors = _gather(pool, tables, len(tokens))
         mx.eval(list(tensors.values()))
     if len(tensors) != len(pool.groups):
@@ -67,7 +76,7 @@ def entry_kv(manager: CacheManager, key: str) -> tuple[tuple[int, ...], dict[str
     for si, arrays in enumerate(state or []):
         for i, a in enumerate(arrays):
             tensors[f"state.{si}.{i}"] = a
-    return tokens, tensors
+    return tokens, tensors, spans
 
 
 def export_entry(manager: CacheManager, key: str) -> bytes | None:
@@ -75,13 +84,15 @@ def export_entry(manager: CacheManager, key: str) -> bytes | None:
     found = entry_kv(manager, key)
     if found is None:
         return None
-    tokens, tensors = found
+    tokens, tensors, spans = found
     tensors = {k: mx.contiguous(v) for k, v in tensors.items()}
     mx.eval(list(tensors.values()))
     pool = manager.pool
     meta = {"format": FORMAT, "format_version": VERSION, "fingerprint": pool.fingerprint,
             "key": key, "tokens": json.dumps(list(tokens)), "cache_spec": pool.spec.to_json(),
-            "checksum": _checksum(tensors, tokens)}
+            "checksum": _checksum(tensors, tokens, spans)}
+    if spans:
+        meta["spans"] = _spans_json(spans)
     fd, path = tempfile.mkstemp(suffix=".safetensors")
     os.close(fd)
     try:
@@ -125,9 +136,14 @@ def read_export(path: str | Path) -> tuple[dict, dict[str, mx.array]]:
                                                             a.shape[3] > len(tokens))
                                            for k, a in arrays.items() if k.startswith("kv.")):
         raise TransferError("the export's data does not match its token ids")
-    if meta.get("checksum") != _checksum(arrays, tokens):
+    try:
+        spans = as_spans(json.loads(meta["spans"])) if "spans" in meta else ()
+        assert all(s.end <= len(tokens) for s in spans)
+    except (TypeError, ValueError, AssertionError):
+        raise TransferError("the export's image spans are malformed")
+    if meta.get("checksum") != _checksum(arrays, tokens, spans):
         raise TransferError("the export's checksum does not match its data")
-    meta["tokens"] = tokens
+    meta["tokens"], meta["spans"] = tokens, spans
     return meta, arrays
 
 
@@ -160,8 +176,9 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
     try:
         for g in range(len(pool.groups)):
             tables.append([])
-            _write_pages(pool, g, tokens, arrays[f"kv.{g}"], tables[-1], manager.with_room)
-        with PagedSequence(pool, tokens, tables, state) as seq:
+            _write_pages(pool, g, tokens, arrays[f"kv.{g}"], tables[-1], manager.with_room,
+                         meta["spans"])
+        with PagedSequence(pool, tokens, tables, state, spans=meta["spans"]) as seq:
             return manager.save(key, seq)
     finally:
         for t in tables:
@@ -169,14 +186,15 @@ def import_entry(manager: CacheManager, path: str | Path, key: str | None = None
 
 
 def _write_pages(pool, g: int, tokens: list[int], kv: mx.array, table: list,
-                 with_room) -> None:
+                 with_room, spans) -> None:
     """Group ``g``'s pages of ``tokens`` from ``kv``, which holds the positions from the first
     page a window at the end reads (all, for full attention), appended to ``table`` held: full
     pages sealed (the pool's own copy where it has one), the open tail written to a new page.
-    ``with_room``: the manager's (``CacheManager.with_room``), room made for each page."""
+    ``with_room``: the manager's (``CacheManager.with_room``), room made for each page.
+    ``spans``: the image spans among ``tokens`` (the pages' hashes carry them)."""
     n, P = len(tokens), pool.page_size
     skip = pool.groups[g].kind.first_page(n, P)
-    chain = pool.chain(tokens[: n // P * P], g)
+    chain = pool.chain(tokens[: n // P * P], g, spans)
     table += [None] * skip
     for i in range(skip, -(-n // P)):
         a, b = i * P, min((i + 1) * P, n)

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Sequence
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache
 
-from kv_cache.pages.hashing import chain_hashes
+from kv_cache.pages.hashing import chain_hashes, page_hash
+from kv_cache.pages.spans import Span, as_spans, page_extras
 from kv_cache.model.channel_cache import ChannelKeysCache
 from kv_cache.model.layer_cache import PagedLayerCache, layer_cache
 from kv_cache.model.page_writes import release_before, write_group
@@ -60,14 +61,18 @@ class PagedSequence:
 
     def __init__(self, pool: PagePool, tokens: Sequence[int] = (),
                  blocks: Sequence[int] | Sequence[Sequence[int | None]] = (),
-                 state: Snapshot | None = None, views: PrefixViews | None = None):
+                 state: Snapshot | None = None, views: PrefixViews | None = None,
+                 spans: Sequence[Span] = ()):
         """Start from ``tokens`` whose keys and values the pool already holds: ``blocks`` per
         cache group (a plain list for a one-group pool; None where a sliding window no longer
         reads a page), and ``state``, the recurrent state after ``tokens`` (a reused prefix; the
         sequence takes its own holds and copies). With ``views``, the full-attention layers read
         the leading pages through a shared prefix view (``kv_cache.model.attention``) and keep only
-        the rest in their buffers; views made later are taken up by ``prepare``."""
+        the rest in their buffers; views made later are taken up by ``prepare``. ``spans``: the
+        image spans (``kv_cache.pages.spans``) of the whole prompt this sequence runs, so that the
+        pages it seals carry them in their hashes."""
         self.pool = pool
+        self.spans: tuple[Span, ...] = as_spans(spans)
         self.views = views
         self.view: PrefixView | None = None
         self.view_len = 0
@@ -241,7 +246,13 @@ class PagedSequence:
         for g, i in written:
             table = self.tables[g]
             if self.pool.num_tokens(table.blocks[i]) == self.pool.page_size:
-                table.blocks[i] = self.pool.seal(table.blocks[i], self._parent(g, i))
+                parent = self._parent(g, i)
+                h = None
+                if self.spans:
+                    P = self.pool.page_size
+                    h = page_hash(parent, self.tokens[i * P : (i + 1) * P],
+                                  page_extras(self.spans, i * P, P))
+                table.blocks[i] = self.pool.seal(table.blocks[i], parent, h)
 
     def _parent(self, g: int, index: int) -> bytes:
         if index == 0:
@@ -250,7 +261,7 @@ class PagedSequence:
         if len(chain) < index:
             self._chains[g] = chain = chain_hashes(
                 self.pool.roots[g], self.tokens[: index * self.pool.page_size],
-                self.pool.page_size, start=chain)
+                self.pool.page_size, start=chain, spans=self.spans)
         return chain[index - 1]
 
     def can_trim_to(self, length: int) -> bool:
@@ -307,7 +318,7 @@ class PagedSequence:
         not)."""
         self.commit()
         child = PagedSequence(self.pool, self.tokens, [t.blocks for t in self.tables],
-                              self.state_snapshot(), self.views)
+                              self.state_snapshot(), self.views, self.spans)
         for mine, theirs in zip(self.paged_layers, child.paged_layers):
             if isinstance(mine, ChannelKeysCache):  # the open page's float keys
                 theirs.tail = mine.float_tail()

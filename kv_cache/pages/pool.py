@@ -38,6 +38,7 @@ from kv_cache.pages.meta import PageMeta
 from kv_cache.pages.prefix_index import PrefixIndex
 from kv_cache.pages.storage import PageStorage
 from kv_cache.layout.spec import CacheSpec, GroupSpec
+from kv_cache.pages.spans import Span
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +296,8 @@ class PagePool:
 
     def seal(self, block: int, parent: bytes, h: bytes | None = None) -> int:
         """Seal a full open page under the chain ``parent``; returns the block now holding it.
-        ``h``: the page's hash where the caller has it already (``page_hash(parent, tokens)``).
+        ``h``: the page's hash where the caller has it already (``page_hash(parent, tokens)``;
+        a page that holds an image's tokens must be given it, with its extra keys).
 
         If an identical page (same hash and tokens) is already indexed, the caller's hold moves
         to that page and ``block`` is freed: pages are stored once.
@@ -324,7 +326,8 @@ class PagePool:
     def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array,
                    group: int = 0, h: bytes | None = None) -> int:
         """A sealed page of ``group`` built from outside data (a disk store); held once by the
-        caller. ``h``: its hash where the caller has it (``page_hash(parent, tokens)``)."""
+        caller. ``h``: its hash where the caller has it (``page_hash(parent, tokens)``; a page
+        that holds an image's tokens must be given it, with its extra keys)."""
         h = page_hash(parent, tokens) if h is None else h
         existing = self.index.find(h, tuple(tokens))
         if existing is not None:
@@ -358,10 +361,11 @@ class PagePool:
 
     # -- finding pages by content (the prefix index's) ------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int], group: int = 0) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], group: int = 0,
+                     spans: Sequence[Span] = ()) -> list[int]:
         """The indexed full pages of ``group`` that hold the longest page-aligned prefix of
-        ``tokens``. Not held: the caller holds what it keeps."""
-        return self.index.match_prefix(tokens, group)
+        ``tokens`` (with image ``spans``). Not held: the caller holds what it keeps."""
+        return self.index.match_prefix(tokens, group, spans)
 
     def lookup(self, h: bytes) -> int | None:
         """The indexed block holding the sealed page with chain hash ``h`` (not held)."""
@@ -372,9 +376,11 @@ class PagePool:
         with the same tokens, or None. Not held."""
         return self.index.match_hashes(hashes, tokens)
 
-    def chain(self, tokens: Sequence[int], group: int = 0) -> list[bytes]:
-        """The chain hashes of every full page of ``tokens`` in ``group``."""
-        return self.index.chain(tokens, group)
+    def chain(self, tokens: Sequence[int], group: int = 0,
+              spans: Sequence[Span] = ()) -> list[bytes]:
+        """The chain hashes of every full page of ``tokens`` (with image ``spans``) in
+        ``group``."""
+        return self.index.chain(tokens, group, spans)
 
     # -- eviction -------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@ same tokens finds the same physical page.
 
 A page's hash chains the model fingerprint and the cache group (the chain's root), the hash of
 the page before it and the page's token ids (``kv_cache.pages.hashing``). A hash finds a
-candidate; the page's stored tokens decide (a collision is a miss, never wrong KV). The index
+candidate; the page's stored tokens decide (a collision is a miss, never wrong KV; a page's image
+spans are in its hash alone). The index
 also counts, per hash, the indexed pages that continue it: a page nothing continues is a leaf,
 and only leaves may be evicted (a cached prefix never loses its middle).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from kv_cache.pages.hashing import chain_hashes
+from kv_cache.pages.spans import Span
 
 if TYPE_CHECKING:
     from kv_cache.pages.meta import PageMeta
@@ -57,16 +59,18 @@ class PrefixIndex:
         b = self.blocks.get(h)
         return b if b is not None and self._metas[b].tokens == tokens else None
 
-    def match_prefix(self, tokens: Sequence[int], group: int = 0) -> list[int]:
+    def match_prefix(self, tokens: Sequence[int], group: int = 0,
+                     spans: Sequence[Span] = ()) -> list[int]:
         """The indexed full pages of ``group`` that hold the longest page-aligned prefix of
-        ``tokens``. Not held: the caller holds what it keeps."""
+        ``tokens`` (with image ``spans``: their hashes carry them). Not held: the caller holds
+        what it keeps."""
         P = self.page_size
         pages, blocks = len(tokens) // P, []
         hashes: list[bytes] = []
         while len(hashes) < pages:  # hashed a run of pages at a time: a miss stops it early
             first = len(hashes)
             hashes = chain_hashes(self.roots[group], tokens[: min(pages, 2 * first + 8) * P], P,
-                                  start=hashes)
+                                  start=hashes, spans=spans)
             for i in range(first, len(hashes)):
                 b = self.find(hashes[i], tuple(tokens[i * P : (i + 1) * P]))
                 if b is None:
@@ -82,6 +86,8 @@ class PrefixIndex:
         P = self.page_size
         return [self.find(h, tuple(tokens[i * P : (i + 1) * P])) for i, h in enumerate(hashes)]
 
-    def chain(self, tokens: Sequence[int], group: int = 0) -> list[bytes]:
-        """The chain hashes of every full page of ``tokens`` in ``group``."""
-        return chain_hashes(self.roots[group], tokens, self.page_size)
+    def chain(self, tokens: Sequence[int], group: int = 0,
+              spans: Sequence[Span] = ()) -> list[bytes]:
+        """The chain hashes of every full page of ``tokens`` (with image ``spans``) in
+        ``group``."""
+        return chain_hashes(self.roots[group], tokens, self.page_size, spans=spans)

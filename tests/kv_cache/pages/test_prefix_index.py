@@ -19,8 +19,9 @@ def test_same_tokens_under_another_parent_is_another_page():
 
 def test_a_hash_hit_compares_tokens_too(monkeypatch):
     """With every hash colliding, only the tokens can tell pages apart."""
-    monkeypatch.setattr(pool_mod, "page_hash", lambda parent, tokens: b"collision")
-    monkeypatch.setattr(prefix_index_mod, "chain_hashes", lambda root, tokens, P, start=():
+    monkeypatch.setattr(pool_mod, "page_hash", lambda parent, tokens, extras=(): b"collision")
+    monkeypatch.setattr(prefix_index_mod, "chain_hashes",
+                        lambda root, tokens, P, start=(), spans=():
                         list(start) + [b"collision"] * (len(tokens) // P - len(start)))
     pool = make_pool(4)
     a = sealed(pool, (1, 2))

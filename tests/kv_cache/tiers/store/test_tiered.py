@@ -229,3 +229,33 @@ def test_an_entry_being_written_still_counts_as_queued(model, tmp_path, redis_se
     shared.drain()
     assert shared.stats().queued == 0 and shared.stats().entries_written == 1
     m.close()
+
+
+def test_another_image_never_comes_down_past_its_start_and_the_same_one_does(model, tmp_path,
+                                                                             redis_server):
+    from kv_cache.pages.spans import as_spans
+
+    tokens = TOKENS[:9] + [7] * 8 + TOKENS[17:]  # an image's tokens at 9..16
+    same, other = as_spans([(9, 8, "a" * 64)]), as_spans([(9, 8, "b" * 64)])
+    a = manager(model, tmp_path / "a", redis_server.url)
+    seq, _ = a.start(tokens, [], spans=same)
+    run(model, seq, tokens)
+    a.save("m1", seq)
+    seq.close()
+    finish(a)
+    longer = tokens + [7, 8]
+    for n, spans in enumerate([other, same, other]):  # each server has its own, empty disk
+        b = manager(model, tmp_path / f"b{n}", redis_server.url)
+        by_id = b.start(longer, ["m1"], spans=spans)
+        by_id[0].close()
+        b.close()
+        b = manager(model, tmp_path / f"c{n}", redis_server.url)
+        by_content = b.start(longer, [], spans=spans)  # no ids: the store's pages by hash
+        by_content[0].close()
+        if spans is same:
+            assert by_id[1].tokens == len(tokens) and by_id[1].source == "disk:m1"
+            assert by_content[1].tokens == len(tokens) // 4 * 4
+        else:
+            assert by_id[1].tokens <= 9 and by_content[1].tokens <= 9
+        b.close()
+    a.close()
