@@ -30,20 +30,22 @@ _CORPUS = [
 ] * 4
 
 
-@functools.lru_cache(maxsize=1)
-def _tokenizer_json() -> str:
+@functools.lru_cache(maxsize=4)
+def _tokenizer_json(specials: tuple[str, ...] = tuple(SPECIALS)) -> str:
     tk = Tokenizer(models.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=list(specials),
+                                  show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tk.train_from_iterator(_CORPUS, trainer=trainer)
     return tk.to_str()
 
 
-def make_tiny_tokenizer() -> Tokenizer:
-    """A fresh copy of the tiny byte-level BPE tokenizer (``tokenizers.Tokenizer``)."""
-    return Tokenizer.from_str(_tokenizer_json())
+def make_tiny_tokenizer(specials: tuple[str, ...] = tuple(SPECIALS)) -> Tokenizer:
+    """A fresh copy of the tiny byte-level BPE tokenizer (``tokenizers.Tokenizer``), with
+    ``specials`` as its first tokens."""
+    return Tokenizer.from_str(_tokenizer_json(tuple(specials)))
 
 
 def tiny_vocab_size() -> int:
@@ -83,14 +85,16 @@ def make_tiny_model(seed: int = 0, num_layers: int = 2, hidden: int = 64, heads:
 
 
 def write_model_dir(path: str | Path, model, config: dict[str, Any], *,
-                    chat_template: str = CHAT_TEMPLATE, max_length: int = 2048) -> Path:
-    """Write ``model`` with ``config`` and the tiny tokenizer as a complete MLX model folder."""
+                    chat_template: str = CHAT_TEMPLATE, max_length: int = 2048,
+                    specials: tuple[str, ...] = tuple(SPECIALS)) -> Path:
+    """Write ``model`` with ``config`` and the tiny tokenizer (with ``specials``) as a complete
+    MLX model folder."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config, indent=1))
     mx.save_safetensors(str(path / "model.safetensors"), dict(tree_flatten(model.parameters())),
                         metadata={"format": "mlx"})
-    (path / "tokenizer.json").write_text(_tokenizer_json())
+    (path / "tokenizer.json").write_text(_tokenizer_json(tuple(specials)))
     tok_cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>", "chat_template": chat_template,
