@@ -31,7 +31,10 @@ more kernel launches a layer, so there only the products go apart.
 
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
-go to mlx-lm's function untouched.
+go to mlx-lm's function untouched. The language models of mlx-vlm (vision-language models)
+import mlx-vlm's function instead, which is mlx-lm's plus mlx-vlm's own TurboQuant caches: their
+modules are pointed at ``attention()`` too (NOTE: a call with a TurboQuant cache would then reach
+mlx-lm's function, which does not know it; a server never makes one).
 """
 
 from __future__ import annotations
@@ -260,13 +263,16 @@ def _group(queries: mx.array, reads: list[Reads], scale: float,
 
 def install(model) -> bool:
     """Route ``model``'s attention through ``attention()`` (each of its modules whose
-    ``scaled_dot_product_attention`` is mlx-lm's); False: not routed (one sequence a pass)."""
+    ``scaled_dot_product_attention`` is mlx-lm's or mlx-vlm's: module docstring); False: not
+    routed (one sequence a pass)."""
+    vlm = sys.modules.get("mlx_vlm.models.base")  # loaded where a vision model was built
+    originals = (_ORIGINAL, getattr(vlm, "scaled_dot_product_attention", _ORIGINAL))
     names = {type(m).__module__ for _, m in model.named_modules()}
     hooked = False
     for name in names:
         mod = sys.modules.get(name)
         fn = getattr(mod, "scaled_dot_product_attention", None)
-        if fn is _ORIGINAL:
+        if any(fn is f for f in originals):
             setattr(mod, "scaled_dot_product_attention", attention)
-        hooked = hooked or fn in (_ORIGINAL, attention)
+        hooked = hooked or fn is attention or any(fn is f for f in originals)
     return hooked
