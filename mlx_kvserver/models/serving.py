@@ -31,6 +31,7 @@ from .loading import LoadedModel, auto_dequantize
 from .on_demand import (WEIGHTS_SHARE, AllowList, NotCached, Resident, hub_bytes, idle_past,
                         in_thread, load_source, locate, lru, source_of)
 from .registry import ModelRegistry, UnknownModelError
+from .vision import listing_fields
 
 log = logging.getLogger("mlx_kvserver.models")
 
@@ -155,10 +156,10 @@ class OnDemand:
         is loading or was loaded once (loaded, unloaded), with its status."""
         weights = dict(self.engine.memory.weights)
         on_demand = {r.name for r in self.residents.values() if r.status == "loaded"}
-        out = [{"id": n, "object": "model", "created": 0, "owned_by": "mlx-kvserver",
+        out = [{"id": lm.name, "object": "model", "created": 0, "owned_by": "mlx-kvserver",
                 "status": "loaded", "on_demand": False, "pinned": True,
-                "weights_bytes": weights.get(n)}
-               for n in self.registry.names() if n not in on_demand]
+                "weights_bytes": weights.get(lm.name), **listing_fields(lm.takes_images)}
+               for lm in self.registry if lm.name not in on_demand]
         for r in self.residents.values():
             if r.loads or r.status == "loading":
                 out.append({"id": r.name, "object": "model", "created": 0,
@@ -195,6 +196,7 @@ class OnDemand:
                 self.registry.add(lm)
                 r.enter("")
                 r.lm, r.status, r.loads = lm, "loaded", r.loads + 1
+                r.takes_images = lm.takes_images
                 r.weights = self.engine.memory.weights.get(lm.name, real)
                 r.load_s = round(time.monotonic() - r.started, 3)
                 r.touch()
