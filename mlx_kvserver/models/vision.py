@@ -39,15 +39,13 @@ def _has_module(package: str, name: str) -> bool:
 def vision_family(config: dict[str, Any]) -> str | None:
     """The mlx-vlm model type of a model whose ``config.json`` is ``config``, when it is a
     vision-language model mlx-vlm loads (module docstring); None for a text model."""
+    vision = isinstance(config.get("vision_config"), dict)
+    if not vision and _has_module("mlx_lm.models", str(config.get("model_type") or "")):
+        return None  # a text model: mlx-vlm (and all it imports) is not loaded for it
     from mlx_vlm.utils import get_model_type
 
     model_type = get_model_type(config)
-    if not model_type or not _has_module("mlx_vlm.models", model_type):
-        return None
-    if isinstance(config.get("vision_config"), dict):
-        return model_type
-    raw = str(config.get("model_type") or "")
-    return None if _has_module("mlx_lm.models", raw.replace("-", "_")) else model_type
+    return model_type if model_type and _has_module("mlx_vlm.models", model_type) else None
 
 
 def folder_family(path: Path) -> str | None:
