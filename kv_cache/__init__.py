@@ -19,8 +19,9 @@ from kv_cache.lookup import Match
 from kv_cache.manager import CacheManager
 from kv_cache.model.spec_reader import spec_of_model
 from kv_cache.opening import check_store_url, open_cache
+from kv_cache.pages.spans import Span
 from kv_cache.transfer import TransferError, export_entry, export_key, import_entry
 
 __all__ = ["CacheManager", "CacheSpec", "FormatError", "Match", "OutOfBlocksError",
-           "TransferError", "check_store_url", "export_entry", "export_key", "import_entry",
+           "Span", "TransferError", "check_store_url", "export_entry", "export_key", "import_entry",
            "open_cache", "parse_kv_bits", "spec_of_model"]

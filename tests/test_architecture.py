@@ -116,7 +116,7 @@ def test_kv_cache_imports_only_its_own_layer_and_below(path):
 FACE = {  # what a user of the cache names: ``from kv_cache import ...``
     "open_cache", "CacheManager", "CacheSpec", "spec_of_model", "Match", "FormatError",
     "OutOfBlocksError", "TransferError", "export_entry", "export_key", "import_entry",
-    "parse_kv_bits", "check_store_url"}
+    "parse_kv_bits", "check_store_url", "Span"}
 HOOKS = {  # what a model runner names around a forward pass: ``from kv_cache.hooks import ...``
     "forward", "install", "batch_caches", "ragged_caches", "finish_batch", "OWN_KEYS_APART",
     "PagedSequence", "boundaries", "common_prefix"}
@@ -431,7 +431,8 @@ def test_every_server_module_has_a_room():
 
 
 MODEL_LOADING = {f"mlx_kvserver.models.{m}" for m in (  # every module of models/ but the registry
-    "loading", "gguf", "convert", "footprint", "tokenizer", "on_demand", "serving", "vision")}
+    "loading", "gguf", "convert", "footprint", "tokenizer", "on_demand", "serving", "vision",
+    "image_prompt")}
 
 
 def _beyond_translation(path: Path, module: str | None = None) -> list[tuple[int, str]]:

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
-from .conversation import Conversation, Message, Reasoning, Text, Tool, ToolCall, ToolResult
+from .conversation import (Conversation, Image, Message, Reasoning, Text, Tool, ToolCall,
+                           ToolResult)
 from .formats import ChatFormat
 
 TOOLS_INTRO = ("# Tools\n\nYou can call these tools. Each line is one tool: its name, what it "
@@ -79,10 +80,14 @@ def encode(tok: Any, fmt: ChatFormat, conv: Conversation) -> tuple[list[int], Re
     return tok.encode(rendered.text), rendered
 
 
-def render(tok: Any, fmt: ChatFormat, conv: Conversation) -> Rendered:
+def render(tok: Any, fmt: ChatFormat, conv: Conversation, images: bool = False) -> Rendered:
     """``conv`` rendered with ``tok``'s chat template (a ``ChatTokenizer``). A template error,
-    or ``template_kwargs`` that name the template's own arguments, are a ``RequestError`` 400."""
-    if any(not isinstance(p, TEXT_PARTS) for m in conv.messages for p in m.parts):
+    or ``template_kwargs`` that name the template's own arguments, are a ``RequestError`` 400.
+    With ``images`` (a model that takes them), a user message with images goes to the template
+    as a list of parts, ``{"type": "image"}`` where each image is (the template writes its
+    placeholder there); a message without images stays a string, as for a text model."""
+    allowed = (*TEXT_PARTS, Image) if images else TEXT_PARTS
+    if any(not isinstance(p, allowed) for m in conv.messages for p in m.parts):
         raise RequestError(400, "this model's prompt is rendered as text only: it does not take "
                            "images", param="messages", code="images_not_supported")
     bad = sorted(_RESERVED & set(conv.template_kwargs))
@@ -92,7 +97,7 @@ def render(tok: Any, fmt: ChatFormat, conv: Conversation) -> Rendered:
     kwargs = dict(conv.template_kwargs)
     if conv.thinking is not None and fmt.thinking_kwarg:
         kwargs.setdefault(fmt.thinking_kwarg, conv.thinking)
-    msgs = _messages(fmt, conv.messages)
+    msgs = _messages(fmt, conv.messages, images)
     tools = [hf_tool(t) for t in conv.tools] if conv.tools and fmt.native_tools else None
     if fmt.harmony:
         msgs = _harmony(msgs)
@@ -148,7 +153,7 @@ def hf_tool(t: Tool) -> dict:
     return {"type": "function", "function": fn}
 
 
-def _messages(fmt: ChatFormat, messages: list[Message]) -> list[dict]:
+def _messages(fmt: ChatFormat, messages: list[Message], images: bool = False) -> list[dict]:
     names = {c.id: c.name for m in messages for c in m.tool_calls}
     ident = _mistral_id if fmt.tool_parser == "mistral" else (lambda s: s)
     out: list[dict] = []
@@ -161,17 +166,35 @@ def _messages(fmt: ChatFormat, messages: list[Message]) -> list[dict]:
             out.append({"role": role, "content": m.text})
             continue
         parts = m.parts if role == "user" or m.tool_results else [ToolResult("", m.text)]
-        texts: list[str] = []
-        for p in parts:  # results and text, in their order
+        texts: list[str | Image] = []
+        for p in parts:  # results, text and images, in their order
             if isinstance(p, ToolResult):
                 if texts:
-                    out.append({"role": "user", "content": "".join(texts)})
+                    out.append({"role": "user", "content": _content(texts)})
                     texts = []
                 out.append(_result(fmt, p, p.name or names.get(p.call_id), ident))
             elif isinstance(p, Text) and role == "user":
                 texts.append(p.text)
+            elif isinstance(p, Image) and images and role == "user":
+                texts.append(p)
         if texts or (role == "user" and not m.tool_results):
-            out.append({"role": "user", "content": "".join(texts)})
+            out.append({"role": "user", "content": _content(texts)})
+    return out
+
+
+def _content(texts: list[str | Image]) -> str | list[dict]:
+    """A user message's content: its text joined, or where it holds images, its parts in order
+    in Hugging Face's shapes (``{"type": "text", "text"}``, ``{"type": "image"}``)."""
+    if all(isinstance(t, str) for t in texts):
+        return "".join(texts)  # type: ignore[arg-type]
+    out: list[dict] = []
+    for t in texts:
+        if isinstance(t, Image):
+            out.append({"type": "image"})
+        elif out and out[-1]["type"] == "text":
+            out[-1]["text"] += t
+        else:
+            out.append({"type": "text", "text": t})
     return out
 
 

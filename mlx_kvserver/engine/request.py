@@ -23,11 +23,12 @@ import mlx.core as mx
 from kv_cache import Match
 from kv_cache.hooks import PagedSequence, boundaries
 
-from ..chat.conversation import Conversation
+from ..chat.conversation import Conversation, Image
 from ..chat.output import Delta, Divergence, Event, Finish, TextDelta, TokenLogprob, Usage
-from ..chat.render import encode
+from ..chat.render import encode, render
 from ..chat.support import chat_support
 from ..errors import RequestError
+from ..models.image_prompt import ImagePrompt, image_prompt
 from ..models.loading import LoadedModel
 from .speculation.prediction import Prediction
 from .sampling import Sampler, StopMatcher, token_logprob
@@ -199,6 +200,17 @@ class Prompt:
     in_reasoning: bool = False  # the template opened a reasoning block the answer goes on in
     grammar: Any = None  # what constrains the answer (``chat/constraints.py``), or None
     prediction: list[int] = field(default_factory=list)  # a client's prediction, tokenized
+    images: ImagePrompt | None = None  # a prompt with images: spans, pixels and positions
+
+    @property
+    def spans(self) -> tuple:
+        """Its image spans, ``(start, length, image hash)`` each (none for text)."""
+        return self.images.spans if self.images is not None else ()
+
+    @property
+    def rope_delta(self) -> int:
+        """The position offset of its tokens after its images (0 for text)."""
+        return self.images.rope_delta if self.images is not None else 0
 
     @classmethod
     def of(cls, conv: Conversation, lm: LoadedModel) -> "Prompt":
@@ -208,7 +220,14 @@ class Prompt:
         tok = lm.tokenizer
         support = chat_support(lm)
         in_reasoning = False
-        if conv.prompt is None:
+        images = None
+        pictures = [p for m in conv.messages for p in m.parts if isinstance(p, Image)]
+        if conv.prompt is None and pictures and lm.processor is not None:
+            # the processor expands each image's placeholder to its tokens (image_prompt.py)
+            rendered = render(tok, support.format, conv, images=True)
+            images = image_prompt(lm, rendered.text, pictures)
+            tokens, in_reasoning = list(images.tokens), rendered.in_reasoning
+        elif conv.prompt is None:
             tokens, rendered = encode(tok, support.format, conv)
             in_reasoning = rendered.in_reasoning
         elif isinstance(conv.prompt, str):
@@ -228,7 +247,7 @@ class Prompt:
                                code="context_length_exceeded")
         return cls(tokens, param, min(conv.sampling.max_tokens or room, room), in_reasoning,
                    support.grammar_for(conv),  # a 400 for a schema that cannot compile
-                   tok.encode(conv.prediction) if conv.prediction else [])
+                   tok.encode(conv.prediction) if conv.prediction else [], images)
 
 
 class Request:
@@ -253,6 +272,8 @@ class Request:
         self.use_cache = conv.use_kv_cache
         self.speculate = conv.speculate  # drafts verified in the batch (speculation/speculate.py)
         self.prediction: list[int] = ready.prediction
+        self.images = ready.images  # a prompt with images (models/image_prompt.py), or None
+        self.spans, self.rope_delta = ready.spans, ready.rope_delta
         msgs = conv.messages
         self.keys = [m.message_id for m in reversed(msgs) if m.message_id]
         self.prompt_key = msgs[-1].message_id if msgs and not conv.continue_final else None

@@ -47,7 +47,7 @@ class Runner:
                      name)
 
     def prefill(self, seq: PagedSequence, tokens: Sequence[int],
-                logits: bool = True) -> mx.array | None:
+                logits: bool = True, images=None) -> mx.array | None:
         """Run ``tokens`` on ``seq``; the last position's logits (evaluated), or None where
         ``logits`` is false.
 
@@ -57,30 +57,42 @@ class Runner:
         does. On a 24,000-token prompt of a 2-layer model that halved the prefill; on the
         default model it saves one of 30 layers and the head (a 49,152-token vocabulary). So a
         piece whose logits are read runs its last token alone, when it is longer than
-        ``SPLIT_LAST`` (a short one is not worth a second pass)."""
-        if not logits or len(tokens) > SPLIT_LAST:
+        ``SPLIT_LAST`` (a short one is not worth a second pass).
+
+        ``images``: the prompt's ``ImagePrompt`` when it has images (``models/image_prompt.py``:
+        the piece's positions, and its images' features in place of their tokens' embeddings;
+        the piece holds each of its images whole)."""
+        if not logits or (len(tokens) > SPLIT_LAST
+                          and not self._inside_image(images, len(seq.tokens) + len(tokens) - 1)):
             body = tokens if not logits else tokens[:-1]
             with forward():
                 caches = seq.prepare()
-                self.model(mx.array(list(body))[None], cache=caches)
+                self.model(mx.array(list(body))[None], cache=caches,
+                           **self._inputs([seq], body, images))
                 mx.eval([a for c in caches for a in _arrays(c.state)])
             seq.append_tokens(body)
             if not logits:
                 return None
             tokens = tokens[-1:]
         with forward():
-            out = self.model(mx.array(list(tokens))[None], cache=seq.prepare())[0, -1]
+            out = self.model(mx.array(list(tokens))[None], cache=seq.prepare(),
+                             **self._inputs([seq], tokens, images))[0, -1]
             mx.eval(out)
         seq.append_tokens(tokens)
         return out
 
     def prefill_many(self, seqs: Sequence[PagedSequence], pieces: Sequence[Sequence[int]],
-                     logits: Sequence[bool] | None = None) -> list[mx.array | None]:
+                     logits: Sequence[bool] | None = None,
+                     images: Sequence | None = None) -> list[mx.array | None]:
         """Prompt pieces of several sequences in one forward pass (``_pass``: ragged where that
         saves rows, e.g. the next turns of cached conversations, 1-31 new tokens each); each
-        one's last logits (for one sequence, None where ``logits`` says nobody reads them)."""
-        if len(seqs) == 1:
-            return [self.prefill(seqs[0], pieces[0], logits[0] if logits else True)]
+        one's last logits (for one sequence, None where ``logits`` says nobody reads them).
+        Pieces of prompts with images (``images``: each piece's ``ImagePrompt`` or None) run
+        one a pass, with their own positions and features."""
+        if len(seqs) == 1 or (images and any(i is not None for i in images)):
+            return [self.prefill(s, p, logits[i] if logits else True,
+                                 images[i] if images else None)
+                    for i, (s, p) in enumerate(zip(seqs, pieces))]
         rows = [out[-1] for out in self._pass(seqs, pieces)]
         mx.eval(rows)
         return rows
@@ -92,7 +104,8 @@ class Runner:
         of rejected draft tokens (``PagedSequence.trim``)."""
         if len(seqs) == 1:
             with forward():
-                out = self.model(mx.array(list(pieces[0]))[None], cache=seqs[0].prepare())[0]
+                out = self.model(mx.array(list(pieces[0]))[None], cache=seqs[0].prepare(),
+                                 **self._inputs(seqs, pieces[0]))[0]
             seqs[0].append_tokens(pieces[0])
             return [out]
         return self._pass(seqs, pieces)
@@ -108,13 +121,15 @@ class Runner:
         if self.pass_rows(lengths) < len(seqs) * T:
             with forward():
                 flat = mx.array([t for p in pieces for t in p])[:, None]
-                logits = self.model(flat, cache=ragged_caches(seqs, lengths))[:, 0]
+                logits = self.model(flat, cache=ragged_caches(seqs, lengths),
+                                    **self._inputs(seqs, lengths=lengths))[:, 0]
             starts = accumulate(lengths, initial=0)
             out = [logits[a : a + n] for a, n in zip(starts, lengths)]
         else:
             padded = mx.array([list(p) + [0] * (T - len(p)) for p in pieces])
             with forward():
-                logits = self.model(padded, cache=batch_caches(seqs, lengths))
+                logits = self.model(padded, cache=batch_caches(seqs, lengths),
+                                    **self._inputs(seqs))
             out = [logits[i, :n] for i, n in enumerate(lengths)]
         for seq, p in zip(seqs, pieces):
             seq.append_tokens(p)
@@ -133,14 +148,38 @@ class Runner:
         """One new token per sequence; logits ``[len(seqs), vocab]`` (lazy)."""
         with forward():
             if len(seqs) == 1:
-                logits = self.model(mx.array([[tokens[0]]]), cache=seqs[0].prepare())[:, -1]
+                logits = self.model(mx.array([[tokens[0]]]), cache=seqs[0].prepare(),
+                                    **self._inputs(seqs))[:, -1]
             else:
                 caches = batch_caches(seqs)
-                logits = self.model(mx.array(list(tokens))[:, None], cache=caches)[:, -1]
+                logits = self.model(mx.array(list(tokens))[:, None], cache=caches,
+                                    **self._inputs(seqs))[:, -1]
                 finish_batch(seqs, caches)
         for seq, t in zip(seqs, tokens):
             seq.append_tokens([t])
         return logits
+
+    def _inputs(self, seqs: Sequence[PagedSequence], piece: Sequence[int] = (), images=None,
+                lengths: Sequence[int] | None = None) -> dict:
+        """The model's keyword arguments beside the tokens and caches: a prompt piece's with
+        images (``ImagePrompt.inputs``, at the sequence's length), else each row's
+        ``rope_deltas`` where a sequence's positions run past its index (a sequence after an
+        image: ``rope_delta``, set by the scheduler); one per token for a ragged pass
+        (``lengths``). None of them for text."""
+        if images is not None:
+            return images.inputs(self.model, piece, len(seqs[0].tokens))
+        deltas = [getattr(s, "rope_delta", 0) for s in seqs]
+        if not any(deltas):
+            return {}
+        if lengths is not None:
+            deltas = [d for d, n in zip(deltas, lengths) for _ in range(n)]
+        return {"rope_deltas": mx.array(deltas, dtype=mx.int32)}
+
+    @staticmethod
+    def _inside_image(images, position: int) -> bool:
+        """Whether ``position`` of a prompt with ``images`` holds an image's token (a piece
+        whose last token does runs whole: its image is not cut)."""
+        return images is not None and any(s.start <= position < s.end for s in images.spans)
 
     def _probe(self, manager: CacheManager) -> bool:
         """Two sequences of different lengths, decoded alone and then in one batch: the model

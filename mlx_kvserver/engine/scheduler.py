@@ -202,6 +202,7 @@ class Scheduler:
                 if want == 0:
                     continue  # not even a small chunk fits now: its turn comes again
             end = min(seq.points.stop(done, done + want), len(tokens))  # a state point ends one
+            end = whole_images(r.spans, done, end)
             plan.pieces.append(Piece(r, choice, seq, tokens, done, end))
             budget -= end - done
             if budget <= 0 or not self.runner.batched_prompts:
@@ -309,13 +310,18 @@ class Scheduler:
                     return False
 
     def _start(self, r: Request, tokens: list[int], keys: list[str], boundaries=()):
-        """``manager.start`` with room made for what it loads; uncached when there is none."""
+        """``manager.start`` with room made for what it loads; uncached when there is none.
+        A prompt with images passes its spans (a reuse holds only with the same images in the
+        same places) and its sequence carries the prompt's ``rope_delta`` (the runner's
+        positions after the images)."""
         out: list = []
-        if r.use_cache and self._with_room(r, lambda: out.append(
-                self.manager.start(tokens, keys, use_cache=True, boundaries=boundaries))):
-            return out[0]
-        r.use_cache = False
-        return self.manager.start(tokens, keys, use_cache=False)
+        if not (r.use_cache and self._with_room(r, lambda: out.append(self.manager.start(
+                tokens, keys, use_cache=True, boundaries=boundaries, spans=r.spans)))):
+            r.use_cache = False
+            out = [self.manager.start(tokens, keys, use_cache=False)]
+        if r.rope_delta:
+            out[0][0].rope_delta = r.rope_delta
+        return out[0]
 
     def preempt(self, c: Choice, save: bool = False) -> None:
         """Close ``c``'s sequence; it goes on from its tokens when its turn comes again: from
@@ -383,6 +389,8 @@ class Scheduler:
             try:
                 self.manager.with_room(seq.share_prefix)
                 seqs += [self.manager.with_room(seq.fork) for _ in range(r.n - 1)]
+                for s in seqs[1:] if r.rope_delta else ():
+                    s.rope_delta = r.rope_delta
             except OutOfBlocksError as e:  # the prompt does not fit the page pool
                 log.warning("%s: %s; each choice recomputes the prompt", r.id, e)
                 for s in seqs[1:]:
@@ -500,3 +508,13 @@ class Scheduler:
         self.prepares.clear()
         return self.fail_all(RequestError(503, "the server is shutting down",
                                           type="server_error"))
+
+
+def whole_images(spans, done: int, end: int) -> int:
+    """The end of a prompt piece from ``done`` that would end at ``end``, moved so that it cuts
+    no image's span (``(start, length, image)`` each): back to the image's start, or past its
+    end where the piece begins with it (an image's tokens run in one pass)."""
+    for start, length, _ in spans:
+        if start < end < start + length:
+            return start if start > done else start + length
+    return end

@@ -101,7 +101,7 @@ def run_prompts(runner: Runner, pieces: list[Piece]) -> PromptOutcome:
     t0 = time.perf_counter()
     try:
         rows = runner.prefill_many([p.seq for p in pieces], [p.ids for p in pieces],
-                                   [p.last for p in pieces])
+                                   [p.last for p in pieces], [p.request.images for p in pieces])
     except Exception as e:  # the engine never dies with a request
         log.exception("prompt step failed")
         return PromptOutcome([], error=e)

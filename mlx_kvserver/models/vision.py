@@ -85,9 +85,13 @@ class VisionLanguageModel(nn.Module):
         lm = self.vlm.language_model
         return getattr(lm, "args", None) or getattr(lm, "config", None)
 
-    def __call__(self, inputs: mx.array, cache: list | None = None, **kwargs: Any) -> mx.array:
+    def __call__(self, inputs: mx.array, cache: list | None = None,
+                 rope_deltas: mx.array | None = None, **kwargs: Any) -> mx.array:
+        """``rope_deltas``: each row's position offset past its text (``image_prompt.py``: a
+        sequence after an image); ``position_ids`` and ``inputs_embeds`` (a prompt piece with
+        images, ``ImagePrompt.inputs``) go to the language model as they are."""
         if self._mrope and "position_ids" not in kwargs:
-            kwargs["position_ids"] = text_positions(inputs, cache)
+            kwargs["position_ids"] = text_positions(inputs, cache, rope_deltas)
         out = self.vlm.language_model(inputs, cache=cache, **kwargs)
         return getattr(out, "logits", out)
 
@@ -108,14 +112,18 @@ def as_mlx_lm_cache(cache: Any) -> Any:
     return cache
 
 
-def text_positions(inputs: mx.array, cache: list | None) -> mx.array:
+def text_positions(inputs: mx.array, cache: list | None,
+                   deltas: mx.array | None = None) -> mx.array:
     """M-RoPE position ids ``[3, B, L]`` of text tokens ``inputs [B, L]`` after what ``cache``
     holds: each row's offset (one for all rows, or one per row in a batch) plus the token's
-    index, the same in all three sections."""
+    index, plus the row's delta where ``deltas`` gives one (its text after an image), the same
+    in all three sections."""
     B, L = inputs.shape[:2]
     c0 = cache[0] if cache else None
     offset = getattr(c0, "offset", 0) if c0 is not None else 0
     start = offset.reshape(-1, 1) if isinstance(offset, mx.array) else mx.array([[int(offset)]])
+    if deltas is not None:
+        start = start + deltas.reshape(-1, 1)
     pos = mx.broadcast_to(start.astype(mx.int32) + mx.arange(L, dtype=mx.int32)[None], (B, L))
     return mx.broadcast_to(pos[None], (3, B, L))
 

@@ -215,6 +215,24 @@ def test_an_image_is_never_rendered_away() -> None:
         assert e.value.status == 400 and e.value.code == "images_not_supported"
 
 
+def test_a_model_that_takes_images_gets_its_placeholders_in_place() -> None:
+    """With ``images``, a user message with images goes to the template as parts, each image
+    where it was; one without stays a string (rendered as for a text model)."""
+    from harness.tiny_vlm import CHAT_TEMPLATE
+
+    picture = Image("0" * 64, 2, 1, bytes(6))
+    tok = make_chat_tokenizer("qwen25", CHAT_TEMPLATE)
+    conv = Conversation(messages=[msg("user", "Look: ", picture, " and ", picture, "?"),
+                                  msg("assistant", "Two."), msg("user", "Sure?")])
+    text = render(tok, detect(tok), conv, images=True).text
+    pad = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert text == (f"<|im_start|>user\nLook: {pad} and {pad}?<|im_end|>\n"
+                    "<|im_start|>assistant\nTwo.<|im_end|>\n<|im_start|>user\nSure?<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    plain = Conversation(messages=[msg("user", "Sure?")])
+    assert render(tok, detect(tok), plain, images=True) == render(tok, detect(tok), plain)
+
+
 def test_alternation_errors_are_400() -> None:
     with pytest.raises(RequestError) as e:
         render_family("mistral", [msg("user", "a"), msg("user", "b")])

@@ -77,9 +77,9 @@ def test_the_scheduler_asks_for_logits_only_at_a_prompts_end(tiny_lm):
     asked: list[tuple[int, bool]] = []
     original = runner.prefill_many
 
-    def spy(seqs, pieces, logits=None):
+    def spy(seqs, pieces, logits=None, images=None):
         asked.extend(zip([len(p) for p in pieces], logits))
-        return original(seqs, pieces, logits)
+        return original(seqs, pieces, logits, images)
 
     runner.prefill_many = spy
     s = Scheduler(manager, runner, prefill_chunk=16)
