@@ -1,14 +1,17 @@
 """A chat about an image on a vision-language model (the tiny Qwen2.5-VL), end to end through
 the OpenAI API: answered as mlx-vlm's own model answers it (its features in place of the image's
 tokens, M-RoPE positions after the image), the same with the cache on and off, turn 2 reading
-the first turn's prompt (the image's tokens included) from the cache, a different image with the
+the first turn's prompt (the image's tokens included) from the cache, warm and after a restart,
+the same chat through the Anthropic API, a different image with the
 same text reusing nothing from the image on, and a prompt chunk smaller than the image leaving
 it whole (greedy sampling throughout)."""
 
 from __future__ import annotations
 
+import base64
 from pathlib import Path
 
+import httpx
 import huggingface_hub
 import mlx.core as mx
 import pytest
@@ -63,12 +66,17 @@ def cached(r: dict) -> int:
     return r["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
+def second_turn(image: str, first: dict) -> list[dict]:
+    return first_turn(image) + [
+        {"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+        {"role": "user", "content": FOLLOW_UP}]
+
+
 def chat(url: str, model: str, image: str) -> dict[str, dict]:
     """Turn 1 about ``image`` (cache on, then off) and turn 2 after it (on, then off)."""
     history = first_turn(image)
     out = {"first": ask(url, model, history), "cold": ask(url, model, history, False)}
-    history += [{"role": "assistant", "content": out["first"]["choices"][0]["message"]["content"]},
-                {"role": "user", "content": FOLLOW_UP}]
+    history = second_turn(image, out["first"])
     out["warm"] = ask(url, model, history)
     out["uncached"] = ask(url, model, history, False)
     return out
@@ -101,6 +109,14 @@ def test_a_chat_about_an_image_is_exact_and_cached_like_text(vlm: LoadedModel,
     with running_server([vlm], config, engine=make_engine([vlm], config)) as url:
         a = chat(url, vlm.name, "a")
         b = chat(url, vlm.name, "b")  # the same text, another image
+        anthropic = httpx.post(f"{url}/messages", timeout=120, json={
+            "model": vlm.name, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": QUESTION},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(PICTURES["a"]).decode()}}]}]})
+    with running_server([vlm], config, engine=make_engine([vlm], config)) as url:
+        restarted = ask(url, vlm.name, second_turn("a", a["first"]))  # from the disk
     small = ServerConfig(max_tokens=MAX_TOKENS, page_size=8, prefill_chunk=5,
                          kv_cache_dir=tmp_path / "kv-small")
     with running_server([vlm], small, engine=make_engine([vlm], small)) as url:
@@ -115,6 +131,13 @@ def test_a_chat_about_an_image_is_exact_and_cached_like_text(vlm: LoadedModel,
         assert cached(run["cold"]) == cached(run["uncached"]) == 0
         # turn 2 reads turn 1's prompt, the image's tokens included, from the cache
         assert cached(run["warm"]) >= run["first"]["usage"]["prompt_tokens"] > span.end
+    # the same chat through the Anthropic API: the same prompt (read from the cache) and answer
+    assert anthropic.status_code == 200, anthropic.text
+    assert anthropic.json()["content"][0]["text"] == a["first"]["choices"][0]["message"]["content"]
+    assert anthropic.json()["usage"]["cache_read_input_tokens"] > span.end
+    # after a restart, turn 2 reads turn 1 (and its image's tokens) back from the disk
+    assert same(logprobs(restarted), logprobs(a["uncached"]))
+    assert cached(restarted) >= a["first"]["usage"]["prompt_tokens"]
     # answered as mlx-vlm's own model answers, for each image
     assert same(logprobs(a["cold"]), reference(vlm, "a"))
     assert same(logprobs(b["cold"]), reference(vlm, "b"))
