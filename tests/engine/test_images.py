@@ -9,6 +9,7 @@ it whole (greedy sampling throughout)."""
 from __future__ import annotations
 
 import base64
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -156,3 +157,29 @@ def test_a_prompt_piece_never_cuts_an_image() -> None:
     assert whole_images(spans, 34, 42) == 40
     assert whole_images(spans, 0, 10) == 10 and whole_images(spans, 34, 40) == 40
     assert whole_images([], 0, 7) == 7
+
+
+def test_an_image_chat_batched_beside_text_chats_answers_as_alone(vlm: LoadedModel,
+                                                                  tmp_path: Path) -> None:
+    """Decode passes of an image chat (positions after its image: index + its delta) and of text
+    chats (index) in one batch: each answer as when it runs alone."""
+    config = ServerConfig(max_tokens=MAX_TOKENS, page_size=8, kv_cache_dir=tmp_path / "kv")
+    texts = [[{"role": "user", "content": f"Tell me about {w}."}] for w in ("the sea", "snow")]
+    chats = [first_turn("a"), *texts, first_turn("b")]
+    engine = make_engine([vlm], config)
+    runner = engine.schedulers[vlm.name].runner
+    decode, mixed = runner.decode, []
+
+    def spy(seqs, tokens):  # whether a pass held rows with and without an image's delta
+        deltas = {getattr(s, "rope_delta", 0) for s in seqs}
+        mixed.append(0 in deltas and len(deltas) > 1)
+        return decode(seqs, tokens)
+
+    runner.decode = spy
+    with running_server([vlm], config, engine=engine) as url:
+        alone = [ask(url, vlm.name, m, False) for m in chats]
+        with ThreadPoolExecutor(len(chats)) as pool:
+            together = list(pool.map(lambda m: ask(url, vlm.name, m, False), chats))
+    assert runner.batched and any(mixed)
+    for x, y in zip(alone, together):
+        assert same(logprobs(x), logprobs(y))
