@@ -183,3 +183,32 @@ def test_an_image_chat_batched_beside_text_chats_answers_as_alone(vlm: LoadedMod
     assert runner.batched and any(mixed)
     for x, y in zip(alone, together):
         assert same(logprobs(x), logprobs(y))
+
+
+def test_a_verify_pass_after_an_image_equals_decoding_token_by_token(vlm: LoadedModel) -> None:
+    """A draft verified after an image (one pass over several positions, alone and beside a
+    text sequence in a ragged or padded pass) has each position's logits as decoding one token
+    at a time: the positions past the prompt are index + the prompt's delta in every pass."""
+    from tests.engine.test_runner import _runner
+
+    prompt = Prompt.of(Conversation(messages=[Message("user", [
+        Text(QUESTION), decode_image(PICTURES["a"], "messages[0]")])]), vlm)
+    assert prompt.rope_delta != 0
+    manager, runner = _runner(vlm)
+    draft = [5, 6, 7]
+    rows = []
+    for alone in (True, False):
+        seqs = [manager.new_sequence(), manager.new_sequence()]
+        seqs[0].rope_delta = prompt.rope_delta
+        runner.prefill(seqs[0], prompt.tokens, images=prompt.images)
+        runner.prefill(seqs[1], [1, 2, 3, 4])
+        rows.append(runner.verify(seqs[:1], [draft])[0] if alone
+                    else runner.verify(seqs, [draft, [9]])[0])
+        for s in seqs:
+            s.close()
+    seq = manager.new_sequence()
+    seq.rope_delta = prompt.rope_delta
+    runner.prefill(seq, prompt.tokens, images=prompt.images)
+    stepwise = mx.concatenate([runner.decode([seq], [t]) for t in draft])
+    for row in rows:
+        assert mx.allclose(row.astype(mx.float32), stepwise.astype(mx.float32), atol=1e-3)
