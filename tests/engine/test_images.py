@@ -2,7 +2,7 @@
 the OpenAI API: answered as mlx-vlm's own model answers it (its features in place of the image's
 tokens, M-RoPE positions after the image), the same with the cache on and off, turn 2 reading
 the first turn's prompt (the image's tokens included) from the cache, warm and after a restart,
-the same chat through the Anthropic API, a different image with the
+the same chat through the Anthropic and Responses APIs, a different image with the
 same text reusing nothing from the image on, and a prompt chunk smaller than the image leaving
 it whole (greedy sampling throughout)."""
 
@@ -116,6 +116,11 @@ def test_a_chat_about_an_image_is_exact_and_cached_like_text(vlm: LoadedModel,
                 {"type": "text", "text": QUESTION},
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": base64.b64encode(PICTURES["a"]).decode()}}]}]})
+        responses = httpx.post(f"{url}/responses", timeout=120, json={
+            "model": vlm.name, "max_output_tokens": MAX_TOKENS, "temperature": 0, "store": False,
+            "input": [{"role": "user", "content": [
+                {"type": "input_text", "text": QUESTION},
+                {"type": "input_image", "image_url": data_url(PICTURES["a"])}]}]})
     with running_server([vlm], config, engine=make_engine([vlm], config)) as url:
         restarted = ask(url, vlm.name, second_turn("a", a["first"]))  # from the disk
     small = ServerConfig(max_tokens=MAX_TOKENS, page_size=8, prefill_chunk=5,
@@ -136,6 +141,11 @@ def test_a_chat_about_an_image_is_exact_and_cached_like_text(vlm: LoadedModel,
     assert anthropic.status_code == 200, anthropic.text
     assert anthropic.json()["content"][0]["text"] == a["first"]["choices"][0]["message"]["content"]
     assert anthropic.json()["usage"]["cache_read_input_tokens"] > span.end
+    assert responses.status_code == 200, responses.text
+    said = [c["text"] for o in responses.json()["output"] if o["type"] == "message"
+            for c in o["content"]]
+    assert said == [a["first"]["choices"][0]["message"]["content"]]
+    assert responses.json()["usage"]["input_tokens_details"]["cached_tokens"] > span.end
     # after a restart, turn 2 reads turn 1 (and its image's tokens) back from the disk
     assert same(logprobs(restarted), logprobs(a["uncached"]))
     assert cached(restarted) >= a["first"]["usage"]["prompt_tokens"]
