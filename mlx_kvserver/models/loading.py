@@ -27,7 +27,7 @@ from kv_cache import CacheSpec, spec_of_model
 from .footprint import LoadEstimate, estimate_load
 from .gguf import dequantize_to_float32, is_gguf, load_gguf
 from .tokenizer import ChatTokenizer
-from .vision import folder_family, load_vision_folder
+from .vision import IMAGE_FAMILIES, folder_family, load_vision_folder, reads_images
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,11 @@ def load_folder(path: Path, *, dequantize: bool, name: str | None = None,
                 if isinstance(c.get(k), int)), 4096)
     files = sorted(path.glob("model*.safetensors"))
     lm = _finish(name, source or str(path), model, tok, config, files, ctx, dequantize, estimate)
-    lm.takes_images, lm.processor = family is not None, processor
+    lm.takes_images, lm.processor = reads_images(family), processor
+    if family is not None and not lm.takes_images:
+        log.warning("%s: served for text only: images to a %s model are not read exactly here "
+                    "yet, so they are refused (read: %s)", name, family,
+                    ", ".join(sorted(IMAGE_FAMILIES)))
     return lm
 
 

@@ -48,6 +48,19 @@ def vision_family(config: dict[str, Any]) -> str | None:
     return model_type if model_type and _has_module("mlx_vlm.models", model_type) else None
 
 
+# The families whose images are read here, each proven exact with the cache on and off by
+# tests/engine/test_images.py. A family's images follow its own rules (Qwen2.5-VL's M-RoPE
+# positions and their delta after an image; Gemma 3 attends both ways inside an image, which the
+# paged attention does not do yet), so any other vision family is served for text only: an image
+# to it is refused (400) rather than answered wrongly.
+IMAGE_FAMILIES = frozenset({"qwen2_5_vl"})
+
+
+def reads_images(family: str | None) -> bool:
+    """Whether images sent to a model of ``family`` are read (:data:`IMAGE_FAMILIES`)."""
+    return family in IMAGE_FAMILIES
+
+
 def folder_family(path: Path) -> str | None:
     """:func:`vision_family` of the folder ``path`` (None without a readable config.json)."""
     try:

@@ -188,3 +188,20 @@ def test_served_text_only_exactly_and_listed_as_taking_images(vlm: LoadedModel, 
     assert models[tiny_lm.name]["capabilities"] == {"vision": False}
     assert models[tiny_lm.name]["input_modalities"] == ["text"]
     assert models[on_demand]["on_demand"] and models[on_demand]["capabilities"]["vision"]
+
+
+def test_a_vision_family_not_proven_exact_with_images_is_served_for_text_only(
+        root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A family whose images are not read exactly here (Gemma 3's both-ways attention inside an
+    image, say) loads for text, says so, and is not listed as taking images, so an image to it
+    is a 400, never a wrong answer."""
+    from mlx_kvserver.models import vision
+
+    assert vision.reads_images("qwen2_5_vl") and not vision.reads_images("gemma3")
+    monkeypatch.setattr(vision, "IMAGE_FAMILIES", frozenset())
+    monkeypatch.setattr("mlx_kvserver.models.loading.reads_images",
+                        lambda family: family in vision.IMAGE_FAMILIES)
+    with caplog.at_level("WARNING", logger="mlx_kvserver.models.loading"):
+        lm = resolve_and_load(str(root / "tiny-vlm"))
+    assert lm.processor is not None and not lm.takes_images
+    assert "served for text only" in caplog.text and "qwen2_5_vl" in caplog.text
