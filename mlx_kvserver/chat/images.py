@@ -92,6 +92,15 @@ def decode_image(data: bytes, where: str, param: str | None = None) -> Image:
     return Image(pixel_digest(rgb.width, rgb.height, pixels), rgb.width, rgb.height, pixels)
 
 
+def png_bytes(image: Image) -> bytes:
+    """``image``'s pixels as a PNG file (lossless: :func:`decode_image` gives the same image)."""
+    from PIL import Image as PILImage
+
+    out = io.BytesIO()
+    PILImage.frombytes("RGB", (image.width, image.height), image.rgb).save(out, "PNG")
+    return out.getvalue()
+
+
 def _too_large(width: int, height: int) -> str:
     return (f"the image is {width} x {height} = {width * height:,} pixels, more than the "
             f"{MAX_IMAGE_PIXELS:,} this server decodes")

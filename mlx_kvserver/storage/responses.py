@@ -14,6 +14,8 @@ keeps at most ``max_entries`` records and ``max_bytes`` on disk, dropping the ol
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import logging
@@ -23,7 +25,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from ..chat.conversation import Message, Reasoning, Text, ToolCall, ToolResult
+from ..chat.conversation import Image, Message, Reasoning, Text, ToolCall, ToolResult
+from ..chat.images import decode_image, png_bytes
+from ..errors import RequestError
 from ..config import ServerConfig
 from .files import TMP_PREFIX, UnsafeFile, open_folder, read_file, remove, write_file
 
@@ -47,6 +51,9 @@ def message_to_json(m: Message) -> dict:
         elif isinstance(p, ToolResult):
             parts.append({"type": "tool_result", "call_id": p.call_id, "content": p.content,
                           "name": p.name, "is_error": p.is_error})
+        elif isinstance(p, Image):  # its pixels, so a follow-up reads the same picture
+            parts.append({"type": "image", "digest": p.digest,
+                          "png": base64.b64encode(png_bytes(p)).decode("ascii")})
     return {"role": m.role, "message_id": m.message_id, "parts": parts}
 
 
@@ -67,12 +74,25 @@ def message_from_json(d: Any) -> Message:
                 parts.append(ToolResult(_str(p["call_id"]), _str(p["content"]),
                                         None if name is None else _str(name),
                                         bool(p.get("is_error"))))
+            elif kind == "image":
+                parts.append(_image(p))
             else:
                 raise ValueError(f"unknown part type {kind!r}")
         mid = d.get("message_id")
         return Message(_str(d["role"]), parts, None if mid is None else _str(mid))
     except (KeyError, TypeError) as e:
         raise ValueError(f"not a stored message: {e}") from None
+
+
+def _image(p: dict) -> Image:
+    """A stored image part, read back and checked against the digest it was stored with."""
+    try:
+        image = decode_image(base64.b64decode(_str(p["png"]), validate=True), "stored image")
+    except (binascii.Error, RequestError) as e:
+        raise ValueError(f"a stored image does not decode: {e}") from None
+    if image.digest != _str(p["digest"]):
+        raise ValueError("a stored image is not the image it was stored as")
+    return image
 
 
 def _str(v: Any) -> str:

@@ -42,6 +42,25 @@ def test_messages_round_trip_through_json():
             message_from_json(bad)
 
 
+def test_a_message_s_images_are_kept_with_their_pixels():
+    """A follow-up by ``previous_response_id`` reads the same pictures: each stored image comes
+    back with its pixels, and one whose pixels are not those it was stored as is refused."""
+    from mlx_kvserver.chat.images import decode_image
+    from tests.chat.pictures import file_of, picture
+
+    image = decode_image(file_of(picture()), "test")
+    msg = Message("user", [Text("what is this?"), image], "u1")
+    stored = json.loads(json.dumps(message_to_json(msg)))
+    back = message_from_json(stored)
+    assert back == msg and back.parts[1].rgb == image.rgb
+    other = decode_image(file_of(picture().rotate(90, expand=True)), "test")
+    forged = dict(stored, parts=[stored["parts"][0], dict(stored["parts"][1],
+                                 png=message_to_json(Message("user", [other]))["parts"][0]["png"])])
+    for bad in (forged, dict(stored, parts=[dict(stored["parts"][1], png="not base64!")])):
+        with pytest.raises(ValueError):
+            message_from_json(bad)
+
+
 @pytest.mark.parametrize("rid", ["../../etc/passwd", "/abs/path", "a/b", "..", ".", "\x00x",
                                  "x" * 5000, "é🙂", "\ud800"])
 def test_hostile_ids_never_become_paths(tmp_path, rid):
