@@ -26,7 +26,7 @@ from mlx_kvserver.engine.request import Prompt
 from mlx_kvserver.engine.scheduler import whole_images
 from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
 from tests.chat.pictures import data_url, file_of, picture
-from tests.models.test_vision_loading import MAX_TOKENS, ask  # greedy, with logprobs
+from tests.models.test_vision import MAX_TOKENS, ask  # greedy, with logprobs
 
 QUESTION, FOLLOW_UP = "What is in this picture?", "And its colours?"
 
