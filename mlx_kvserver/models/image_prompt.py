@@ -1,28 +1,27 @@
 """A prompt with images, as a vision-language model reads it: its token ids (each image's
 placeholder expanded to the image's tokens by the model's processor), where each image's tokens
-are (``kv_cache.Span``: start, length, the image's pixel hash), each image's pixel values and
-grid, and the M-RoPE positions of the whole prompt.
+are (``kv_cache.Span``: start, length, the image's pixel hash), each image as its encoder takes
+it, and the positions of the whole prompt.
 
 The processor (mlx-vlm's, ``LoadedModel.processor``) turns the rendered text and the images into
-the expanded token ids, the pixel values (patches of all images, in order) and each image's grid
-(``image_grid_thw``: frames, rows and columns of patches). The positions come from the language
-model's ``get_rope_index`` over the whole prompt: an image's tokens get 3D positions and the
-text after it goes on from the largest position before it plus one, so from an image on a
-token's position is its index plus the prompt's ``rope_delta`` (negative: an image of ``n``
-tokens takes fewer than ``n`` positions). Positions past the prompt (its answer, the next
-turn's new tokens) are their index plus that delta: a function of the prompt's own tokens and
-grids, known whole even when most of the prompt comes from the cache.
+the expanded token ids and the pixels; the model's family (``image_families/``: the model's
+``reader``) cuts them into one input per image and says where each image's tokens lie. M-RoPE
+families (Qwen2.5-VL) give an image's tokens 3D positions, and the text after it goes on from
+the largest position before it plus one, so from an image on a token's position is its index
+plus the prompt's ``rope_delta`` (negative: an image of ``n`` tokens takes fewer than ``n``
+positions). Positions past the prompt (its answer, the next turn's new tokens) are their index
+plus that delta: a function of the prompt's own tokens and images, known whole even when most of
+the prompt comes from the cache.
 
 A piece of the prompt runs with :meth:`ImagePrompt.inputs`: its positions and, where it holds
-images (whole: the scheduler never cuts an image's span), the language model's token
-embeddings with those images' rows replaced by the vision tower's features for them (mlx-vlm's
-``get_input_embeddings``).
+images (whole: the scheduler never cuts an image's span), the family's embeddings of the piece
+with those images' token rows replaced by their encoder output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -30,6 +29,10 @@ import numpy as np
 from kv_cache import Span
 
 from ..errors import RequestError
+from .image_families import ImageFamily, ImageInput
+
+# an image's encoder output by its span (the engine's: kept by the image's digest)
+Encode = Callable[[Span, ImageInput], dict[str, mx.array]]
 
 
 @dataclass
@@ -38,15 +41,19 @@ class ImagePrompt:
 
     tokens: list[int]
     spans: tuple[Span, ...]  # (start, length, image digest) of each image's tokens
-    pixels: list[mx.array]  # each image's patches
-    grids: list[tuple[int, int, int]]  # each image's (frames, rows, columns) of patches
+    images: list[ImageInput]  # each image as its family's encoder takes it
     positions: mx.array | None  # [3, len(tokens)] (M-RoPE; None: the model's own by index)
     rope_delta: int
+    reader: ImageFamily
 
-    def inputs(self, model: Any, ids: Sequence[int], start: int) -> dict[str, mx.array]:
+    def inputs(self, model: Any, ids: Sequence[int], start: int,
+               encode: Encode | None = None) -> dict[str, mx.array]:
         """The keyword arguments of the model's pass over ``ids`` at positions ``start`` on:
-        ``position_ids [3, 1, n]`` and, when images lie in it, ``inputs_embeds [1, n, H]``.
-        ``model`` is the ``VisionLanguageModel``; an image it holds must lie in it whole."""
+        ``position_ids [3, 1, n]`` (M-RoPE) and, when images lie in it, the family's inputs
+        with their features (``inputs_embeds [1, n, H]``). ``model`` is the
+        ``VisionLanguageModel``; an image it holds must lie in it whole. ``encode(span, image)``
+        gives an image's encoder output (the engine's, which keeps it by the image's digest);
+        without it the family's encoder runs."""
         end, n = start + len(ids), len(self.tokens)
         out = {}
         if self.positions is not None:
@@ -61,10 +68,9 @@ class ImagePrompt:
         if any(self.spans[i].start < start or self.spans[i].end > end for i in inside):
             raise ValueError(f"a prompt piece {start}..{end} cuts an image's tokens")
         vlm = model.vlm
-        features = vlm.get_input_embeddings(
-            mx.array(list(ids))[None], mx.concatenate([self.pixels[i] for i in inside]),
-            image_grid_thw=mx.array([self.grids[i] for i in inside]))
-        out["inputs_embeds"] = features.inputs_embeds
+        run = encode or (lambda span, image: self.reader.encode(vlm, image))
+        out.update(self.reader.embed(vlm, ids, [
+            (self.spans[i].start - start, run(self.spans[i], self.images[i])) for i in inside]))
         return out
 
 
@@ -78,38 +84,15 @@ def image_prompt(lm: Any, text: str, images: Sequence[Any]) -> ImagePrompt:
     pictures = [PILImage.frombytes("RGB", (im.width, im.height), im.rgb) for im in images]
     out = lm.processor(text=[text], images=pictures or None, return_tensors="np")
     tokens = [int(t) for t in np.asarray(out["input_ids"])[0]]
-    vlm = lm.model.vlm
-    image_id = vlm.config.image_token_id
-    runs = _runs(tokens, image_id)
-    if len(runs) != len(images):
-        raise RequestError(400, f"the prompt has {len(runs)} image placeholders for "
+    vlm, reader = lm.model.vlm, lm.model.reader
+    ranges = reader.spans(vlm, tokens, len(images))
+    if len(ranges) != len(images):
+        raise RequestError(400, f"the prompt has {len(ranges)} image placeholders for "
                            f"{len(images)} images (images go in user messages)",
                            param="messages", code="images_not_supported")
-    grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])] \
-        if images else []
-    patches = [g[0] * g[1] * g[2] for g in grids]
-    flat = mx.array(np.asarray(out["pixel_values"])) if images else None
-    offsets = np.cumsum([0, *patches])
-    pixels = [flat[a:b] for a, b in zip(offsets, offsets[1:])] if images else []
-    spans = tuple(Span(a, b - a, im.digest) for (a, b), im in zip(runs, images))
-    positions, delta = None, 0
-    if hasattr(vlm.language_model, "get_rope_index"):  # M-RoPE
-        position_ids, deltas = vlm.language_model.get_rope_index(
-            mx.array(tokens)[None], mx.array(grids) if grids else None)
-        positions = position_ids[:, 0, :].astype(mx.int32)
-        delta = int(mx.array(deltas).reshape(-1)[0].item())
-    mx.eval(positions, pixels)  # computed here: the engine thread runs on its own stream
-    return ImagePrompt(tokens, spans, pixels, grids, positions, delta)
-
-
-def _runs(tokens: list[int], token: int) -> list[tuple[int, int]]:
-    """The (start, end) of each run of ``token`` in ``tokens``."""
-    runs: list[tuple[int, int]] = []
-    for i, t in enumerate(tokens):
-        if t != token:
-            continue
-        if runs and runs[-1][1] == i:
-            runs[-1] = (runs[-1][0], i + 1)
-        else:
-            runs.append((i, i + 1))
-    return runs
+    inputs = reader.split(vlm, out, len(images)) if images else []
+    spans = tuple(Span(a, b - a, im.digest) for (a, b), im in zip(ranges, images))
+    positions, delta = reader.positions(vlm, tokens, inputs)
+    # computed here: the engine thread runs on its own stream
+    mx.eval(positions, [im.arrays for im in inputs])
+    return ImagePrompt(tokens, spans, inputs, positions, delta, reader)

@@ -27,6 +27,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from .image_families import READERS, reader_of
+
 
 def _has_module(package: str, name: str) -> bool:
     """Whether ``package.name`` exists (found on disk; nothing of it is imported)."""
@@ -48,12 +50,11 @@ def vision_family(config: dict[str, Any]) -> str | None:
     return model_type if model_type and _has_module("mlx_vlm.models", model_type) else None
 
 
-# The families whose images are read here, each proven exact with the cache on and off by
-# tests/engine/test_images.py. A family's images follow its own rules (Qwen2.5-VL's M-RoPE
-# positions and their delta after an image; Gemma 3 attends both ways inside an image, which the
-# paged attention does not do yet), so any other vision family is served for text only: an image
-# to it is refused (400) rather than answered wrongly.
-IMAGE_FAMILIES = frozenset({"qwen2_5_vl"})
+# The families whose images are read here: those with a reader (``image_families/``), each
+# proven exact with the cache on and off by its test. A family's images follow its own rules
+# (Qwen2.5-VL's M-RoPE positions and their delta after an image, ...), so any other vision
+# family is served for text only: an image to it is refused (400) rather than answered wrongly.
+IMAGE_FAMILIES = frozenset(READERS)
 
 
 def reads_images(family: str | None) -> bool:
@@ -80,6 +81,7 @@ class VisionLanguageModel(nn.Module):
         super().__init__()
         self.vlm = vlm
         self.family = family
+        self.reader = reader_of(family)  # how its images are read (None: text only)
         lm = vlm.language_model
         self._mrope = hasattr(lm, "get_rope_index")
         if hasattr(lm, "make_cache"):  # mlx-lm's make_prompt_cache asks the model for its caches

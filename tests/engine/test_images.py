@@ -93,8 +93,10 @@ def reference(lm: LoadedModel, image: str) -> list[tuple[str, float]]:
     vlm, tok = lm.model.vlm, lm.tokenizer
     ids, out = list(prompt.tokens), []
     for _ in range(MAX_TOKENS):
-        logits = vlm(mx.array(ids)[None], mx.concatenate(ip.pixels),
-                     image_grid_thw=mx.array(ip.grids)).logits[0, -1].astype(mx.float32)
+        logits = vlm(mx.array(ids)[None],
+                     mx.concatenate([im.arrays["pixel_values"] for im in ip.images]),
+                     image_grid_thw=mx.array([im.grid for im in ip.images])
+                     ).logits[0, -1].astype(mx.float32)
         t = int(mx.argmax(logits).item())
         if t in tok.eos_token_ids:
             break

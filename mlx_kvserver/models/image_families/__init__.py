@@ -1,0 +1,22 @@
+"""How each vision-language family's images become tokens, features and embeddings: one module
+per family (``qwen_vl.py``, ...), each an :class:`~.base.ImageFamily` registered here by the
+mlx-vlm model types it reads. A family not listed is served for text only (``models/vision.py``).
+"""
+
+from __future__ import annotations
+
+from .base import ImageFamily, ImageInput
+from .qwen_vl import QwenVL
+
+READERS: dict[str, ImageFamily] = {}
+for _family in (QwenVL(),):
+    for _name in _family.model_types:
+        READERS[_name] = _family
+
+
+def reader_of(model_type: str | None) -> ImageFamily | None:
+    """The :class:`ImageFamily` that reads images for mlx-vlm's ``model_type`` (None: none)."""
+    return READERS.get(model_type or "")
+
+
+__all__ = ["READERS", "ImageFamily", "ImageInput", "reader_of"]
