@@ -110,7 +110,7 @@ class Speculation:
             if not d and room > 0 and self.draft is not None and not c.drafter.pause:
                 wants.append((i, c, min(room, c.drafter.length)))
         if wants:
-            proposed = self.draft.propose([(c, c.drafter.context, k) for _, c, k in wants])
+            proposed = self.draft.propose([(c, _without_images(c), k) for _, c, k in wants])
             for (i, c, _), d in zip(wants, proposed):
                 m = c.sampler.matcher
                 out[i] = d[:m.valid_prefix(d)] if d and m is not None else d
@@ -287,3 +287,18 @@ class Speculation:
         c.accepted += taken
         if c.drafter is not None and c.draft_source not in ("", "grammar"):
             c.drafter.taken(len(draft) + (past is not None), taken + bool(past))
+
+
+def _without_images(c: Choice) -> list[int]:
+    """What a draft model reads of ``c``: its prompt and answer with each image's tokens left
+    out. A draft model sees no pixels (it runs text only), so an image's tokens would be read as
+    that many copies of a placeholder token; the text around the image is what it can draft
+    from."""
+    ctx, spans = c.drafter.context, getattr(c.request, "spans", ())
+    if not spans:
+        return ctx
+    out, at = [], 0
+    for s in spans:
+        out += ctx[at:s.start]
+        at = s.end
+    return out + ctx[at:]
