@@ -1,13 +1,14 @@
 """The chat page at / in a real headless Chromium (selenium, Debian's chromium + chromium-driver)
 against the real server on the tiny model: turns from the cache across a reload and a server
-restart, edit, regenerate, fork, model choice, the cache panel, the API-key prompt, and model
-output with HTML in it rendered as text; a turn's reasoning and tool calls (canned events from a
+restart, edit, regenerate, fork, model choice, the cache panel, the API-key prompt, images
+attached or pasted (on the tiny Qwen2.5-VL), and model output with HTML in it rendered as text; a turn's reasoning and tool calls (canned events from a
 stub, see that test). Without a browser the browser tests are skipped, and
 the skip reason says so (pytest -ra prints it in the summary)."""
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import re
 import struct
@@ -22,6 +23,7 @@ from mlx_kvserver.config import ServerConfig
 from harness.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
 from harness.server_utils import running_server
 from harness.services import required, unavailable
+from tests.chat.pictures import data_url, file_of, picture
 from tests.clients.test_repl import WEATHER, thinking_answer
 
 CHROMIUM = find_chromium()
@@ -527,6 +529,130 @@ def test_drafts_and_tokens_per_step_from_the_real_server(served, web, tiny_lm):
     css(web, "#toggle-cache")[0].click()
 
 
+# -- images ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vision_served(tiny_lm, tmp_path_factory):
+    """A server with the tiny Qwen2.5-VL (first: the page's default model) and a text model."""
+    import huggingface_hub
+
+    from harness.tiny_vlm import make_tiny_vlm_dir
+    from mlx_kvserver.models.loading import resolve_and_load
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+        folder = make_tiny_vlm_dir(tmp_path_factory.mktemp("page-vlm") / "tiny-vlm", seed=0)
+        vlm = resolve_and_load(str(folder))
+        config = ServerConfig(max_tokens=8, kv_cache_dir=tmp_path_factory.mktemp("page-vlm-kv"))
+        with running_server([vlm, tiny_lm], config) as url:
+            yield url, vlm
+
+
+def paste_picture(web, data: bytes, kind: str = "image/png") -> None:
+    """A paste of an image file into the message box, as a browser dispatches one."""
+    web.execute_script("""
+        const bytes = Uint8Array.from(atob(arguments[0]), (c) => c.charCodeAt(0));
+        const dt = new DataTransfer();
+        dt.items.add(new File([bytes], "pasted", {type: arguments[1]}));
+        document.getElementById("input").dispatchEvent(new ClipboardEvent("paste", {
+            clipboardData: dt, bubbles: true, cancelable: true}));""",
+                       base64.b64encode(data).decode(), kind)
+
+
+def thumbnails(web) -> list[str]:
+    return [i.get_attribute("src") for i in css(web, "#attachments img")]
+
+
+def plain_answer(url: str, model: str, messages: list[dict]) -> dict:
+    """The same chat sent by httpx without the cache (greedy: the server's temperature is 0)."""
+    r = httpx.post(f"{url}/chat/completions", timeout=120, json={
+        "model": model, "messages": messages, "max_tokens": 8, "use_kv_cache": False})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@needs_browser
+def test_images_attached_or_pasted_are_sent_shown_kept_and_refused_by_a_text_model(
+        vision_served, web, tiny_lm, tmp_path):
+    """On the tiny Qwen2.5-VL: a picture attached with the file input (a second one attached and
+    removed) is sent with the message: the answer and its prompt tokens equal the same chat sent
+    by httpx with the same data URL; the picture shows in the conversation and after a reload,
+    and the next turn sends it again (the same answer as the whole history sent uncached). A
+    pasted picture is attached the same way; on the text model the attach control is hidden, a
+    paste is refused, and the server's 400 is shown with the message and its picture left in the
+    box."""
+    from selenium.webdriver.support.ui import Select
+
+    url, vlm = vision_served
+    root = url.removesuffix("/v1")
+    web.get(root + "/")
+    web.execute_script("localStorage.clear(); sessionStorage.clear()")
+    open_page(web, root)
+    assert css(web, "#attach")[0].is_displayed()  # the tiny VLM takes images
+    Select(css(web, "#model")[0]).select_by_value(tiny_lm.name)
+    assert not css(web, "#attach")[0].is_displayed()  # the text model does not
+    Select(css(web, "#model")[0]).select_by_value(vlm.name)
+    assert css(web, "#attach")[0].is_displayed()
+
+    first, second = file_of(picture(64, 48)), file_of(picture(32, 32), "JPEG")
+    for name, data in (("first.png", first), ("second.jpg", second)):
+        (tmp_path / name).write_bytes(data)
+        css(web, "#attach-input")[0].send_keys(str(tmp_path / name))
+    until(web, lambda w: len(thumbnails(w)) == 2, what="two thumbnails")
+    assert thumbnails(web)[0] == data_url(first)
+    css(web, "#attachments .image-remove")[1].click()  # the second one goes
+    until(web, lambda w: len(thumbnails(w)) == 1, what="one thumbnail")
+
+    turn = say(web, "what is in this picture?")
+    assert not thumbnails(web) and not css(web, "#attachments")[0].is_displayed()
+    question = {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": data_url(first)}},
+        {"type": "text", "text": "what is in this picture?"}]}
+    plain = plain_answer(url, vlm.name, [question])
+    text_only = plain_answer(url, vlm.name, [{"role": "user",
+                                              "content": "what is in this picture?"}])
+    conv = active(web)
+    assert conv["messages"][0]["images"] == [data_url(first)]
+    assert conv["messages"][1]["content"] == plain["choices"][0]["message"]["content"]
+    assert turn["prompt"] == plain["usage"]["prompt_tokens"] > \
+        text_only["usage"]["prompt_tokens"] + 10  # 12 image tokens for 64 x 48 pixels
+    shown = css(web, '#messages .msg[data-role="user"] .msg-images img')
+    assert [i.get_attribute("src") for i in shown] == [data_url(first)]
+    assert web.execute_script("return arguments[0].naturalWidth", shown[0]) == 64
+
+    web.refresh()  # from localStorage: the picture is shown and goes with the next turn
+    until(web, lambda w: len(css(w, "#messages .msg-images img")) == 1, what="the picture")
+    again = say(web, "and its colours?")
+    answer = conv["messages"][1]
+    history = [question, {"role": "assistant", "content": answer["content"]},
+               {"role": "user", "content": "and its colours?"}]
+    assert active(web)["messages"][3]["content"] == \
+        plain_answer(url, vlm.name, history)["choices"][0]["message"]["content"]
+    assert again["cached"] > turn["prompt"] // 2  # the picture's turn came from the cache
+
+    css(web, "#new-chat")[0].click()
+    paste_picture(web, second, "image/jpeg")
+    until(web, lambda w: len(thumbnails(w)) == 1, what="the pasted picture")
+    assert thumbnails(web) == ["data:image/jpeg;base64," + base64.b64encode(second).decode()]
+    Select(css(web, "#model")[0]).select_by_value(tiny_lm.name)
+    assert not css(web, "#attach")[0].is_displayed()
+    paste_picture(web, first)  # refused on the page: the model takes no images
+    until(web, lambda w: css(w, "#error")[0].is_displayed())
+    assert "does not take images" in css(web, "#error")[0].text and len(thumbnails(web)) == 1
+    before = answers(web)
+    css(web, "#input")[0].send_keys("and this one?")
+    css(web, "#send")[0].click()
+    until(web, lambda w: answers(w) > before, what="the refusal")
+    error = css(web, "#error")[0].text
+    assert "HTTP 400" in error and "does not take images" in error, error
+    assert css(web, "#input")[0].get_attribute("value") == "and this one?"
+    assert len(thumbnails(web)) == 1  # nothing lost from the box
+    assert not css(web, "#messages .msg") and not active(web)["messages"]
+    web.execute_script("localStorage.clear()")
+
+
 # -- without a browser --------------------------------------------------------------------------
 
 STATIC = Path(__file__).resolve().parents[2] / "mlx_kvserver" / "clients" / "page"
@@ -550,8 +676,8 @@ def test_page_and_files_are_served_with_a_strict_policy(tiny_lm):
         assert "script-src 'self'" in csp and "connect-src 'self'" in csp
         assert "frame-ancestors 'none'" in csp and "unsafe-inline" not in csp
         assert 'src="static/app.js"' in page.text
-        for name in ("app.js", "markdown.js", "parts.js", "store.js", "client.js", "chart.js",
-                     "cache.js", "style.css"):
+        for name in ("app.js", "markdown.js", "parts.js", "images.js", "store.js", "client.js",
+                     "chart.js", "cache.js", "style.css"):
             r = httpx.get(f"{root}/static/{name}")
             assert r.status_code == 200 and r.headers["x-content-type-options"] == "nosniff"
             kind = "css" if name.endswith(".css") else "javascript"

@@ -1,11 +1,12 @@
 // The chat page: conversations in the sidebar, streamed answers rendered as Markdown, edit /
-// regenerate / fork, per-turn cache figures and a chart, the cache panel, model choice and the
-// API-key prompt. Model output is untrusted: it reaches the DOM through textContent only (see
+// regenerate / fork, per-turn cache figures and a chart, the cache panel, model choice, images
+// attached to a message (on a model that takes images) and the API-key prompt. Model output is untrusted: it reaches the DOM through textContent only (see
 // markdown.js); this file never assigns HTML.
 
 import { CachePanel } from "./cache.js";
 import { turnChart } from "./chart.js";
 import { Client } from "./client.js";
+import { Attachments, imagesView, messageContent, pastedImages, readImage } from "./images.js";
 import { el, renderMarkdown } from "./markdown.js";
 import { applyDelta, endReasoning, reasoningView, toolCallsView, updateReasoning } from "./parts.js";
 import { loadSettings, newId, saveSettings, Store, STORAGE_KEY } from "./store.js";
@@ -14,6 +15,7 @@ const $ = (id) => document.getElementById(id);
 const store = new Store();
 const settings = loadSettings();
 let models = [];
+let vision = new Set(); // the models that take images (capabilities.vision in /v1/models)
 let streaming = null; // {controller, conv}
 let pendingKey = null;
 let answers = 0; // finished answers since the page loaded (in data-answers, for scripts and tests)
@@ -48,6 +50,7 @@ function askKey(message) {
 
 const client = new Client(askKey);
 const cache = new CachePanel($("cache-panel"), client, () => store.active, showError);
+const attached = new Attachments($("attachments"));
 
 function currentModel(conv = store.active) {
   const wanted = conv?.model ?? settings.model;
@@ -103,6 +106,7 @@ function messageView(conv, m, i) {
   }
   actions.append(action("fork here", "act-fork", () => fork(conv, i)));
   if (m.reasoning_content) node.append(reasoningView(m)); // folded
+  if (m.images?.length) node.append(imagesView(m.images));
   const body = node.appendChild(el("div", "msg-body"));
   if (m.role === "assistant") body.append(renderMarkdown(m.content));
   else body.textContent = m.content;
@@ -155,6 +159,23 @@ function renderModels() {
   }));
   $("model-choice").hidden = models.length < 2;
   select.value = currentModel() ?? "";
+  renderAttach();
+}
+
+/** The attach control, shown only when the chosen model takes images. */
+function renderAttach() {
+  $("attach").hidden = !vision.has(currentModel());
+}
+
+/** Images chosen or pasted: read and added to the message being written. */
+async function attach(files) {
+  for (const file of files) {
+    try {
+      attached.add(await readImage(file));
+    } catch (e) {
+      showError(e.message);
+    }
+  }
 }
 
 function render() {
@@ -165,6 +186,7 @@ function render() {
   renderTurns(conv);
   renderSidebar();
   if (models.length) $("model").value = currentModel() ?? "";
+  renderAttach();
   if (cache.open && !streaming) cache.refresh(); // the stats wait for the answer otherwise
 }
 
@@ -174,10 +196,10 @@ function setBusy(busy) {
   $("stop").hidden = !busy;
 }
 
-/** A message as sent back: an answer with its reasoning and tool calls as the server sent them
- * (the same tokens, so the turn comes from the cache). */
-function sentMessage({ role, content, message_id, reasoning_content, tool_calls }) {
-  const m = { role, content };
+/** A message as sent back: a user's with its images, an answer with its reasoning and tool calls
+ * as the server sent them (the same tokens, so the turn comes from the cache). */
+function sentMessage({ role, content, message_id, images, reasoning_content, tool_calls }) {
+  const m = { role, content: role === "user" ? messageContent(content, images) : content };
   if (message_id) m.message_id = message_id;
   if (role === "assistant" && reasoning_content) m.reasoning_content = reasoning_content;
   if (role === "assistant" && tool_calls?.length) m.tool_calls = tool_calls;
@@ -277,15 +299,23 @@ async function generate(conv) {
   return kept;
 }
 
-async function send(text) {
+/** A user message: its text and, where it has any, its images. */
+function userMessage(text, images) {
+  const m = { role: "user", content: text, message_id: newId("user") };
+  if (images.length) m.images = images;
+  return m;
+}
+
+async function send(text, images) {
   const conv = store.active ?? store.create(currentModel());
-  const message = { role: "user", content: text, message_id: newId("user") };
+  const message = userMessage(text, images);
   conv.messages.push(message);
   if (!(await generate(conv))) { // nothing came back: the message goes back to the input box
     conv.messages.splice(conv.messages.indexOf(message), 1);
     store.touch(conv);
     render();
     $("input").value = text;
+    attached.set(images);
   }
 }
 
@@ -307,9 +337,11 @@ function startEdit(conv, i, node) {
   area.rows = Math.min(12, area.value.split("\n").length + 1);
   box.append(action("save and answer", "edit-save", () => {
     const text = area.value.trim();
-    if (!text) return;
-    // an edited message is a new message: a new id; the messages before it keep theirs
-    conv.messages = [...conv.messages.slice(0, i), { role: "user", content: text, message_id: newId("user") }];
+    const images = conv.messages[i].images ?? [];
+    if (!text && !images.length) return;
+    // an edited message is a new message (its images kept): a new id; the messages before it
+    // keep theirs
+    conv.messages = [...conv.messages.slice(0, i), userMessage(text, images)];
     generate(conv);
   }), action("cancel", "edit-cancel", () => render()));
   body.replaceWith(box);
@@ -320,9 +352,24 @@ function bind() {
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("input").value.trim();
-    if (!text || streaming) return;
+    const images = attached.images;
+    if ((!text && !images.length) || streaming) return;
     $("input").value = "";
-    send(text);
+    attached.set([]);
+    send(text, images);
+  });
+  $("attach").addEventListener("click", () => $("attach-input").click());
+  $("attach-input").addEventListener("change", async () => {
+    const files = Array.from($("attach-input").files);
+    $("attach-input").value = ""; // the same file can be chosen again
+    await attach(files);
+  });
+  $("input").addEventListener("paste", (e) => {
+    const files = pastedImages(e.clipboardData);
+    if (!files.length) return; // text: pasted as usual
+    if (!e.clipboardData.types.includes("text/plain")) e.preventDefault(); // (text goes in too)
+    if (vision.has(currentModel())) attach(files);
+    else showError(`${currentModel() ?? "this model"} does not take images`);
   });
   $("input").addEventListener("keydown", (e) => {
     if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
@@ -336,6 +383,7 @@ function bind() {
     settings.model = $("model").value;
     saveSettings(settings);
     if (store.active) { store.active.model = settings.model; store.save(); }
+    renderAttach();
   });
   $("toggle-cache").addEventListener("click", () => {
     const panel = $("cache-panel");
@@ -361,7 +409,9 @@ async function init() {
   render();
   if (store.error) showError(store.error);
   try {
-    models = (await client.json("v1/models")).data.map((m) => m.id);
+    const listed = (await client.json("v1/models")).data;
+    models = listed.map((m) => m.id);
+    vision = new Set(listed.filter((m) => m.capabilities?.vision).map((m) => m.id));
   } catch (e) {
     showError(`cannot list the models: ${e.message}`);
   }

@@ -1,9 +1,11 @@
 // Conversations in localStorage, each message with its message_id: the server keys its KV cache
 // by those ids, so a reloaded page (or a restarted server with its disk cache) goes on from the
 // cache. The stored form is {version: 1, current, conversations: [{id, title, model, created,
-// updated, messages: [{role, content, message_id, reasoning_content?, reasoning_time?, tool_calls?,
-// stats?, model?}]}]}.
+// updated, messages: [{role, content, message_id, images?, reasoning_content?, reasoning_time?,
+// tool_calls?, stats?, model?}]}]}. A user message's images are data URLs (PNG, JPEG, WebP, GIF),
+// kept so that a reloaded chat shows them and sends them again.
 
+import { cleanImages } from "./images.js";
 import { cleanToolCalls } from "./parts.js";
 
 export const STORAGE_KEY = "mlx-kvchat.conversations.v1";
@@ -19,6 +21,10 @@ function cleanMessage(m) {
   if (!m || !["system", "user", "assistant"].includes(m.role)) return null;
   const out = { role: m.role, content: String(m.content ?? "") };
   if (typeof m.message_id === "string" && m.message_id) out.message_id = m.message_id;
+  if (m.role === "user") {
+    const images = cleanImages(m.images);
+    if (images) out.images = images;
+  }
   if (m.role === "assistant") { // the reasoning and tool calls as the server sent them
     if (typeof m.reasoning_content === "string" && m.reasoning_content) {
       out.reasoning_content = m.reasoning_content;
@@ -114,7 +120,7 @@ export class Store {
   touch(conv) {
     conv.updated = Date.now();
     const first = conv.messages.find((m) => m.role === "user");
-    if (conv.title === "New chat" && first) conv.title = first.content.slice(0, 60);
+    if (conv.title === "New chat" && first) conv.title = first.content.slice(0, 60) || "(image)";
     this.save();
   }
 
