@@ -32,7 +32,7 @@ EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 def _content(content: Any, where: str, images: bool = False) -> list:
     """A message's content as parts: its text (text parts joined) and, where ``images`` (a
-    user message), its ``image_url`` parts in their places."""
+    user or tool message), its ``image_url`` parts in their places."""
     if isinstance(content, str):
         text = text_value(content, f"{where}.content", f"{where}.content")
         return [Text(text)] if text else []
@@ -46,7 +46,7 @@ def _content(content: Any, where: str, images: bool = False) -> list:
         w, kind = f"{where}.content[{i}]", part.get("type") if isinstance(part, dict) else None
         if kind == "image_url":
             if not images:
-                raise bad_request(f"{w}: images are taken in user messages only",
+                raise bad_request(f"{w}: images are taken in user and tool messages only",
                                   f"{where}.content", code="unsupported_content")
             parts.append(image_part(part, w, f"{where}.content"))
             continue
@@ -103,10 +103,11 @@ def _message(m: Any, i: int) -> Message:
         raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}",
                           f"{where}.role")
     mid = check_message_id(m.get("message_id"), f"{where}.message_id")
-    content = _content(m.get("content"), where, images=role == "user")
-    if role == "tool":
+    content = _content(m.get("content"), where, images=role in ("user", "tool"))
+    if role == "tool":  # its text is the result, its images follow it
         call_id = string(m.get("tool_call_id"), f"{where}.tool_call_id")
-        return Message("tool", [ToolResult(call_id, _text(content))], mid)
+        return Message("tool", [ToolResult(call_id, _text(content)),
+                                *(p for p in content if isinstance(p, ImageSource))], mid)
     parts: list = []
     if role == "assistant":  # the reasoning under either name (both checked), the first given
         thoughts = [string(m[k], f"{where}.{k}", empty=True)

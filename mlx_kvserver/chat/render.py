@@ -19,7 +19,11 @@ SmolLM2's ChatML) or whose call format we cannot parse:
 - results become ``<tool_response>\\n...\\n</tool_response>`` blocks in a *user* message
   (consecutive results share one): every template renders ``user``, templates that enforce
   user/assistant alternation keep it, and the models were trained on user turns, not on a
-  ``tool`` role that only some templates would print.
+  ``tool`` role that only some templates would print. A result's images (a model that takes
+  them) go inside its block, after its text, one a line.
+
+With a template that renders results itself, a result with images is a tool message whose
+content is parts (its text, then ``{"type": "image"}`` for each image), as a user message's.
 
 gpt-oss's Harmony template (``ChatFormat.harmony``) reads other shapes: the leading system and
 developer messages become one (its first message becomes the developer message's instructions,
@@ -59,6 +63,7 @@ TOOLS_HOW = ('To call a tool, answer with <tool_call>{"name": <tool name>, "argu
              '<the arguments as a JSON object>}</tool_call>, one such block per call. Each '
              "result comes back in <tool_response></tool_response>.")
 SYSTEM_PREFIX = "[System message]\n"
+_RESPONSE_END = "</tool_response>"
 TEXT_PARTS = (Text, Reasoning, ToolCall, ToolResult)  # what a text prompt renders (no images)
 _RESERVED = {"messages", "tools", "documents", "chat_template", "add_generation_prompt",
              "continue_final_message", "tokenize", "return_dict"}
@@ -167,16 +172,20 @@ def _messages(fmt: ChatFormat, messages: list[Message], images: bool = False) ->
             continue
         parts = m.parts if role == "user" or m.tool_results else [ToolResult("", m.text)]
         texts: list[str | Image] = []
+        result: dict | None = None  # the result just rendered: a tool message's images join it
         for p in parts:  # results, text and images, in their order
             if isinstance(p, ToolResult):
                 if texts:
                     out.append({"role": "user", "content": _content(texts)})
                     texts = []
-                out.append(_result(fmt, p, p.name or names.get(p.call_id), ident))
+                result = _result(fmt, p, p.name or names.get(p.call_id), ident)
+                out.append(result)
             elif isinstance(p, Text) and role == "user":
                 texts.append(p.text)
             elif isinstance(p, Image) and images and role == "user":
                 texts.append(p)
+            elif isinstance(p, Image) and images and result is not None:
+                result["content"] = _with_image(result["content"], fmt.native_tools)
         if texts or (role == "user" and not m.tool_results):
             out.append({"role": "user", "content": _content(texts)})
     return out
@@ -185,17 +194,39 @@ def _messages(fmt: ChatFormat, messages: list[Message], images: bool = False) ->
 def _content(texts: list[str | Image]) -> str | list[dict]:
     """A user message's content: its text joined, or where it holds images, its parts in order
     in Hugging Face's shapes (``{"type": "text", "text"}``, ``{"type": "image"}``)."""
-    if all(isinstance(t, str) for t in texts):
-        return "".join(texts)  # type: ignore[arg-type]
+    return _joined(*(IMAGE if isinstance(t, Image) else t for t in texts))
+
+
+IMAGE = [{"type": "image"}]  # an image's place in a message's content (the template's placeholder)
+
+
+def _joined(*contents: str | list[dict]) -> str | list[dict]:
+    """Message contents one after the other: a string where all are strings, else their parts
+    in order, text next to text joined into one part and empty text left out."""
+    if all(isinstance(c, str) for c in contents):
+        return "".join(contents)  # type: ignore[arg-type]
     out: list[dict] = []
-    for t in texts:
-        if isinstance(t, Image):
-            out.append({"type": "image"})
-        elif out and out[-1]["type"] == "text":
-            out[-1]["text"] += t
-        else:
-            out.append({"type": "text", "text": t})
+    for c in contents:
+        for part in [{"type": "text", "text": c}] if isinstance(c, str) else c:
+            if part["type"] != "text":
+                out.append(dict(part))
+            elif part["text"] and out and out[-1]["type"] == "text":
+                out[-1] = {"type": "text", "text": out[-1]["text"] + part["text"]}
+            elif part["text"]:
+                out.append(dict(part))
     return out
+
+
+def _with_image(content: str | list[dict], native: bool) -> list[dict]:
+    """A tool result's content with an image after what it holds: at the end of a tool
+    message's content (``native``: the template renders the result), else inside the
+    fallback's ``<tool_response>`` block, before its closing tag."""
+    if native:
+        return _joined(content, IMAGE)  # type: ignore[return-value]
+    parts = _joined(content, IMAGE[:0])
+    head, end = parts[:-1], parts[-1]["text"]
+    cut = end.rindex(_RESPONSE_END)
+    return _joined(head, end[:cut], IMAGE, "\n" + end[cut:])  # type: ignore[return-value]
 
 
 def _assistant(fmt: ChatFormat, m: Message, ident: Any) -> dict:
@@ -214,7 +245,7 @@ def _assistant(fmt: ChatFormat, m: Message, ident: Any) -> dict:
 
 def _result(fmt: ChatFormat, r: ToolResult, name: str | None, ident: Any) -> dict:
     if not fmt.native_tools:
-        return {"role": "user", "content": f"<tool_response>\n{r.content}\n</tool_response>",
+        return {"role": "user", "content": f"<tool_response>\n{r.content}\n{_RESPONSE_END}",
                 "_result": True}
     msg = {"role": "tool", "tool_call_id": ident(r.call_id), "content": r.content}
     if name:
@@ -238,7 +269,7 @@ def _merge_results(msgs: list[dict]) -> list[dict]:
     for m in msgs:
         prev = out[-1] if out else None
         if prev is not None and prev.get("_result") and m["role"] == "user":
-            out[-1] = {**prev, "content": prev["content"] + "\n" + m["content"],
+            out[-1] = {**prev, "content": _joined(prev["content"], "\n", m["content"]),
                        "_result": m.get("_result", False)}
         else:
             out.append(m)
@@ -258,9 +289,9 @@ def _folded(msgs: list[dict], mid: list[int]) -> list[dict]:
         text = out[i]["content"]
         j = next((k for k in range(i - 1, -1, -1) if k not in gone), None)
         if j is not None and out[j]["role"] == "user" and j not in mid:
-            out[j]["content"] += "\n\n" + text
+            out[j]["content"] = _joined(out[j]["content"], "\n\n" + text)
         elif i + 1 < len(out) and out[i + 1]["role"] == "user":
-            out[i + 1]["content"] = text + "\n\n" + out[i + 1]["content"]
+            out[i + 1]["content"] = _joined(text + "\n\n", out[i + 1]["content"])
         else:
             continue
         gone.add(i)

@@ -225,7 +225,7 @@ class Prompt:
         if conv.prompt is None and pictures and lm.processor is not None:
             # the processor expands each image's placeholder to its tokens (image_prompt.py)
             rendered = render(tok, support.format, conv, images=True)
-            images = image_prompt(lm, rendered.text, pictures)
+            images = _image_prompt(lm, rendered.text, pictures, conv)
             tokens, in_reasoning = list(images.tokens), rendered.in_reasoning
         elif conv.prompt is None:
             tokens, rendered = encode(tok, support.format, conv)
@@ -248,6 +248,22 @@ class Prompt:
         return cls(tokens, param, min(conv.sampling.max_tokens or room, room), in_reasoning,
                    support.grammar_for(conv),  # a 400 for a schema that cannot compile
                    tok.encode(conv.prediction) if conv.prediction else [], images)
+
+
+def _image_prompt(lm: LoadedModel, text: str, pictures: list[Image],
+                  conv: Conversation) -> ImagePrompt:
+    """``image_prompt``; where the images and their placeholders do not match and a tool
+    result holds images, the 400 says that the model's chat template does not show an image
+    in a tool result (it printed no placeholder for it)."""
+    try:
+        return image_prompt(lm, text, pictures)
+    except RequestError as e:
+        if e.code != "images_not_supported" or not any(
+                m.role == "tool" and m.images for m in conv.messages):
+            raise
+        raise RequestError(400, "this model's chat template does not show images in tool "
+                           f"results ({e.message}); send them in a user message",
+                           param="messages", code="images_not_supported") from e
 
 
 class Request:

@@ -249,4 +249,4 @@ def test_an_image_to_the_text_models_is_a_400_in_openais_shape(client, server, t
     r = httpx.post(f"{server}/chat/completions", json={"model": tiny_lm.name, "messages": [
         {"role": "system", "content": [{"type": "image_url", "image_url": {
             "url": data_url()}}]}, {"role": "user", "content": "hi"}]})
-    assert r.status_code == 400 and "user messages only" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "user and tool messages only" in r.json()["error"]["message"]

@@ -11,7 +11,7 @@ from mlx_kvserver.chat.conversation import (Conversation, Image, Message, Reason
 from mlx_kvserver.chat.formats import detect
 from mlx_kvserver.chat.render import SYSTEM_PREFIX, TOOLS_HOW, TOOLS_INTRO, render
 from mlx_kvserver.errors import RequestError
-from tests.chat.templates import make_chat_tokenizer
+from tests.chat.templates import QWEN25, make_chat_tokenizer
 
 WEATHER = Tool("get_weather", "Weather of a city",
                {"type": "object", "properties": {"city": {"type": "string"}},
@@ -310,3 +310,59 @@ def test_harmony_one_call_a_message_each_followed_by_its_result() -> None:
             "<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}"
             '<|call|><|start|>functions.get_time to=assistant<|channel|>commentary<|message|>'
             '"noon"<|end|><|start|>assistant') in text
+
+
+PAD = "<|vision_start|><|image_pad|><|vision_end|>"
+SHOT = Tool("screenshot", "The screen as a picture", {"type": "object", "properties": {}})
+
+
+def images_in(template: str, where: str) -> str:
+    """``template`` with ``where`` (where it prints a message's content) printing content parts
+    instead, an image's placeholder for each image, as vision models' templates do."""
+    parts = ("{%- if message.content is string %}{{- message.content }}{%- else %}"
+             "{%- for part in message.content %}{%- if part.type == 'image' %}"
+             f"{{{{- '{PAD}' }}}}"
+             "{%- elif part.type == 'text' %}{{- part.text }}{%- endif %}{%- endfor %}"
+             "{%- endif %}")
+    assert where in template
+    return template.replace(where, parts + "\n" * where.endswith("\n"))
+
+
+def screenshot_loop(*result) -> list[Message]:
+    return [msg("user", "Look at the screen."),
+            msg("assistant", ToolCall("call_1", "screenshot", "{}")),
+            msg("tool", ToolResult("call_1", "the screen"), *result), msg("user", "And now?")]
+
+
+def test_an_image_in_a_tool_result_is_shown_inside_the_fallbacks_tool_response() -> None:
+    """A template without tools (the fallback): a result's images go inside its
+    ``<tool_response>`` block, after its text, in the user message that carries it."""
+    from harness.tiny_vlm import CHAT_TEMPLATE
+
+    picture = Image("0" * 64, 2, 1, bytes(6))
+    tok = make_chat_tokenizer("qwen25", CHAT_TEMPLATE)
+    conv = Conversation(messages=screenshot_loop(picture, picture), tools=[SHOT])
+    text = render(tok, detect(tok), conv, images=True).text
+    assert (f"<|im_start|>user\n<tool_response>\nthe screen\n{PAD}\n{PAD}\n</tool_response>\n"
+            "And now?<|im_end|>\n") in text
+    assert text.count(PAD) == 2
+    # without the images, the result renders as before
+    plain = Conversation(messages=screenshot_loop(), tools=[SHOT])
+    assert "<tool_response>\nthe screen\n</tool_response>\nAnd now?" in \
+        render(tok, detect(tok), plain, images=True).text
+
+
+def test_an_image_in_a_tool_result_goes_to_a_native_template_in_the_tool_message() -> None:
+    """A template that renders tool results itself gets a result with images as a tool
+    message whose content is parts (its text, then each image), as it gets a user message."""
+    template = images_in(QWEN25, "        {{- message.content }}\n")
+    picture = Image("0" * 64, 2, 1, bytes(6))
+    tok = make_chat_tokenizer("qwen25", template)
+    assert detect(tok).native_tools
+    conv = Conversation(messages=screenshot_loop(picture), tools=[SHOT])
+    text = render(tok, detect(tok), conv, images=True).text
+    assert f"<tool_response>\nthe screen{PAD}\n</tool_response>" in text
+    assert text.count(PAD) == 1
+    # Qwen2.5's own template prints a tool message's content as it is: no placeholder
+    tok = make_chat_tokenizer("qwen25")
+    assert PAD not in render(tok, detect(tok), conv, images=True).text

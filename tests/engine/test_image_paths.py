@@ -1,23 +1,35 @@
 """A chat about an image (the tiny Qwen2.5-VL, greedy) on the paths beside the plain one, each
 answer the same token for token as the same chat decoded plainly and uncached: drafts verified
 around the image (prompt lookup and a client's prediction; a draft model reads the chat without
-the image's tokens), several choices of one request, image and text chats sent at once, and
-turn 2 on a second server reading the image's pages from the shared store."""
+the image's tokens), several choices of one request, image and text chats sent at once, turn 2
+on a second server reading the image's pages from the shared store, and an image in a tool
+result (a screenshot tool) read where the result is, through each API."""
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import base64
+import copy
+
 import httpx
 import pytest
 
 from harness.redis_proc import running_redis
 from harness.server_utils import make_engine, running_server
+from mlx_kvserver.chat.conversation import (Conversation, Message, Text, Tool, ToolCall,
+                                            ToolResult)
+from mlx_kvserver.chat.images import decode_image
 from mlx_kvserver.config import ServerConfig
+from mlx_kvserver.engine.request import Prompt
+from mlx_kvserver.errors import RequestError
 from mlx_kvserver.engine.engine import Engine
 from mlx_kvserver.engine.speculation.pass_cost import PassCost
 from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
+from tests.chat.pictures import data_url
+from tests.chat.templates import QWEN25
+from tests.chat.test_render import images_in
 from tests.engine.test_images import no_hub, vlm
 from tests.models.image_families.exact import (FOLLOW_UP, PICTURES, QUESTION, cached,
                                                first_turn, logprobs, prompt_of, same)
@@ -205,3 +217,93 @@ def settled(url: str, model: str) -> dict:
             return s
         time.sleep(0.02)
     return s
+
+
+SCREEN = {"name": "screenshot", "description": "The screen as a picture",
+          "parameters": {"type": "object", "properties": {}}}
+
+
+def test_an_image_in_a_tool_result_is_read_through_every_api(vlm: LoadedModel,
+                                                             tmp_path: Path) -> None:
+    """A screenshot tool's result with an image: an OpenAI ``tool`` message with an image part,
+    an Anthropic ``tool_result`` with an ``image`` block, a Responses ``function_call_output``
+    with an ``input_image``. The template has no tools (the fallback), so the result's image
+    goes inside its ``<tool_response>`` block: each answers as that prompt written by hand
+    with the image in a user message, the later ones reading the image from the cache."""
+    image = data_url(PICTURES["a"])
+    look = {"role": "user", "content": "Look at the screen."}
+    by_hand = [look, {"role": "assistant", "content":
+                      '<tool_call>{"name": "screenshot", "arguments": {}}</tool_call>'},
+               {"role": "user", "content": [
+                   {"type": "text", "text": "<tool_response>\nthe screen\n"},
+                   {"type": "image_url", "image_url": {"url": image}},
+                   {"type": "text", "text": "\n</tool_response>"}]}]
+    openai = [look, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "screenshot", "arguments": "{}"}}]},
+              {"role": "tool", "tool_call_id": "call_1", "content": [
+                  {"type": "text", "text": "the screen"},
+                  {"type": "image_url", "image_url": {"url": image}}]}]
+    tools = [{"type": "function", "function": SCREEN}]
+    with running_server([vlm], c := config(tmp_path), engine=make_engine([vlm], c)) as url:
+        want = post(url, vlm.name, by_hand, False, tools=tools)
+        got = post(url, vlm.name, openai, tools=tools)
+        anthropic = httpx.post(f"{url}/messages", timeout=300, json={
+            "model": vlm.name, "max_tokens": MAX_TOKENS, "temperature": 0,
+            "tools": [{"name": SCREEN["name"], "description": SCREEN["description"],
+                       "input_schema": SCREEN["parameters"]}],
+            "messages": [look, {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "toolu_1", "name": "screenshot", "input": {}}]},
+                {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                              "content": [
+                    {"type": "text", "text": "the screen"},
+                    {"type": "image", "source": {
+                        "type": "base64", "media_type": "image/png",
+                        "data": base64.b64encode(PICTURES["a"]).decode()}}]}]}]})
+        responses = httpx.post(f"{url}/responses", timeout=300, json={
+            "model": vlm.name, "max_output_tokens": MAX_TOKENS, "temperature": 0,
+            "store": False, "tools": [{"type": "function", **SCREEN}],
+            "input": [look, {"type": "function_call", "call_id": "call_1",
+                             "name": "screenshot", "arguments": "{}"},
+                      {"type": "function_call_output", "call_id": "call_1", "output": [
+                          {"type": "input_text", "text": "the screen"},
+                          {"type": "input_image", "image_url": image}]}]})
+    span = image_span(vlm, "a")
+    assert same(logprobs(got), logprobs(want))
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"] > span.length
+    said = answer(want)
+    assert anthropic.status_code == 200, anthropic.text
+    assert anthropic.json()["content"][0]["text"] == said
+    assert anthropic.json()["usage"]["cache_read_input_tokens"] > span.length
+    assert responses.status_code == 200, responses.text
+    assert [c["text"] for o in responses.json()["output"] if o["type"] == "message"
+            for c in o["content"]] == [said]
+    assert responses.json()["usage"]["input_tokens_details"]["cached_tokens"] > span.length
+
+
+def test_a_template_that_shows_no_image_in_a_tool_result_is_a_clear_400(
+        vlm: LoadedModel) -> None:
+    """A template that renders tool results itself and shows images in user messages but
+    prints a tool message's content as it is (Qwen2.5's, its user messages made to show
+    images): the request is refused, saying so."""
+    lm = copy.copy(vlm)
+    lm.tokenizer, lm.chat = copy.copy(vlm.tokenizer), None
+    user = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    assert user in QWEN25
+    lm.tokenizer.chat_template = images_in(QWEN25.replace(
+        user, "{{- '<|im_start|>' + message.role + '\\n' }}CONTENT{{- '<|im_end|>\\n' }}"),
+        "CONTENT")
+    picture = decode_image(PICTURES["a"], "x")
+    conv = Conversation(messages=[
+        Message("user", [Text("Look at the screen.")]),
+        Message("assistant", [ToolCall("call_1", "screenshot")]),
+        Message("tool", [ToolResult("call_1", "the screen"), picture])],
+        tools=[Tool(SCREEN["name"], SCREEN["description"], SCREEN["parameters"])])
+    with pytest.raises(RequestError) as e:
+        Prompt.of(conv, lm)
+    assert e.value.status == 400 and e.value.code == "images_not_supported"
+    assert "does not show images in tool results" in e.value.message
+    # the same image in a user message is read
+    conv.messages[-1:] = [Message("tool", [ToolResult("call_1", "the screen")]),
+                          Message("user", [picture])]
+    assert len(Prompt.of(conv, lm).spans) == 1
