@@ -88,7 +88,7 @@ def image_prompt(lm: Any, text: str, images: Sequence[Any]) -> ImagePrompt:
     ranges = reader.spans(vlm, tokens, len(images))
     if len(ranges) != len(images):
         raise RequestError(400, f"the prompt has {len(ranges)} image placeholders for "
-                           f"{len(images)} images (images go in user messages)",
+                           f"{len(images)} images (its chat template did not place every image)",
                            param="messages", code="images_not_supported")
     inputs = reader.split(vlm, out, len(images)) if images else []
     spans = tuple(Span(a, b - a, im.digest) for (a, b), im in zip(ranges, images))
