@@ -6,10 +6,11 @@ mlx-vlm model types it reads. A family not listed is served for text only (``mod
 from __future__ import annotations
 
 from .base import ImageFamily, ImageInput
+from .qwen3_vl import Qwen3VL
 from .qwen_vl import QwenVL
 
 READERS: dict[str, ImageFamily] = {}
-for _family in (QwenVL(),):
+for _family in (QwenVL(), Qwen3VL()):
     for _name in _family.model_types:
         READERS[_name] = _family
 

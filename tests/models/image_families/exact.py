@@ -22,6 +22,7 @@ from mlx_kvserver.chat.conversation import Conversation, Message, Text
 from mlx_kvserver.chat.images import decode_image
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.request import Prompt
+from mlx_kvserver.models.image_prompt import ImagePrompt
 from mlx_kvserver.models.loading import LoadedModel
 from tests.chat.pictures import data_url, file_of, picture
 from tests.models.test_vision import MAX_TOKENS, ask  # greedy, with logprobs
@@ -76,6 +77,16 @@ def prompt_of(lm: LoadedModel, image: bytes) -> Prompt:
     """Turn 1's prompt about ``image`` made ready for ``lm``."""
     return Prompt.of(Conversation(messages=[Message("user", [
         Text(QUESTION), decode_image(image, "messages[0]")])]), lm)
+
+
+def two_images(lm: LoadedModel, pictures: dict[str, bytes] = PICTURES) -> ImagePrompt:
+    """A prompt about pictures ``a`` and ``b`` made ready for ``lm`` (its images and spans): for
+    the check that each image encoded alone gives the whole prompt's features."""
+    two = Prompt.of(Conversation(messages=[Message("user", [
+        Text("Compare"), decode_image(pictures["a"], "a"), decode_image(pictures["b"], "b")])]),
+        lm).images
+    assert two is not None and len(two.images) == 2
+    return two
 
 
 def reference(lm: LoadedModel, image: bytes, call: Call) -> list[tuple[str, float]]:

@@ -7,22 +7,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import huggingface_hub
 import mlx.core as mx
 import pytest
 
 from harness.tiny_vlm import make_tiny_vlm_dir
-from mlx_kvserver.chat.conversation import Conversation, Message, Text
-from mlx_kvserver.chat.images import decode_image
-from mlx_kvserver.engine.request import Prompt
 from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
-from tests.models.image_families.exact import PICTURES, check_image_chat
-
-
-@pytest.fixture(autouse=True)
-def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+from tests.models.image_families.exact import check_image_chat, two_images
 
 
 @pytest.fixture(scope="module")
@@ -39,10 +29,7 @@ def call(vlm, ids: list[int], prompt) -> mx.array:
 
 
 def test_each_image_encoded_alone_gives_the_whole_prompt_s_features(vlm: LoadedModel) -> None:
-    two = Prompt.of(Conversation(messages=[Message("user", [
-        Text("Compare"), decode_image(PICTURES["a"], "a"), decode_image(PICTURES["b"], "b")])]),
-        vlm).images
-    assert len(two.images) == 2
+    two = two_images(vlm)
     reader, model = two.reader, vlm.model.vlm
     alone = mx.concatenate([reader.encode(model, im)["features"] for im in two.images])
     whole = model.vision_tower(mx.concatenate([im.arrays["pixel_values"] for im in two.images]),
