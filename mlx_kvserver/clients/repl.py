@@ -7,11 +7,14 @@ KV cache; a status line after each answer shows time to first token, tokens/s, h
 tokens came from the cache, tokens per decode forward pass and the drafts taken (speculative
 decoding, where there were drafts). A thinking model's reasoning folds to a one-line summary
 (``/reasoning`` shows it in full) and tool calls print as ``[tool call] name({...})``; both go
-back to the server as it sent them. Type ``/help`` for the commands.
+back to the server as it sent them. ``/image PATH`` attaches a picture to the next message (sent
+as a data URL ``image_url`` part). Type ``/help`` for the commands.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import statistics
@@ -24,6 +27,8 @@ from typing import Callable
 
 import httpx
 
+from ..chat.images import FORMATS, MEDIA_TYPES, decode_image
+from ..errors import RequestError
 from .client import ChatError, Client, Streamed, describe_error
 from .repl_render import TurnPrinter, dim, draft_figures, reasoning_summary
 from .stats_table import stats_table
@@ -34,6 +39,9 @@ HELP = """commands:
   /fork          branch from here: keeps the history (and its server cache); /back returns here
   /back          leave the current branch: back to the point of the last /fork
   /system [TEXT] set the system prompt (no TEXT: clear it)
+  /image [PATH]  attach an image file (PNG, JPEG, WebP, GIF) to the next message, for a model
+                 that takes images; several may be attached; no PATH: list what is attached;
+                 /image --clear drops them
   /reasoning     show a thinking model's reasoning in full (dimmed), or fold it to a one-line
                  summary (the default); showing it prints the last answer's reasoning too
   /stats         the server's KV cache (hits, tokens from cache, RAM and disk against their
@@ -41,6 +49,49 @@ HELP = """commands:
                  step) and this session's totals; /stats --json: the raw stats
   /help          this help
   /quit          leave (also Ctrl-D); Ctrl-C stops an answer"""
+
+@dataclass(frozen=True)
+class Attached:
+    """An image file read for the next message: its path, size and the data URL sent."""
+
+    path: str
+    width: int
+    height: int
+    url: str
+
+    def describe(self) -> str:
+        return f"{self.path} ({self.width} x {self.height})"
+
+
+def read_image(path: str) -> Attached:
+    """The file at ``path`` checked to be an image as the server checks it (``decode_image``);
+    ``ValueError`` with a message for a missing file or one that is not an image."""
+    try:
+        data = Path(path).expanduser().read_bytes()
+    except FileNotFoundError:
+        raise ValueError(f"no such file: {path}") from None
+    except OSError as e:
+        raise ValueError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        image = decode_image(data, path)
+    except RequestError as e:
+        raise ValueError(e.message) from None
+    from PIL import Image as PILImage  # the file's format: its media type in the data URL
+
+    with PILImage.open(io.BytesIO(data), formats=FORMATS) as im:
+        media = dict(zip(FORMATS, MEDIA_TYPES))[im.format]
+    return Attached(path, image.width, image.height,
+                    f"data:{media};base64,{base64.b64encode(data).decode()}")
+
+
+def user_content(text: str, images: list[Attached]) -> str | list[dict]:
+    """A user message's content: the images as ``image_url`` parts, then the text; the text
+    alone without images."""
+    if not images:
+        return text
+    return [*({"type": "image_url", "image_url": {"url": a.url}} for a in images),
+            {"type": "text", "text": text}]
+
 
 class Conversation:
     """The messages of the current branch, each with its ``message_id``, and a stack of forks."""
@@ -53,7 +104,7 @@ class Conversation:
     def new_id(role: str) -> str:
         return f"{role}-{uuid.uuid4().hex}"
 
-    def add(self, role: str, content: str, message_id: str | None = None) -> dict:
+    def add(self, role: str, content: str | list[dict], message_id: str | None = None) -> dict:
         m = {"role": role, "content": content}
         if message_id := message_id or (None if role == "assistant" else self.new_id(role)):
             m["message_id"] = message_id
@@ -110,6 +161,7 @@ class Repl:
         self.totals = {"turns": 0, "prompt": 0, "cached": 0, "completion": 0}
         self.ttfts: list[float] = []
         self.show_reasoning = False
+        self.images: list[Attached] = []  # for the next message
         self.color = self.out.isatty() and os.environ.get("TERM") != "dumb" \
             and "NO_COLOR" not in os.environ
 
@@ -144,26 +196,60 @@ class Repl:
             reply.rate = (n - 1) / (t_end - t_first) if n > 1 else None
         return reply
 
-    def turn(self, restore: list[dict]) -> None:
+    def turn(self, restore: list[dict]) -> bool:
         """Answer the current messages; on an error (or a stop before any text) the
-        conversation goes back to ``restore``."""
+        conversation goes back to ``restore`` and the answer is False."""
         try:
             reply = self.generate()
         except (ChatError, httpx.HTTPError) as e:
             self.conv.messages = restore
             self.say(f"error: {e}" if isinstance(e, ChatError)
                      else f"error: cannot talk to {self.client.base_url}: {e}")
-            return
+            return False
         answer = reply.answer
         if reply.interrupted:
             self.say("[stopped]", dimmed=True)
             if not (answer.text or answer.tool_calls):
                 self.conv.messages = restore
-                return
+                return False
         # as the server sent it: the next turn renders the same tokens (and hits the cache)
         self.conv.messages.append(answer.message(reply.message_id))
         if reply.usage:
             self.status(reply)
+        return True
+
+    def send(self, text: str) -> None:
+        """A user message with the attached images; they stay attached when it fails."""
+        before = list(self.conv.messages)
+        self.conv.add("user", user_content(text, self.images))
+        if self.turn(restore=before):
+            self.images = []
+        elif self.images:
+            n = len(self.images)
+            self.say(f"({n} image{'s' if n > 1 else ''} still attached: /image lists them, "
+                     "/image --clear drops them)", dimmed=True)
+
+    def image(self, arg: str) -> None:
+        """``/image PATH`` attaches a file; ``/image`` lists; ``/image --clear`` drops all."""
+        path = arg.strip()
+        if len(path) > 1 and path[0] == path[-1] and path[0] in "'\"":
+            path = path[1:-1]  # a quoted path (spaces are fine unquoted too)
+        if path == "--clear":
+            self.images = []
+            self.say("no images attached")
+        elif path:
+            try:
+                self.images.append(read_image(path))
+            except ValueError as e:
+                self.say(f"error: {e}")
+                return
+            self.say(f"attached {self.images[-1].describe()} to the next message "
+                     f"({len(self.images)} attached)")
+        elif self.images:
+            self.say("attached to the next message:\n" + "\n".join(
+                f"  {i}. {a.describe()}" for i, a in enumerate(self.images, 1)))
+        else:
+            self.say("no images attached (/image PATH attaches one)")
 
     def status(self, reply: Reply) -> None:
         u = reply.usage
@@ -236,6 +322,8 @@ class Repl:
         elif name == "/system":
             conv.set_system(arg.strip())
             self.say("system prompt set" if arg.strip() else "system prompt cleared")
+        elif name == "/image":
+            self.image(arg)
         elif name == "/reasoning":
             self.reasoning_toggle()
         elif name == "/stats":
@@ -262,9 +350,7 @@ class Repl:
                     if not self.command(line):
                         break
                 elif line:
-                    before = list(self.conv.messages)
-                    self.conv.add("user", line)
-                    self.turn(restore=before)
+                    self.send(line)
             except KeyboardInterrupt:  # e.g. during /stats; answers handle their own
                 self.say("[stopped]", dimmed=True)
 

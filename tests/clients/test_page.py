@@ -24,7 +24,7 @@ from harness.browser_utils import MISSING, find_chromium, quit_chromium, serve_a
 from harness.server_utils import running_server
 from harness.services import required, unavailable
 from tests.chat.pictures import data_url, file_of, picture
-from tests.clients.test_repl import WEATHER, thinking_answer
+from tests.clients.test_repl import WEATHER, plain_answer, thinking_answer
 
 CHROMIUM = find_chromium()
 needs_browser = pytest.mark.skipif(CHROMIUM is None and "chromium" not in required(),
@@ -532,24 +532,6 @@ def test_drafts_and_tokens_per_step_from_the_real_server(served, web, tiny_lm):
 # -- images ---------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def vision_served(tiny_lm, tmp_path_factory):
-    """A server with the tiny Qwen2.5-VL (first: the page's default model) and a text model."""
-    import huggingface_hub
-
-    from harness.tiny_vlm import make_tiny_vlm_dir
-    from mlx_kvserver.models.loading import resolve_and_load
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HF_HUB_OFFLINE", "1")
-        mp.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
-        folder = make_tiny_vlm_dir(tmp_path_factory.mktemp("page-vlm") / "tiny-vlm", seed=0)
-        vlm = resolve_and_load(str(folder))
-        config = ServerConfig(max_tokens=8, kv_cache_dir=tmp_path_factory.mktemp("page-vlm-kv"))
-        with running_server([vlm, tiny_lm], config) as url:
-            yield url, vlm
-
-
 def paste_picture(web, data: bytes, kind: str = "image/png") -> None:
     """A paste of an image file into the message box, as a browser dispatches one."""
     web.execute_script("""
@@ -563,14 +545,6 @@ def paste_picture(web, data: bytes, kind: str = "image/png") -> None:
 
 def thumbnails(web) -> list[str]:
     return [i.get_attribute("src") for i in css(web, "#attachments img")]
-
-
-def plain_answer(url: str, model: str, messages: list[dict]) -> dict:
-    """The same chat sent by httpx without the cache (greedy: the server's temperature is 0)."""
-    r = httpx.post(f"{url}/chat/completions", timeout=120, json={
-        "model": model, "messages": messages, "max_tokens": 8, "use_kv_cache": False})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 @needs_browser

@@ -3,6 +3,7 @@ server, then the real REPL in a pseudo-terminal against the real server on the t
 
 from __future__ import annotations
 
+import base64
 import fcntl
 import io
 import logging
@@ -24,6 +25,7 @@ from mlx_kvserver.clients.client import ChatError, Client, Streamed, parse_sse
 from mlx_kvserver.clients.repl import Conversation, Repl
 from mlx_kvserver.clients.repl_render import _CONTROL
 from harness.server_utils import running_server
+from tests.chat.pictures import data_url, file_of, picture
 
 ROOT = Path(__file__).resolve().parents[2]
 STATUS = re.compile(r"\[ttft (?:\d+\.\d+s|-) \| (?:[\d.]+|-) tok/s \| (\d+) tokens \| "
@@ -448,6 +450,67 @@ def test_repl_in_a_pty_streams_answers_reuses_cache_and_shows_stats(server, tiny
         pty.close()
     history = (tmp_path / ".cache" / "mlx-kvserver" / "chat_history").read_text()
     assert "+hello there" in history and "+/stats" in history
+
+
+def plain_answer(url: str, model: str, messages: list[dict]) -> dict:
+    """The same chat sent by httpx without the cache (greedy: the server's temperature is 0)."""
+    r = httpx.post(f"{url}/chat/completions", timeout=120, json={
+        "model": model, "messages": messages, "max_tokens": 8, "use_kv_cache": False})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_image_attaches_files_lists_them_and_sends_them_with_the_next_message(
+        vision_served, tiny_lm, tmp_path):
+    """On the tiny Qwen2.5-VL: /image reads a PNG and a JPEG (a missing file and a file that is
+    not an image are refused with a clear message), /image lists them, and the next message
+    carries both: its answer and prompt tokens equal the same chat sent by httpx with the same
+    data URLs. To the text model the server's 400 is shown and the images stay attached."""
+    url, vlm = vision_served
+    png, jpeg = file_of(picture(64, 48)), file_of(picture(32, 32), "JPEG")
+    (tmp_path / "a.png").write_bytes(png)
+    (tmp_path / "b c.jpg").write_bytes(jpeg)  # a space in the name
+    (tmp_path / "notes.txt").write_text("not a picture")
+    client = Client(url, model=vlm.name)
+    try:
+        repl, out, _ = run_repl(client, [
+            "/help", "/image", f"/image {tmp_path}/missing.png", f"/image {tmp_path}/notes.txt",
+            f"/image {tmp_path}/a.png", f"/image {tmp_path}/b c.jpg", "/image",
+            "what is in these pictures?", "/image"])
+    finally:
+        client.close()
+    assert "/image [PATH]  attach an image file" in out
+    assert out.count("no images attached (/image PATH attaches one)") == 2  # before and after
+    assert f"error: no such file: {tmp_path}/missing.png" in out
+    assert f"error: {tmp_path}/notes.txt: not an image (want PNG, JPEG, WEBP, GIF)" in out
+    assert f"attached to the next message:\n  1. {tmp_path}/a.png (64 x 48)\n" \
+           f"  2. {tmp_path}/b c.jpg (32 x 32)\n" in out
+    urls = [data_url(png), "data:image/jpeg;base64," + base64.b64encode(jpeg).decode()]
+    question = {"role": "user", "content": [
+        *({"type": "image_url", "image_url": {"url": u}} for u in urls),
+        {"type": "text", "text": "what is in these pictures?"}]}
+    sent = repl.conv.messages[0]
+    assert {k: v for k, v in sent.items() if k != "message_id"} == question
+    plain = plain_answer(url, vlm.name, [question])
+    text_only = plain_answer(url, vlm.name, [{"role": "user", "content": question["content"][2][
+        "text"]}])
+    assert repl.conv.messages[1]["content"] == plain["choices"][0]["message"]["content"]
+    (status,) = STATUS.findall(out)
+    assert int(status[2]) == plain["usage"]["prompt_tokens"] > \
+        text_only["usage"]["prompt_tokens"] + 12  # 12 + 4 image tokens
+    assert not repl.images
+
+    client = Client(url, model=tiny_lm.name)
+    try:
+        repl, out, _ = run_repl(client, [f"/image {tmp_path}/a.png", "and this?", "/image",
+                                         "/image --clear"])
+    finally:
+        client.close()
+    assert f"error: HTTP 400 invalid_request_error: model '{tiny_lm.name}' does not take " \
+           "images" in out
+    assert "(1 image still attached: /image lists them, /image --clear drops them)" in out
+    assert f"  1. {tmp_path}/a.png (64 x 48)" in out and repl.conv.messages == []
+    assert out.endswith("no images attached\n") and not repl.images
 
 
 def test_drafts_and_tokens_per_pass_from_a_real_server(server, tiny_lm):
