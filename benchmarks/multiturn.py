@@ -74,6 +74,7 @@ class MlxVlmServer(Server):
                    APC_DISK_PATH=str(workdir / "mlx-vlm-apc"), **(blas.blas_env(os.environ) or {}))
         self.url, self.model = f"http://127.0.0.1:{port}/v1", str(folder)
         self.log = open(workdir / f"mlxvlm-{port}-{time.time_ns()}.log", "w")
+        python = os.path.abspath(python) if os.sep in python else python  # it runs in workdir
         self.proc = subprocess.Popen(
             [python, "-m", "mlx_vlm.server", "--model", str(folder), "--host", "127.0.0.1",
              "--port", str(port), "--max-tokens", "512"], cwd=workdir, env=env, stdout=self.log,
