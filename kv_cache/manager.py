@@ -8,7 +8,8 @@ on disk (``restore.py``) or goes on from a resident sequence (``residents.py``),
 sequence that holds it. Saving a sequence keeps it as an entry (``entries.py``) and hands its
 disk copy to a background writer (``saving.py``). When the pool runs short of pages, the least
 recently used holders kept for reuse are dropped (``room.py``); their sealed pages stay cached
-(and findable by tokens) until the pool's own eviction takes them.
+(and findable by tokens) until the pool's own eviction takes them. Beside entries, it keeps
+named arrays by a key of the user's (``arrays.py``: in memory and on disk, in its budgets).
 
 For a model with recurrent state, the state at a prompt's message boundaries is kept as entries
 too (state points, ``kv_cache.model.state_points``), so a history changed inside resumes from the
@@ -22,8 +23,11 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import asdict
-from typing import Callable, Iterable, Iterator, Sequence, TypeVar
+from typing import Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
+import mlx.core as mx
+
+from kv_cache.arrays import KeptArrays
 from kv_cache.entries import Entries, Entry
 from kv_cache.errors import OutOfBlocksError
 from kv_cache.lookup import Lookup, Match, no_tables
@@ -49,17 +53,19 @@ class CacheManager:
 
     Its parts, each given what it works on: ``entries`` (the entries in memory), ``residents``
     (finished sequences kept whole), ``lookup`` (finding a prompt's reuse), ``saving`` (disk
-    copies), ``room`` (dropping what is kept for reuse when the pool is full) and ``restore``
-    (loading from disk)."""
+    copies), ``room`` (dropping what is kept for reuse when the pool is full), ``restore``
+    (loading from disk) and ``arrays`` (named arrays kept by key)."""
 
     def __init__(self, pool: PagePool, store: Tier | None = None, max_resident: int = 8,
-                 views: PrefixViews | None = None, max_points: int = 2 * points.K):
+                 views: PrefixViews | None = None, max_points: int = 2 * points.K,
+                 max_arrays_bytes: int = 0):
         """``max_resident``: finished sequences kept with their working buffers (least recently
         used dropped first), so that a turn continuing one of them skips gathering its pages.
         ``views``: the sequences this manager starts read shared prefixes through them (a model
         whose attention ``kv_cache.model.attention`` routes). ``max_points``: state points
         (``kv_cache.model.state_points``) kept in memory, least recently used dropped first (they
-        stay on disk)."""
+        stay on disk). ``max_arrays_bytes``: the keyed arrays kept in memory
+        (``kv_cache.arrays``; the disk tier keeps them too, within its budget)."""
         self.pool = pool
         self.views = views
         self.max_points = max_points
@@ -71,6 +77,7 @@ class CacheManager:
         self.saving = Saving(pool, store, self.stats)
         self.room = Room(pool, self.residents, self.entries, self.stats, store, self.saving)
         self.restore = Restore(pool, store, self.stats, self.room.with_room)
+        self.arrays = KeptArrays(store, max_arrays_bytes, self.saving.submit)
 
     # -- what it holds --------------------------------------------------------------------------
 
@@ -245,6 +252,21 @@ class CacheManager:
         for key in list(self.entries):
             self.entries.drop(key)
 
+    # -- keyed arrays ---------------------------------------------------------------------------
+
+    def get_arrays(self, key: str) -> dict[str, mx.array] | None:
+        """The named arrays kept under ``key`` (``put_arrays``): from memory, else from disk,
+        bit for bit as put; None when neither keeps them (``kv_cache.arrays``)."""
+        return self.arrays.get(key)
+
+    def put_arrays(self, key: str, arrays: Mapping[str, mx.array]) -> None:
+        """Keep ``arrays`` under ``key`` in memory and (written off this thread) on disk."""
+        self.arrays.put(key, arrays)
+
+    def has_arrays(self, key: str) -> bool:
+        """Whether arrays are kept under ``key``, in memory or on disk (no file read)."""
+        return self.arrays.has(key)
+
     # -- memory ---------------------------------------------------------------------------------
 
     def make_room(self, n_pages: int, group: int = 0) -> bool:
@@ -258,7 +280,10 @@ class CacheManager:
         return self.room.with_room(fn)
 
     def shed(self) -> int:
-        """Give back the memory nothing running needs (``Room.shed``); the pages freed."""
+        """Give back the memory nothing running needs: the keyed arrays held in memory first
+        (computed again, or read from disk, when asked), then what ``Room.shed`` gives back;
+        the pages freed."""
+        self.arrays.clear()
         return self.room.shed()
 
     # -- reports --------------------------------------------------------------------------------
@@ -279,7 +304,7 @@ class CacheManager:
                 "pages_read_from_disk": m.pages_read_from_disk, "disk_saves": m.disk_saves,
                 "disk_save_failures": m.disk_save_failures, "ram": ram,
                 "disk": asdict(self.store.stats()) if self.store is not None else None,
-                "disk_enabled": self.store is not None,
+                "disk_enabled": self.store is not None, "arrays": self.arrays.stats(),
                 "store": asdict(self.store.shared.stats())
                 if isinstance(self.store, TieredStore) else None}
 

@@ -28,8 +28,8 @@ log = logging.getLogger("kv_cache")
 def open_cache(spec: CacheSpec, fingerprint: str, *, page_size: int, max_ram_bytes: int,
                policy: str, disk_dir: Path | None, max_disk_bytes: int, max_resident: int,
                about: dict | None = None, store_url: str | None = None,
-               store_namespace: str = "kv", kv_bits: int | str | tuple | None = None
-               ) -> CacheManager:
+               store_namespace: str = "kv", kv_bits: int | str | tuple | None = None,
+               max_arrays_bytes: int = 0) -> CacheManager:
     """The manager of one model's cache: pages of ``page_size`` tokens within ``max_ram_bytes``,
     and (unless ``disk_dir`` is None) a disk store within ``max_disk_bytes`` in its own
     directory under ``disk_dir``; ``policy`` names the eviction policy of both. ``about`` (the
@@ -37,7 +37,9 @@ def open_cache(spec: CacheSpec, fingerprint: str, *, page_size: int, max_ram_byt
     looking at the directory. ``store_url``: a page store shared with other servers, below
     the disk (``kv_cache.tiers.store``), its keys under ``store_namespace``. ``kv_bits``: pages
     in bits (``kv_cache.parse_kv_bits``; ``with_kv_bits``, keys per channel over a page where
-    ``key_block_for`` says so), a setting that enters the fingerprint."""
+    ``key_block_for`` says so), a setting that enters the fingerprint. ``max_arrays_bytes``:
+    the keyed arrays kept in memory (``kv_cache.arrays``; on disk they share
+    ``max_disk_bytes`` with the entries)."""
     if parse_bits(kv_bits) is not None:
         block = key_block_for(spec, kv_bits, page_size)
         spec, fingerprint = with_kv_bits(spec, fingerprint, kv_bits, block)
@@ -54,7 +56,8 @@ def open_cache(spec: CacheSpec, fingerprint: str, *, page_size: int, max_ram_byt
 
         store = below_disk(store, store_url, store_namespace,
                            Geometry(fingerprint, page_size, spec))
-    return CacheManager(pool, store, max_resident=max_resident)
+    return CacheManager(pool, store, max_resident=max_resident,
+                        max_arrays_bytes=max_arrays_bytes)
 
 
 def open_store(disk_dir: Path, spec: CacheSpec, fingerprint: str, *, page_size: int,

@@ -78,6 +78,12 @@ class Saving:
         for captured in pending:
             self._writer.submit(self._writer_task(captured))
 
+    def submit(self, task: Callable[[], None]) -> None:
+        """Run ``task`` (a write of the store's keyed arrays, ``kv_cache.arrays``, given host
+        bytes) on the disk writer, in order with the entries' writes; nothing without a store."""
+        if self._writer is not None:
+            self._writer.submit(task)
+
     def sync(self) -> None:
         """Wait for every write handed to the disk writer (for a consistent view of the disk)."""
         self.flush()

@@ -557,7 +557,7 @@ def test_over_a_thousand_generated_requests_get_no_5xx(fuzz_server, tiny_lm):
     assert tree(tmp_path / "canary") == canary_before
     (root,) = [p for p in (tmp_path / "kv").iterdir() if p.name != "responses"]
     assert {p.name for p in root.iterdir()} <= {".lock", "entries", "pages", "tails",
-                                                "model.json"}
+                                                "arrays", "model.json"}
     assert all(re.fullmatch(r"[0-9a-f]{64}\.safetensors", p.name)
                for p in (root / "entries").iterdir())
     assert all(re.fullmatch(r"[0-9a-f]{2}", p.name) for p in (root / "pages").iterdir())

@@ -54,11 +54,11 @@ def store_root(cache_dir: Path) -> Path:
 
 
 def assert_store_layout(root: Path) -> None:
-    """Only the store's own names: hashed manifests, hashed pages and tails in two-hex-digit
-    folders."""
+    """Only the store's own names: hashed manifests and keyed arrays, hashed pages and tails in
+    two-hex-digit folders."""
     assert {p.name for p in root.iterdir()} <= {".lock", "entries", "pages", "tails",
-                                                "model.json"}
-    for p in (root / "entries").iterdir():
+                                                "arrays", "model.json"}
+    for p in [*(root / "entries").iterdir(), *(root / "arrays").iterdir()]:
         assert len(p.stem) == 64 and p.suffix == ".safetensors" and p.is_file(), p
     for sub in [*(root / "pages").iterdir(), *(root / "tails").iterdir()]:
         assert len(sub.name) == 2 and sub.is_dir() and not sub.is_symlink(), sub

@@ -13,6 +13,9 @@ what they are for:
             ``load_holder`` (the data holding a found prefix's partial page)
     save    ``put``, ``touch`` (a hit: the entry becomes the most recently used)
     evict   ``delete``; a tier evicts on its own to keep within its budget on ``put``
+    arrays  ``has_arrays``, ``put_arrays``, ``load_arrays``: named arrays by a key of the
+            user's (``kv_cache.arrays``), the disk tier's alone (optional: a tier without them
+            keeps none)
     stats   ``stats``: one dataclass of the tier's own, whose ``dataclasses.asdict`` is what the
             server shows (``/v1/kv_cache/stats``, ``/metrics`` read ``entries``,
             ``bytes_on_disk``, ``budget``, ``evictions`` and ``errors`` where present)

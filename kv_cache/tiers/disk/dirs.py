@@ -18,7 +18,7 @@ except ImportError:  # not POSIX
     fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("kv_cache.tiers.disk.store")
-FOLDERS = ("entries", "pages", "tails")
+FOLDERS = ("entries", "pages", "tails", "arrays")
 
 
 class DiskStoreLockedError(RuntimeError):
@@ -26,8 +26,8 @@ class DiskStoreLockedError(RuntimeError):
 
 
 class StoreDirs:
-    """The fds of a store's root and of its ``entries``, ``pages`` and ``tails`` folders (made
-    if missing), the root locked while they are open."""
+    """The fds of a store's root and of its ``entries``, ``pages``, ``tails`` and ``arrays``
+    folders (made if missing), the root locked while they are open."""
 
     def __init__(self, root: Path):
         self.root = root
@@ -36,7 +36,8 @@ class StoreDirs:
         self._fds.append(self.root_fd)
         try:
             self._take_lock()
-            self.entries_fd, self.pages_fd, self.tails_fd = (self._open(f) for f in FOLDERS)
+            self.entries_fd, self.pages_fd, self.tails_fd, self.arrays_fd = \
+                (self._open(f) for f in FOLDERS)
         except BaseException:
             self.close()
             raise

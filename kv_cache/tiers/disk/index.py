@@ -1,7 +1,8 @@
 """The disk store's in-memory index and accounting: which entries, page files and tail files
 exist, how many entries reference each file, which file holds each entry's open tail page, the
-bytes they take against the budget, and eviction in policy order (the start-up scan that builds
-all of it from file headers alone is ``scan``).
+keyed arrays files (``arrays``), the bytes they all take against the budget, and eviction in
+policy order, entries and arrays files alike (the start-up scan that builds all of it from file
+headers alone is ``scan``).
 
 A ``DiskStore`` holds one ``StoreIndex`` and uses it under its lock; the index touches files
 only to remove what it no longer references (through the store's folders, ``StoreDirs``), and
@@ -65,6 +66,8 @@ class DiskStats:
     foreign_files_removed: int = 0
     temp_files_removed: int = 0
     errors: int = 0
+    arrays: int = 0  # keyed arrays files (``arrays``)
+    arrays_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -141,6 +144,9 @@ class StoreIndex:
         self.holds: dict[bytes, set[str]] = {}  # tail-holding file -> the entries it holds
         self.ends: dict[bytes, set[str]] = {}  # where entries end (``end_parent``)
         self.refs: Counter[bytes] = Counter()  # entries referencing each page or tail file
+        # keyed arrays files (``arrays``): name -> (size, policy id), least recent first
+        self.arrays: OrderedDict[str, tuple[int, int]] = OrderedDict()
+        self.arrays_by_id: dict[int, str] = {}
         self.nbytes = 0  # of every indexed file
         self.counts = DiskStats(budget=max_bytes, policy=policy.name)  # the counters
         self.clock = 0  # the last mtime given (``tick``): an entry's recency
@@ -150,7 +156,8 @@ class StoreIndex:
         """The counters with the index's sizes, as a copy."""
         tails = sum(1 for f in self.info.values() if f.partial)
         return replace(self.counts, entries=len(self.entries), pages=len(self.pages) - tails,
-                       tail_pages=tails, bytes_on_disk=self.nbytes)
+                       tail_pages=tails, bytes_on_disk=self.nbytes, arrays=len(self.arrays),
+                       arrays_bytes=sum(size for size, _ in self.arrays.values()))
 
     def fits_after_evicting_all(self, old, protected, needed, add, gone=()) -> bool:
         """``gone``: tail files that the put's new files continue (they go after it)."""
@@ -161,6 +168,7 @@ class StoreIndex:
             refs.subtract(e.files)
         free += sum(s for h, s in self.pages.items()
                     if (refs[h] <= 0 or h in gone) and h not in needed)
+        free += sum(size for size, _ in self.arrays.values())  # keyed arrays go too
         return self.nbytes - free + add <= self.max_bytes
 
     def projected(self, old, needed, add, gone=()) -> int:
@@ -172,10 +180,20 @@ class StoreIndex:
         return b
 
     def evict_one(self, protected: Collection[str], keep: Collection[bytes] = ()) -> bool:
-        """Evict the policy's victim among entries not ``protected``; False if none could go."""
-        vid = self.policy.victim(lambda i: self.by_id.get(i) not in protected)
+        """Evict the policy's victim among entries not ``protected`` and keyed arrays files;
+        False if none could go."""
+        vid = self.policy.victim(lambda i: i in self.arrays_by_id
+                                 or self.by_id.get(i) not in protected)
         if vid is None:
             return False
+        if vid in self.arrays_by_id:
+            name = self.arrays_by_id[vid]
+            if not afs.unlink(self.dirs.arrays_fd, name):
+                self.policy.insert(vid, ident=name)
+                return False
+            self.forget_arrays(name, in_policy=False)
+            self.counts.evictions += 1
+            return True
         key = self.by_id[vid]
         if not self.drop_entry(key, keep=keep):
             self.policy.insert(vid, ident=key)  # still on disk: still a candidate
@@ -227,6 +245,33 @@ class StoreIndex:
                 if not self.holds[h]:
                     del self.holds[h]
         self.nbytes -= e.size
+
+    # -- keyed arrays files (``arrays``) --------------------------------------------------------
+
+    def add_arrays(self, name: str, size: int) -> None:
+        """Index an arrays file just written or found as the most recently used."""
+        i = self._next_id
+        self._next_id += 1
+        self.arrays[name] = (size, i)
+        self.arrays_by_id[i] = name
+        self.nbytes += size
+        self.policy.insert(i, ident=name)
+
+    def forget_arrays(self, name: str, in_policy: bool = True) -> None:
+        size, i = self.arrays.pop(name)
+        del self.arrays_by_id[i]
+        if in_policy:
+            self.policy.remove(i)
+        self.nbytes -= size
+
+    def touch_arrays(self, name: str) -> bool:
+        """An arrays file was read: the most recently used. Whether it is indexed."""
+        got = self.arrays.get(name)
+        if got is None:
+            return False
+        self.arrays.move_to_end(name)
+        self.policy.access(got[1])
+        return True
 
     # -- files and open tail pages --------------------------------------------------------------
 

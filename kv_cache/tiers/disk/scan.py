@@ -2,9 +2,9 @@
 data is read), removing on the way what a crash or a hostile hand left: temp files, planted
 symlinks, files that are corrupt, foreign or named for something else, and orphans (page and
 tail files no manifest references; a tail file that a longer one or a full page continues holds
-no entry's tail). Entries are indexed in the order of their manifests' mtimes (a touch sets
-it), so recency survives a restart; then the store is brought within its budget, which may have
-shrunk since the last run.
+no entry's tail). Entries and keyed arrays files (``arrays``) are indexed in the order of
+their mtimes (a touch sets it), so recency survives a restart; then the store is brought within
+its budget, which may have shrunk since the last run.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from kv_cache.errors import FormatError
 from kv_cache.tiers.disk import atomic_fs as afs
 from kv_cache.tiers.disk import file_format as fmt
 from kv_cache.tiers.disk import framing
+from kv_cache.tiers.disk.arrays import ArrayFiles
 from kv_cache.tiers.disk.index import FileInfo, StoreIndex, entry_name, token_array
 
 log = logging.getLogger("kv_cache.tiers.disk.store")
@@ -27,9 +28,9 @@ _HEX2 = re.compile(r"[0-9a-f]{2}")
 
 
 def build(index: StoreIndex) -> None:
-    """Index pages, tails and entries from their headers only; remove temp, bad and orphan
-    files (a tail file that a longer one or a full page continues holds no entry's tail:
-    an orphan)."""
+    """Index pages, tails, entries and keyed arrays from their headers only; remove temp, bad
+    and orphan files (a tail file that a longer one or a full page continues holds no entry's
+    tail: an orphan)."""
     _index_pages(index, index.dirs.pages_fd, fmt.PAGE_FORMAT, "page")
     _index_pages(index, index.dirs.tails_fd, fmt.TAIL_FORMAT, "tail")
     found = []
@@ -45,8 +46,12 @@ def build(index: StoreIndex) -> None:
                                f.name, "manifest")
                 continue
             found.append((mtime, f.name, info, size, digest))
+    found += [(mtime, name, None, size, None) for mtime, name, size in ArrayFiles(index).scan()]
     for mtime, name, info, size, digest in sorted(found, key=lambda x: (x[0], x[1])):
-        index.add_entry(info.key, name, info, size, head_sum=digest)
+        if info is None:  # a keyed arrays file: evicted in recency order with the entries
+            index.add_arrays(name, size)
+        else:
+            index.add_entry(info.key, name, info, size, head_sum=digest)
         index.clock = max(index.clock, mtime)
     index.gc(list(index.pages))  # orphans: pages no manifest references
     while index.nbytes > index.max_bytes and index.evict_one(()):

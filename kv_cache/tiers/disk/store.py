@@ -8,6 +8,8 @@ Layout under ``root`` (one store, one model per root; a lock file keeps out a se
                                           written once, shared by every entry ending inside it
     entries/<sha256(key) hex>.safetensors an entry: its tokens and page hashes (metadata) and its
                                           recurrent state; the key lives only in metadata
+    arrays/<sha256(key) hex>.safetensors  a key's named arrays (``arrays``: what a user keeps
+                                          by a key of its own), in the budget with the entries
     .lock                                 held (flock) while a store has the root open
 
 Files are described in ``file_format``; the invariants cited are those of docs/ARCHITECTURE.md.
@@ -49,6 +51,7 @@ from kv_cache.pages.eviction import make_policy
 from kv_cache.pages.spans import Span, as_spans
 from kv_cache.tiers.base import FoundPrefix, LoadedEntry, PageRecord, StoredEntry
 from kv_cache.tiers.disk import atomic_fs as afs
+from kv_cache.tiers.disk.arrays import ArrayFiles, HostArrays
 from kv_cache.tiers.disk import file_data
 from kv_cache.tiers.disk import file_format as fmt
 from kv_cache.tiers.disk import framing, scan
@@ -100,6 +103,7 @@ class DiskStore:
         self._index = StoreIndex(self.geo, self._dirs, max_bytes, make_policy(policy))
         self._lookup = ContentLookup(self._index)
         self._reader = PageReader(self.geo, self._dirs.pages_fd)
+        self._arrays = ArrayFiles(self._index)
         scan.build(self._index)
 
     # -- find -----------------------------------------------------------------------------------
@@ -296,6 +300,26 @@ class DiskStore:
             log.warning("disk store: could not delete an entry")
             return False
         return True
+
+    # -- keyed arrays (``arrays``) --------------------------------------------------------------
+
+    @_locked
+    def has_arrays(self, key: str) -> bool:
+        """Whether the store keeps arrays under ``key`` (from the index: no file is read)."""
+        return self._arrays.has(key)
+
+    @_locked
+    def put_arrays(self, key: str, arrays: HostArrays) -> bool:
+        """Keep ``arrays`` (``host_arrays``) under ``key`` (``ArrayFiles.put``): within the
+        budget, evicting in policy order with the entries; False when it does not fit or the
+        disk refuses."""
+        return self._arrays.put(key, arrays)
+
+    @_locked
+    def load_arrays(self, key: str) -> dict[str, mx.array] | None:
+        """The arrays kept under ``key``, checked, bit for bit as written; None when none are
+        kept or the file is bad (logged, removed)."""
+        return self._arrays.load(key)
 
     # -- the store itself -----------------------------------------------------------------------
 

@@ -200,7 +200,7 @@ def test_hostile_keys_never_leave_the_root_and_round_trip(tmp_path, stores):
         assert s.get(key).key == key and s.get(key).tokens == (i, i + 1, i + 2, i + 3, i + 4)
         assert tail_of(s, key) is not None
     assert sorted(os.listdir(tmp_path)) == ["store"]
-    assert sorted(os.listdir(root)) == [".lock", "entries", "pages", "tails"]
+    assert sorted(os.listdir(root)) == [".lock", "arrays", "entries", "pages", "tails"]
     check_accounting(s, root)
     assert len(os.listdir(root / "entries")) == len(HOSTILE_KEYS)
     s.close()
