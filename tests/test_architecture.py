@@ -119,7 +119,7 @@ FACE = {  # what a user of the cache names: ``from kv_cache import ...``
     "parse_kv_bits", "check_store_url", "Span"}
 HOOKS = {  # what a model runner names around a forward pass: ``from kv_cache.hooks import ...``
     "forward", "install", "batch_caches", "ragged_caches", "finish_batch", "OWN_KEYS_APART",
-    "PagedSequence", "boundaries", "common_prefix"}
+    "PagedSequence", "boundaries", "common_prefix", "Bidirectional"}
 WAYS_IN = ("kv_cache", "kv_cache.hooks")
 
 

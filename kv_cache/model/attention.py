@@ -29,6 +29,12 @@ the longest; the padding is skipped). Measured on the CPU only (an earlier run o
 benchmarks/pass_width.py, in docs/BENCHMARKS.md's git history); on a GPU a row alone is a dozen
 more kernel launches a layer, so there only the products go apart.
 
+A model may pass a ``masks.Bidirectional`` as the ``mask`` of a prompt piece whose runs of
+tokens attend to each other both ways (Gemma 3's images): each layer then makes its own mask
+from what it reads (causal, within its window, or in the same run) over its own keys; a shared
+prefix is all before the piece, so every query reads it whole. A cache not ours cannot honour it
+(``TypeError``).
+
 ``install(model)`` points every model module that imported mlx-lm's
 ``scaled_dot_product_attention`` at ``attention()`` below; calls whose cache is not one of ours
 go to mlx-lm's function untouched. The language models of mlx-vlm (vision-language models)
@@ -42,13 +48,14 @@ from __future__ import annotations
 import sys
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import replace
 from typing import Any, Iterator
 
 import mlx.core as mx
 from mlx_lm.models import base as mlx_base
 
 from kv_cache.model import prefix_part
-from kv_cache.model.masks import build_mask as _build_mask, ragged_index
+from kv_cache.model.masks import Bidirectional, build_mask as _build_mask, ragged_index
 from kv_cache.model.prefix_part import prefix_length
 from kv_cache.model.reads import Reads, pad
 
@@ -69,11 +76,22 @@ def attention(queries, keys, values, cache, scale: float, mask, sinks=None) -> m
         entry = p.fetched.get(id(keys)) if p is not None else None
         owner = entry[1] if entry is not None and entry[0] is keys else None
     if owner is None:
+        if isinstance(mask, Bidirectional):
+            raise TypeError("a Bidirectional mask needs the paged caches (kv_cache.model.masks)")
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     rs = owner.reads()
     ragged = getattr(owner, "ragged", None)
     if ragged is not None:
         return _ragged(queries, rs, ragged, scale, sinks)
+    if isinstance(mask, Bidirectional):  # runs of the piece that attend both ways
+        rs = [replace(r, blocks=tuple((r.q_start + a, r.q_start + b) for a, b in mask.blocks))
+              for r in (rs or [owner.read()])]
+        if rs[0].prefix is None and len(rs) == 1:  # the layer's own mask, with the runs in it
+            N = keys.shape[2]
+            own = _build_mask(rs, [N], queries.shape[2], N)[:, 0].astype(queries.dtype)
+            return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=own,
+                             sinks=sinks)
+        return split_attention(queries, rs, scale, sinks)
     if rs is None:  # one sequence, nothing shared: the model's mask over its keys
         return _ORIGINAL(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
     if len(rs) == 1 and _copy_pays(queries, rs[0], mask):
@@ -203,7 +221,7 @@ def _own_mask(reads: list[Reads], T: int, N: int) -> mx.array | None:
     if p is None:
         return _build_mask(reads, lens, T, N)
     key = (T, N, tuple(lens), tuple((r.own_start, r.q_start, r.window, r.block, r.float_from,
-                                     r.copies) for r in reads))
+                                     r.copies, r.blocks) for r in reads))
     if key not in p.masks:
         p.masks[key] = _build_mask(reads, lens, T, N)
     return p.masks[key]

@@ -14,7 +14,7 @@ import mlx.core as mx
 class Reads:
     """What one sequence's queries read at one layer: an optional shared prefix, its own keys and
     values ``[1, kv_heads, n, head_dim]`` starting at position ``own_start``, its first query's
-    position, and the layer's window (0: full)."""
+    position, the layer's window (0: full), and any runs of positions that attend both ways."""
 
     prefix: tuple[mx.array, mx.array] | None
     view: Any
@@ -30,6 +30,9 @@ class Reads:
     block: int = 0
     float_from: int = 0
     copies: int = 0
+    # runs of positions ``(start, end)`` whose queries and keys see each other both ways (an
+    # image of a model that reads it so, ``masks.Bidirectional``); causal everywhere else
+    blocks: tuple[tuple[int, int], ...] = ()
 
     def padded(self, n: int) -> tuple[mx.array, mx.array]:
         """Own keys and values stretched to ``n`` positions (the extra ones are masked)."""

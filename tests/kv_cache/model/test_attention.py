@@ -8,6 +8,7 @@ import pytest
 
 from kv_cache.model import attention
 from kv_cache.model.attention import split_attention
+from kv_cache.model.masks import Bidirectional
 from kv_cache.model.reads import Reads
 
 
@@ -212,3 +213,40 @@ def test_install_routes_a_models_attention_only():
         def named_modules(self):
             return []
     assert not attention.install(NotRouted())
+
+
+class _Alone(_NoView):
+    """One sequence holding its whole context in its own buffers, with what it read."""
+
+    def __init__(self, read: Reads):
+        self.read = lambda: read
+
+
+@pytest.mark.parametrize("view,window", [(False, 0), (False, 4), (True, 0)])
+def test_a_run_that_attends_both_ways_sees_its_later_keys(view, window):
+    """A prompt piece of 8 queries after 3 earlier own positions (after a 16-position view, or
+    with a window of 4 and none), its queries 2..6 one run given as ``Bidirectional``: equal to
+    the fused kernel over the whole context with "causal (within the window) or in the same
+    run" as its mask, and not to the causal answer."""
+    mx.random.seed(4)
+    H, Hkv, D, T, C = 4, 2, 16, 8, 16 if view else 0
+    n, q0 = 3 + T, (16 if view else 0) + 3
+    kp, vp = mx.random.normal((Hkv, C, D)), mx.random.normal((Hkv, C, D))
+    k, v = mx.random.normal((1, Hkv, n, D)), mx.random.normal((1, Hkv, n, D))
+    q = mx.random.normal((1, H, T, D))
+    read = Reads((kp, vp) if view else None, "view" if view else None, k, v, C, q0, window)
+    cache = _OneRead(read) if view else _Alone(read)
+    K = mx.concatenate([kp[None], k], axis=2) if view else k
+    V = mx.concatenate([vp[None], v], axis=2) if view else v
+    pos, qpos = mx.arange(C + n)[None], (q0 + mx.arange(T))[:, None]
+    causal = (pos <= qpos) & ((pos > qpos - window) if window else True)
+    run = ((pos >= q0 + 2) & (pos < q0 + 7)) & ((qpos >= q0 + 2) & (qpos < q0 + 7))
+    got = attention.attention(q, k, v, cache, 0.3, Bidirectional(((2, 7),)))
+    assert mx.allclose(got, fused(q, K, V, mask=causal | run), atol=2e-5).item()
+    assert not mx.allclose(got, fused(q, K, V, mask=causal), atol=1e-3).item()
+
+
+def test_a_bidirectional_mask_needs_the_paged_caches():
+    q = mx.zeros((1, 2, 3, 4))
+    with pytest.raises(TypeError):
+        attention.attention(q, q, q, None, 0.3, Bidirectional(((0, 2),)))
