@@ -75,6 +75,14 @@ class ImageFamily:
         return {"inputs_embeds": scatter_features(embeds, ids, self.image_token(vlm), images,
                                                   lambda f: f["features"])}
 
+    def embedded_alone(self, vlm: Any, tokens: int, pixels: mx.array,
+                       **kwargs: Any) -> dict[str, mx.array]:
+        """One image's features as mlx-vlm's own ``get_input_embeddings`` puts them in place of
+        a prompt of that image's ``tokens`` image tokens alone, given its ``pixels`` and
+        ``kwargs`` (its layer choice, projector and dtype, nothing redone here)."""
+        ids = mx.full((1, tokens), self.image_token(vlm), dtype=mx.int32)
+        return {"features": vlm.get_input_embeddings(ids, pixels, **kwargs).inputs_embeds[0]}
+
     def token_embeddings(self, vlm: Any, ids: Sequence[int]) -> mx.array:
         """The language model's embeddings of ``ids``, ``[1, n, H]``."""
         return vlm.language_model.model.embed_tokens(mx.array(list(ids))[None])
