@@ -74,18 +74,21 @@ class ContentLookup:
         for g, spec in enumerate(groups):
             if not spec.kind.reads_all:
                 hashes[g], have[g] = self._chain(toks, g, pages, False, spans)
-        tails = {}
-        for g in range(len(groups)):  # the partial page after ``pages`` full ones
-            parent = hashes[g][pages - 1] if pages else self.geo.root(g)
-            tails[g] = self._tail(g, parent, toks[pages * P : (pages + 1) * P],
-                                  page_extras(spans, pages * P, P))
-        k = min(t[1] for t in tails.values())
-        k = outside(pages * P + k, spans) - pages * P
-        if k > 0 and self._window_ok(have, pages * P + k):
-            return FoundPrefix(pages * P + k, [hs[:pages] for hs in hashes],
-                            {g: h for g, (h, _) in tails.items()})
-        for j in range(pages, 0, -1):  # NOTE: an earlier page boundary may have its window
-            if outside(j * P, spans) == j * P and self._window_ok(have, j * P):
+        for j in range(pages, -1, -1):
+            # NOTE: an earlier page boundary, or a shorter entry's partial page after it, may
+            # have its window (a longer entry keeps only the pages its own end's window reads)
+            head = [ok[:j] for ok in have]
+            tails = {}
+            for g in range(len(groups)):  # the partial page after ``j`` full ones
+                parent = hashes[g][j - 1] if j else self.geo.root(g)
+                tails[g] = self._tail(g, parent, toks[j * P : (j + 1) * P],
+                                      page_extras(spans, j * P, P))
+            k = min(t[1] for t in tails.values())
+            k = outside(j * P + k, spans) - j * P
+            if k > 0 and self._window_ok(head, j * P + k):
+                return FoundPrefix(j * P + k, [hs[:j] for hs in hashes],
+                                   {g: h for g, (h, _) in tails.items()})
+            if j and outside(j * P, spans) == j * P and self._window_ok(head, j * P):
                 return FoundPrefix(j * P, [hs[:j] for hs in hashes], {})
         return None
 
