@@ -192,12 +192,11 @@ def test_served_text_only_exactly_and_listed_as_taking_images(vlm: LoadedModel, 
 
 def test_a_vision_family_not_proven_exact_with_images_is_served_for_text_only(
         root: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    """A family whose images are not read exactly here (Gemma 3's both-ways attention inside an
-    image, say) loads for text, says so, and is not listed as taking images, so an image to it
-    is a 400, never a wrong answer."""
+    """A family whose images are not read exactly here (PaliGemma's, say) loads for text, says
+    so, and is not listed as taking images, so an image to it is a 400, never a wrong answer."""
     from mlx_kvserver.models import vision
 
-    assert vision.reads_images("qwen2_5_vl") and not vision.reads_images("gemma3")
+    assert vision.reads_images("qwen2_5_vl") and not vision.reads_images("paligemma")
     monkeypatch.setattr(vision, "IMAGE_FAMILIES", frozenset())
     monkeypatch.setattr("mlx_kvserver.models.loading.reads_images",
                         lambda family: family in vision.IMAGE_FAMILIES)

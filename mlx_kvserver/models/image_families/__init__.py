@@ -6,6 +6,7 @@ mlx-vlm model types it reads. A family not listed is served for text only (``mod
 from __future__ import annotations
 
 from .base import ImageFamily, ImageInput
+from .gemma3 import Gemma3
 from .idefics3 import Idefics3
 from .llava import Llava
 from .mistral3 import Mistral3
@@ -13,7 +14,7 @@ from .qwen3_vl import Qwen3VL
 from .qwen_vl import QwenVL
 
 READERS: dict[str, ImageFamily] = {}
-for _family in (QwenVL(), Qwen3VL(), Llava(), Idefics3(), Mistral3()):
+for _family in (QwenVL(), Qwen3VL(), Llava(), Idefics3(), Gemma3(), Mistral3()):
     for _name in _family.model_types:
         READERS[_name] = _family
 
