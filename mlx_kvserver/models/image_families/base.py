@@ -16,8 +16,9 @@ An image goes through three stages, each a method of :class:`ImageFamily`:
 its tokens (for families that break an image into rows or tiles with separator tokens the range
 spans them too), so a prompt chunk, a page boundary or a cache hit never cuts an image.
 ``positions`` gives M-RoPE families their position ids and the offset of the text after the
-images; others keep the index. ``bidirectional`` says whether an image's tokens attend to each
-other both ways (Gemma 3), which the attention over a prompt piece must then honour.
+images; others keep the index. A family whose image's tokens attend to each other both ways
+(Gemma 3) says so in ``embed``: the mask it gives the language model (``kv_cache.hooks``'
+``Bidirectional``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ class ImageFamily:
     run of its image token replaced row for row by its projected features."""
 
     model_types: tuple[str, ...] = ()
-    bidirectional = False  # an image's tokens attend both ways (Gemma 3)
 
     def image_token(self, vlm: Any) -> int:
         """The id of the placeholder token each image feature row replaces."""

@@ -26,7 +26,6 @@ from .base import ImageFamily, ImageInput, scatter_features
 
 class Gemma3(ImageFamily):
     model_types = ("gemma3",)
-    bidirectional = True
 
     def split(self, vlm: Any, out: dict[str, Any], n: int) -> list[ImageInput]:
         pixels = np.asarray(out["pixel_values"])  # [images, channels, height, width]
