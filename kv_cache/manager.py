@@ -263,6 +263,10 @@ class CacheManager:
         """Keep ``arrays`` under ``key`` in memory and (written off this thread) on disk."""
         self.arrays.put(key, arrays)
 
+    def arrays_bytes(self) -> int:
+        """The bytes of the keyed arrays held in memory now."""
+        return self.arrays.nbytes
+
     def has_arrays(self, key: str) -> bool:
         """Whether arrays are kept under ``key``, in memory or on disk (no file read)."""
         return self.arrays.has(key)

@@ -11,7 +11,8 @@ counts. Three sources feed it:
   tokens of requests' predictions that appeared in the completion or not;
 - a snapshot of the engine's cache stats taken at scrape time (:meth:`Metrics.scrape`): RAM
   pages held, cached and shared, bytes against the budget, disk bytes and entries against the
-  budget, hits, evictions; speculative decoding (``engine/speculation/speculate.py``): draft
+  budget, hits, evictions; a vision model's encoder runs and its image features' hits (memory,
+  disk); speculative decoding (``engine/speculation/speculate.py``): draft
   tokens verified and accepted, decode forward passes and the tokens they produced, the mode as a
   label, so that
   ``rate(speculation_accepted_tokens_total) / rate(speculation_draft_tokens_total)`` is the
@@ -240,6 +241,16 @@ class CacheCollector:
             add(counter, "kv_disk_evictions", "Entries evicted from disk", model,
                 disk.get("evictions"))
             add(counter, "kv_disk_errors", "Disk tier I/O errors", model, disk.get("errors"))
+            images = s.get("images")
+            if images is not None:  # a vision model's encoder and its features kept by image
+                add(counter, "image_encoder_runs", "Vision encoder runs: once per distinct "
+                    "image while its features are kept", model, images["encoder_runs"])
+                for source in ("memory", "disk"):
+                    add(counter, "image_feature_hits", "Images whose encoder output came from "
+                        "the cache (memory or disk) instead of the encoder", model,
+                        images["feature_hits_" + source], source=source)
+                add(gauge, "image_features_bytes", "Bytes of image features kept in memory",
+                    model, images["features_bytes"])
             store = s.get("store")
             add(gauge, "kv_store_enabled", "1 when the shared store tier is on", model,
                 int(store is not None))
@@ -273,6 +284,7 @@ MEMORY_GAUGES = (
     ("limit_bytes", "The server's memory limit (--memory-limit)"),
     ("weights_bytes", "Bytes of the loaded models' weights"),
     ("pages_bytes", "Bytes of KV pages in RAM, all models"),
+    ("features_bytes", "Bytes of image features kept in memory, all models"),
     ("working_bytes", "Bytes MLX holds beyond weights and pages: working buffers, views"),
     ("mlx_active_bytes", "Bytes MLX holds now"), ("mlx_cache_bytes", "MLX's buffer cache"),
     ("mlx_peak_bytes", "The most MLX has held since the process started, loads included"),

@@ -34,12 +34,17 @@ from .request import Job
 from .speculation.draft_model import DraftModel, DraftModelError, check_draft_model
 from .memory import MemoryBudget, give_back
 from .backlog import Backlog
+from .kv_events import open_publisher
 from .runner import Runner
 from .scheduler import Events, Scheduler
 
 log = logging.getLogger("mlx_kvserver.engine")
 
 __all__ = ["Engine", "Job"]
+
+# the image features a vision model keeps in memory: up to this part of its KV pages' budget
+# (--max-kv-ram-gb), beside the pages; on disk they share --max-kv-size-gb with the entries
+FEATURES_SHARE = 8
 
 
 @dataclass
@@ -70,6 +75,8 @@ class Engine:
             self.memory.add_model(draft)
         self.models: dict[str, LoadedModel] = {}
         self.managers: dict[str, CacheManager] = {}
+        # --kv-events: what every model's cache holds, published for a router (kv_events.py)
+        self.kv_events = open_publisher(config, config.page_size)
         self.schedulers: dict[str, Scheduler] = {}
         for lm in models:
             self._open(lm)
@@ -91,10 +98,14 @@ class Engine:
             disk_dir=config.kv_cache_dir, max_disk_bytes=int(config.max_kv_size_gb * GB),
             max_resident=config.max_resident_sequences,
             about={"name": lm.name, "source": lm.source}, store_url=config.kv_store,
-            store_namespace=config.kv_store_namespace, kv_bits=config.kv_bits)
+            store_namespace=config.kv_store_namespace, kv_bits=config.kv_bits,
+            max_arrays_bytes=int(config.max_kv_ram_gb * GB) // FEATURES_SHARE
+            if getattr(lm, "takes_images", False) else 0)
         draft = self.draft if self.draft is not None and _fits(self._draft_lm, lm) else None
         self.models[lm.name] = lm
         self.managers[lm.name] = manager
+        if self.kv_events is not None:
+            self.kv_events.watch(manager)
         self.schedulers[lm.name] = Scheduler(
             manager, Runner(lm.model, manager, lm.name),
             max_batch=config.max_batch, prefill_chunk=config.prefill_chunk,
@@ -121,7 +132,11 @@ class Engine:
             return False
         s.close()
         self.schedulers.pop(name)
-        self.managers.pop(name).close()
+        manager = self.managers.pop(name)
+        if self.kv_events is not None:
+            self.kv_events.unwatch(manager)
+        manager.close()
+        del manager
         self.models.pop(name)
         self.memory.remove_model(name)
         self.memory.shedders.pop(name, None)
@@ -146,6 +161,8 @@ class Engine:
             manager.close()
         if self.draft is not None:
             self.draft.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on the engine thread, between two steps, and return its result."""
@@ -273,21 +290,34 @@ class Engine:
     # -- reports and cache management (each runs on the worker thread through ``call``) --------
 
     def cache_stats(self) -> dict:
-        """Per model: memory and disk tiers, and the tokens prompts read again."""
-        return {name: {**manager.report(), "reread": dict(self.schedulers[name].reread),
-                       "queue": {**self.backlog.report(),
-                                 "waiting_for": self.schedulers[name].waiting()},
-                       "speculation": {"mode": self.schedulers[name].speculation.mode,
-                                       **self.schedulers[name].speculation.stats.as_dict()},
-                       "memory": self.memory_report()}
-                for name, manager in self.managers.items()}
+        """Per model: memory and disk tiers, the tokens prompts read again, and a vision
+        model's encoder runs and image features' hits."""
+        out = {}
+        for name, manager in self.managers.items():
+            report, s = manager.report(), self.schedulers[name]
+            out[name] = {**report, "reread": dict(s.reread),
+                         "images": self._image_stats(name, report),
+                         "queue": {**self.backlog.report(), "waiting_for": s.waiting()},
+                         "speculation": {"mode": s.speculation.mode,
+                                         **s.speculation.stats.as_dict()},
+                         "memory": self.memory_report()}
+        return out
+
+    def _image_stats(self, name: str, report: dict) -> dict | None:
+        """A vision model's encoder runs and features' hits (``features.py``); None for text."""
+        features = self.schedulers[name].runner.features
+        return features.stats(report["arrays"]) if features is not None else None
 
     def memory_report(self) -> dict:
-        """The budget and what is spent of it: weights, pages, working buffers, MLX's cache."""
+        """The budget and what is spent of it: weights, pages, image features kept in memory,
+        working buffers, MLX's cache."""
         pages = sum(m.pool_stats().used_bytes for m in self.managers.values())
+        features = sum(m.arrays_bytes() for m in self.managers.values())
         rep = self.memory.report()
         rep["pages_bytes"] = pages
-        rep["working_bytes"] = max(0, rep["mlx_active_bytes"] - rep["weights_bytes"] - pages)
+        rep["features_bytes"] = features
+        rep["working_bytes"] = max(0, rep["mlx_active_bytes"] - rep["weights_bytes"] - pages
+                                   - features)
         return rep
 
     def entry_info(self, key: str) -> dict | None:

@@ -5,7 +5,9 @@ Metal, of what MLX recommends as its working set) is spent on the models' weight
 the running sequences' working buffers, MLX's buffer cache and the next forward pass's peak. MLX
 counts everything it allocates (``mx.get_active_memory``); what the next pass will add on top is
 estimated from its shape before it runs (:meth:`MemoryBudget.pass_peak`: a chunk's activations
-and attention scores, growing with chunk x context, and the keys and values it writes). The
+and attention scores, growing with chunk x context, and the keys and values it writes; and for
+a chunk holding an image whose features are not kept, the vision encoder's own pass over its
+patches, :meth:`MemoryBudget.encoder_peak`). The
 scheduler asks before each pass whether it fits (``engine/pressure.py`` says what it does when
 not), and MLX's own limits are set from the budget (``mx.set_memory_limit``; the wired limit on
 Metal).
@@ -82,6 +84,37 @@ class Shape:
                    get("vocab_size", default=32000), kv, dt)
 
 
+@dataclass(frozen=True)
+class Vision:
+    """What a vision tower's pass over one image costs per patch: from its config (mlx-vlm's
+    ``vision_config``)."""
+
+    hidden: int
+    intermediate: int
+    heads: int
+    out_hidden: int
+
+    @classmethod
+    def of(cls, lm: Any) -> "Vision | None":
+        """``lm``'s vision tower (None for a model that reads no images)."""
+        vlm = getattr(lm.model, "vlm", None)
+        cfg = getattr(getattr(vlm, "config", None), "vision_config", None)
+        if cfg is None or not getattr(lm, "takes_images", False):
+            return None
+        a = cfg if isinstance(cfg, dict) else vars(cfg)
+
+        def get(*names, default: int) -> int:
+            for n in names:
+                v = a.get(n)
+                if isinstance(v, int) and v > 0:
+                    return v
+            return default
+        hidden = get("hidden_size", "embed_dim", "width", default=1280)
+        return cls(hidden, get("intermediate_size", default=4 * hidden),
+                   get("num_heads", "num_attention_heads", default=max(1, hidden // 64)),
+                   get("out_hidden_size", "projection_dim", default=hidden))
+
+
 class ModelTooLarge(ValueError):
     """A model whose load would not fit in what the memory limit leaves free."""
 
@@ -111,6 +144,7 @@ class MemoryBudget:
         self.device = self.facts.working_set
         self.weights: dict[str, int] = {}
         self.shapes: dict[str, Shape] = {}
+        self.visions: dict[str, Vision] = {}  # the vision towers of models that read images
         self.refused = 0  # requests refused because they cannot fit even alone
         self.pressure_events = 0
         self.load_peak = 0  # the most MLX held while a model was loading
@@ -164,6 +198,9 @@ class MemoryBudget:
     def add_model(self, lm: Any) -> None:
         self.weights[lm.name] = weights_bytes(lm.model)
         self.shapes[lm.name] = Shape.of(lm)
+        vision = Vision.of(lm)
+        if vision is not None:
+            self.visions[lm.name] = vision
         # NOTE: MLX's peak is never reset: ``mlx_peak_bytes`` is the most MLX held since the
         # process started, its loads included (each checked before it allocates: ``check_load``)
         self.load_peak = max(self.load_peak, getattr(lm, "load_peak", 0)
@@ -189,6 +226,7 @@ class MemoryBudget:
     def remove_model(self, name: str) -> None:
         self.weights.pop(name, None)
         self.shapes.pop(name, None)
+        self.visions.pop(name, None)
 
     @property
     def weights_total(self) -> int:
@@ -259,6 +297,20 @@ class MemoryBudget:
         padded = rows * (context + tokens) * s.kv_bytes // max(1, s.layers) \
             if 1 < rows and context + tokens < OWN_KEYS_APART else 0
         return acts + scores + kv + logits + padded
+
+    def encoder_peak(self, model: str, patches: int) -> int:
+        """What the vision encoder adds at its peak over one image of ``patches`` patches
+        (``model``'s tower; 0 for a model without one): the patches' residual stream and MLP
+        activations, one block's attention scores over the whole image (its full-attention
+        blocks), and the features it hands on, float32 as ``pass_peak``'s. A features hit runs
+        no encoder (``features.py``): only an image read afresh costs this."""
+        v = self.visions.get(model)
+        if v is None or patches <= 0:
+            return 0
+        f = 4
+        acts = patches * (6 * v.hidden + 3 * v.intermediate) * f
+        scores = 3 * v.heads * patches * patches * f
+        return acts + scores + patches * v.out_hidden * f
 
     def request_floor(self, model: str, prompt: int, answer: int) -> int:
         """The least a request needs alone beyond the weights: its working buffers at the end

@@ -9,7 +9,8 @@ scheduler or changes its state: each question is answered from the facts it is g
   already started; else it waits, without a time limit, as the answers running ahead of it free
   their memory as they finish (``backlog.py`` counts what waits; the log says once why). A new
   prompt never preempts a running answer.
-- Before each pass: will what MLX holds now plus the pass's estimated peak fit the limit? A
+- Before each pass: will what MLX holds now plus the pass's estimated peak fit the limit (for
+  a chunk that reaches an image read afresh, the vision encoder's pass over it too)? A
   prompt's chunk is cut down until it does (``chunk``, to ``MIN_CHUNK`` tokens); a decode step
   verifies no drafts before it gives up anything else (``width``), and only then are the newest
   running answers preempted, one at a time (``victims``): the scheduler saves each one's pages
@@ -17,8 +18,8 @@ scheduler or changes its state: each question is answered from the facts it is g
   answer (greedy, or from its sampler's own key).
 - When a pass would not fit, what nothing running needs is given back first (``relieve``): MLX's
   buffer cache, then each model's idle work and cache (the budget's shedders: the prepared next
-  turns, resident sequences' buffers, entries the disk holds, cached pages nothing holds), and
-  the C heap.
+  turns, image features kept in memory, resident sequences' buffers, entries the disk holds,
+  cached pages nothing holds), and the C heap.
 - Out of pages (``give_way``): the page pool never calls up (``kv_cache``: out of pages is an
   ``OutOfBlocksError``); when the manager cannot make room itself (``with_room``), the prepared
   next turns give way, then the newest other running answer (recomputed later from its tokens;
@@ -160,20 +161,29 @@ class Pressure:
                      running, len(started), _gb(ahead))
         return False
 
-    def chunk(self, done: int, want: int, first: bool = False) -> int:
+    def chunk(self, done: int, want: int, first: bool = False,
+              images: Sequence[tuple[int, int, int]] = ()) -> int:
         """How many of the ``want`` next prompt tokens of a prompt (``done`` read) one pass may
         read: ``want``, or fewer where the pass would not fit; 0 when not even ``MIN_CHUNK``
         fits after giving back what nothing running needs, unless ``first`` (the oldest prompt
         and no answer running): that one goes on with the small chunk, as admission said it fits
-        alone and MLX's limit is the guard (waiting would wait for nothing: a spin)."""
-        peak = self.memory.pass_peak
+        alone and MLX's limit is the guard (waiting would wait for nothing: a spin).
+        ``images``: ``(start, end, patches)`` of the prompt's images whose features must be
+        computed (not kept): a pass that reaches one runs the vision encoder over it too
+        (``encoder_peak``, counted for any chunk that reaches into the image)."""
+        m = self.memory
+
+        def peak(c: int) -> int:
+            return m.pass_peak(self.name, c, done) + sum(
+                m.encoder_peak(self.name, p) for start, end, p in images
+                if start < done + c and end > done)
         c = want
-        while c > MIN_CHUNK and not self.fits(peak(self.name, c, done)):
+        while c > MIN_CHUNK and not self.fits(peak(c)):
             c //= 2
-        if self.fits(peak(self.name, c, done)):
+        if self.fits(peak(c)):
             return c
         self.relieve()
-        return c if first or self.fits(peak(self.name, c, done)) else 0
+        return c if first or self.fits(peak(c)) else 0
 
     def width(self, rows: int, width: int, context: int) -> tuple[int, bool]:
         """The widest decode step (``width`` positions a row, down to 1) of ``rows`` rows at

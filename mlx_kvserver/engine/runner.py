@@ -14,6 +14,8 @@ from kv_cache import CacheManager
 from kv_cache.hooks import (PagedSequence, batch_caches, finish_batch, forward, install,
                             ragged_caches)
 
+from .features import ImageFeatures
+
 log = logging.getLogger("mlx_kvserver.runner")
 
 
@@ -36,6 +38,9 @@ class Runner:
 
     def __init__(self, model, manager: CacheManager, name: str = "model"):
         self.model = model
+        # a vision model's image features, kept by image in the cache (``features.py``)
+        self.features = ImageFeatures(manager, model) \
+            if getattr(model, "reader", None) is not None else None
         self.ragged = False  # verify passes of several sequences: one row per token (``verify``)
         self.batched = install(model) and self._probe(manager)
         # several short prompts in one forward pass (right-padded): attention layers only
@@ -162,12 +167,13 @@ class Runner:
     def _inputs(self, seqs: Sequence[PagedSequence], piece: Sequence[int] = (), images=None,
                 lengths: Sequence[int] | None = None) -> dict:
         """The model's keyword arguments beside the tokens and caches: a prompt piece's with
-        images (``ImagePrompt.inputs``, at the sequence's length), else each row's
-        ``rope_deltas`` where a sequence's positions run past its index (a sequence after an
-        image: ``rope_delta``, set by the scheduler); one per token for a ragged pass
-        (``lengths``). None of them for text."""
+        images (``ImagePrompt.inputs``, at the sequence's length; its images' features kept by
+        image, ``features.py``), else each row's ``rope_deltas`` where a sequence's positions
+        run past its index (a sequence after an image: ``rope_delta``, set by the scheduler);
+        one per token for a ragged pass (``lengths``). None of them for text."""
         if images is not None:
-            return images.inputs(self.model, piece, len(seqs[0].tokens))
+            return images.inputs(self.model, piece, len(seqs[0].tokens),
+                                 self.features.encode if self.features is not None else None)
         deltas = [getattr(s, "rope_delta", 0) for s in seqs]
         if not any(deltas):
             return {}

@@ -51,6 +51,7 @@ from ..chat.output import Accepted, Done, Error, Event, Start
 from ..config import ServerConfig
 from ..errors import RequestError
 from .divergence import RecentTurns
+from .features import patches
 from .prepare import NextTurns
 from .pressure import Pressure, give_way, preempted_key
 from .request import Choice, Job, Request
@@ -198,7 +199,8 @@ class Scheduler:
                 break  # started; its prompt runs first next step
             want = min(budget, len(tokens) - done)
             if self.pressure is not None:
-                want = self.pressure.chunk(done, want, first=not plan.pieces and not self.decoding)
+                want = self.pressure.chunk(done, want, first=not plan.pieces and not self.decoding,
+                                           images=self._to_encode(r, done))
                 if want == 0:
                     continue  # not even a small chunk fits now: its turn comes again
             end = min(seq.points.stop(done, done + want), len(tokens))  # a state point ends one
@@ -208,6 +210,15 @@ class Scheduler:
             if budget <= 0 or not self.runner.batched_prompts:
                 break
         return plan
+
+    def _to_encode(self, r: Request, done: int) -> list[tuple[int, int, int]]:
+        """``(start, end, patches)`` of ``r``'s images from ``done`` on whose features are not
+        kept: the vision encoder runs over them in the pass that reads them."""
+        features = self.runner.features
+        if r.images is None or features is None:
+            return []
+        return [(s.start, s.end, patches(im)) for s, im in zip(r.images.spans, r.images.images)
+                if s.end > done and not features.kept(s)]
 
     def _batch_full(self) -> None:
         """Prompts wait while ``max_batch`` answers run; each is logged once."""

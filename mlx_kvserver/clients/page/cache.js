@@ -69,6 +69,11 @@ function modelStats(name, s) {
       `"${last.prompt_excerpt}" was "${last.cached_excerpt}"` : "";
     row(t, "re-read", `${rr.tokens} tokens in ${rr.turns} turns${where}`).dataset.stat = "reread";
   }
+  const im = s.images;
+  if (im) { // a vision model: its encoder's runs, and the images whose features were kept
+    row(t, "images", `${im.encoder_runs} encoded, ${im.feature_hits_memory + im.feature_hits_disk} ` +
+      `read from the cache (${im.feature_hits_disk} from disk)`).dataset.stat = "images";
+  }
   const sp = s.speculation;
   if (sp) { // the mode, the acceptance rate, tokens per decode step (one pass, the whole batch)
     row(t, "speculation", sp.mode).dataset.stat = "speculation";
@@ -88,6 +93,7 @@ function memoryStats(m) { // the server's one budget: what is spent of it, and o
   row(t, "in use", `${bytes(used)} of ${bytes(m.limit_bytes)}`, used, m.limit_bytes).dataset.stat = "memory";
   row(t, "weights", bytes(m.weights_bytes)).dataset.stat = "weights";
   row(t, "pages", bytes(m.pages_bytes)).dataset.stat = "pages";
+  if (m.features_bytes) row(t, "image features", bytes(m.features_bytes)).dataset.stat = "features";
   row(t, "working", bytes(m.working_bytes)).dataset.stat = "working";
   row(t, "process", `${bytes(m.outside_mlx_bytes)} outside MLX, ${bytes(m.margin_bytes)} kept free`)
     .dataset.stat = "process";
