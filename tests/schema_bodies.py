@@ -12,7 +12,8 @@ minimum, so that a ``max_tokens`` or an ``n`` keeps generation short; a field wi
 description says in words because JSON Schema cannot (``openapi_bodies.py``): each tool result
 answers an earlier call, call ids are unique, every call is answered, tool names are unique, and
 ``tool_choice`` names one of the tools, a JSON Schema (a tool's parameters, a response format's
-schema) is valid.
+schema) is valid, and each image is a real picture, at most ``--max-images`` of them, sent to a
+model that takes images where one is named.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import SchemaError
 
 from mlx_kvserver.api.responses import flat_name
+from mlx_kvserver.config import ServerConfig
+from tests.chat.pictures import data_url, png
 
 TEXT_CHARS = "abcdefghij klmnopqrstuvwxyz ABC 0123456789 .,!? é ß 中文 🙂 \n"
 NAME_CHARS = "abcdefghijklmnopqrstuvwxyz_0123456789"  # fits every pattern the description has
@@ -257,11 +260,51 @@ def _valid_schemas(path: str, body: dict) -> None:
                     holder[key] = {"type": "object"}
 
 
-def follow_rules(path: str, body: dict) -> dict:
-    """``body`` changed to keep the rules the description states in words (see the module)."""
+PICTURE = png(16, 16)  # a real image file: what each image of a body becomes
+IMAGE_TYPES = ("image_url", "image", "input_image")  # each API's image part
+TEXT_PART = {"/v1/responses": "input_text"}  # what an image past --max-images becomes
+
+
+def _image_parts(node: Any) -> list[tuple[list, int]]:
+    """The image parts under ``node`` (a body's messages or input), as (list, index)."""
+    out = []
+    for value in node.values() if isinstance(node, dict) else node if isinstance(node, list) \
+            else ():
+        if isinstance(value, list):
+            out += [(value, i) for i, v in enumerate(value)
+                    if isinstance(v, dict) and v.get("type") in IMAGE_TYPES]
+        out += _image_parts(value)
+    return out
+
+
+def _pictures(path: str, body: dict, vision: str | None) -> None:
+    """Each image a real picture; those past ``--max-images`` become empty text parts; a body
+    with images names ``vision`` (a served model that takes images) where one is given."""
+    parts = _image_parts(body.get("messages" if "messages" in body else "input"))
+    for n, (holder, i) in enumerate(parts):
+        part = holder[i]
+        if n >= ServerConfig.max_images:
+            holder[i] = {"type": TEXT_PART.get(path, "text"), "text": ""}
+        elif part["type"] == "image" and part["source"].get("type") == "base64":
+            part["source"].update(media_type="image/png",
+                                  data=data_url(PICTURE).partition(",")[2])
+        elif part["type"] == "image":
+            part["source"]["url"] = data_url(PICTURE)
+        elif isinstance(part["image_url"], dict):
+            part["image_url"]["url"] = data_url(PICTURE)
+        else:
+            part["image_url"] = data_url(PICTURE)
+    if parts and vision is not None:
+        body["model"] = vision
+
+
+def follow_rules(path: str, body: dict, vision: str | None = None) -> dict:
+    """``body`` changed to keep the rules the description states in words (see the module);
+    ``vision``: a served model that takes images, for the bodies with images."""
     if path in RULES:
         RULES[path](body)
         _valid_schemas(path, body)
+        _pictures(path, body, vision)
     return body
 
 
@@ -328,7 +371,9 @@ def has_lone_surrogate(value: Any) -> bool:
 def not_about_shape(r) -> bool:
     """Whether a refusal is for what the description cannot know, as it says: a model it does
     not serve or a response it does not hold (the generating APIs' 404s), a prompt longer than
-    the model's context (a 400 saying so), a body over the size limit or a full queue."""
+    the model's context (a 400 saying so), images to a model that takes none, a body over the
+    size limit or a full queue."""
     if r.status_code in (404, 413, 429):
         return True
-    return r.status_code == 400 and "this model's context is" in r.json()["error"]["message"]
+    message = r.json()["error"]["message"] if r.status_code == 400 else ""
+    return "this model's context is" in message or " does not take images (" in message

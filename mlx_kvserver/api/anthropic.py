@@ -314,10 +314,16 @@ async def handle(served, request: Request) -> Response:
 
 
 def prompt_tokens(lm, conv: Conversation) -> int:
-    """The rendered prompt's token count, through the engine's own rendering path."""
+    """The rendered prompt's token count, through the engine's own rendering path (with
+    images, the engine's prompt: each image's placeholder expanded to its tokens)."""
     from ..chat.render import encode
     from ..chat.support import chat_support
+    from .images import has_images
 
+    if has_images(conv):
+        from ..engine.request import Prompt
+
+        return len(Prompt.of(conv, lm).tokens)
     return len(encode(lm.tokenizer, chat_support(lm).format, conv)[0])
 
 

@@ -116,7 +116,8 @@ class App:
         return JSONResponse({"object": "list", "data": self.on_demand.listing()})
 
     async def openapi(self, request: Request) -> Response:
-        return JSONResponse(openapi_spec(self.registry.names(), bool(self.config.api_key)))
+        return JSONResponse(openapi_spec(self.registry.names(), bool(self.config.api_key),
+                                         self.config.allow_image_urls, self.config.max_images))
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(await self.metrics.scrape(self.engine), media_type=CONTENT_TYPE_LATEST)

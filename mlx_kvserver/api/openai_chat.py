@@ -28,6 +28,7 @@ from .validate import (ROLES, boolean, check_history, check_message_id, json_sch
                        text_value, tool, tool_entries, tool_list)
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+DETAILS = ("auto", "low", "high")  # an image part's detail
 
 
 def _content(content: Any, where: str, images: bool = False) -> list:
@@ -69,6 +70,10 @@ def image_part(part: dict, where: str, param: str) -> ImageSource:
     if not isinstance(url, str) or not url:
         raise bad_request(f"{where}.image_url.url must be a data URL "
                           "('data:image/png;base64,...') or an http(s) URL", param)
+    # OpenAI's detail (taken, not used: the model reads the image at its processor's size)
+    detail = raw.get("detail") if isinstance(raw, dict) else part.get("detail")
+    if detail is not None and detail not in DETAILS:
+        raise bad_request(f"{where}: detail must be one of {', '.join(DETAILS)}", param)
     return ImageSource(where, param, url=url)
 
 

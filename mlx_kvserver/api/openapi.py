@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
+from ..config import ServerConfig
 from . import openapi_bodies as bodies
 from .validate import MAX_MESSAGE_ID_LEN
 
@@ -79,9 +80,32 @@ def _generate(summary: str, kind: str, auth: bool, body: str, extra_params: list
                         **({"parameters": extra_params} if extra_params else {}))}
 
 
-def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict:
+def _worker_paths(auth: bool) -> dict:
+    """What a router polls (``worker_routes.py``)."""
+    anything = {"type": "object"}
+    no_model = {503: "no model is loaded yet"}
+    return {
+        "/health_generate": {"get": _op("the engine answers a call between its steps",
+                                        _json(anything, "ok"),
+                                        {503: "the engine does not answer"}, auth, public=True)},
+        "/server_info": {"get": _op("the served model and the load, for a router",
+                                    _json(anything, "server info"), no_model, auth)},
+        "/model_info": {"get": _op("the first served model, for a router",
+                                   _json(anything, "model info"), no_model, auth)},
+        "/get_load": {"get": _op("requests running and queued, KV pages held, memory free",
+                                 _json(anything, "the load"), {}, auth)},
+        "/v1/loads": {"get": _op("the load as one rank's figures (num_used_tokens)",
+                                 _json(anything, "the loads"), {}, auth)},
+    }
+
+
+def openapi_spec(models: list[str] | None = None, api_key: bool = False,
+                 image_urls: bool = ServerConfig.allow_image_urls,
+                 max_images: int = ServerConfig.max_images) -> dict:
     """The OpenAPI document (``models``: names to list as examples of the ``model`` field;
-    ``api_key``: whether the server requires one)."""
+    ``api_key``: whether the server requires one; ``image_urls``: whether it fetches http(s)
+    image URLs; ``max_images``: the images it takes in one request)."""
+    images = (image_urls, max_images)
     entry = {"type": "object", "properties": {
         "object": {"const": "kv_cache.entry"}, "message_id": {"type": "string"},
         "model": {"type": "string"}, "tokens": {"type": "integer"},
@@ -110,6 +134,7 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                 {404: "no such file"}, api_key, public=True,
                 parameters=[{"name": "path", "in": "path", "required": True,
                              "schema": {"type": "string"}}])},
+            **_worker_paths(api_key),
             "/v1/models": {"get": _op(
                 "the served models and those loaded on demand, with a status each (loaded, "
                 "loading, unloaded) and whether it takes images (capabilities.vision, "
@@ -201,11 +226,11 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False) -> dict
                 "MessageId": {"type": "string", "minLength": 1,
                               "maxLength": MAX_MESSAGE_ID_LEN,
                               "pattern": "^[^\\u0000-\\u001f\\u007f]+$"},
-                "ChatCompletionRequest": bodies.chat(models),
+                "ChatCompletionRequest": bodies.chat(models, *images),
                 "CompletionRequest": bodies.completions(models),
-                "MessagesRequest": bodies.messages(models),
-                "CountTokensRequest": bodies.messages(models, count_only=True),
-                "ResponsesRequest": bodies.responses(models),
+                "MessagesRequest": bodies.messages(models, *images),
+                "CountTokensRequest": bodies.messages(models, *images, count_only=True),
+                "ResponsesRequest": bodies.responses(models, *images),
                 "Error": {"type": "object", "required": ["error"], "properties": {"error": {
                     "type": "object", "required": ["message", "type"],
                     "properties": {"message": {"type": "string"}, "type": {"type": "string"},
