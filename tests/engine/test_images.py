@@ -41,7 +41,8 @@ def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_same_image_chat_through_every_api_is_the_same_answer_from_the_cache(
         vlm: LoadedModel, tmp_path: Path) -> None:
     """Turn 1 about an image through the OpenAI API, then the same through the Anthropic and
-    Responses APIs: the same answer, the image's tokens read from the cache (the family's
+    Responses APIs: the same answer, the image's tokens read from the cache, and counted by
+    ``/v1/messages/count_tokens`` as the Messages API reads them (the family's
     exactness on every path: tests/models/image_families/)."""
     config = ServerConfig(max_tokens=MAX_TOKENS, page_size=8, kv_cache_dir=tmp_path / "kv")
     with running_server([vlm], config, engine=make_engine([vlm], config)) as url:
@@ -49,6 +50,11 @@ def test_the_same_image_chat_through_every_api_is_the_same_answer_from_the_cache
         anthropic = httpx.post(f"{url}/messages", timeout=120, json={
             "model": vlm.name, "max_tokens": MAX_TOKENS, "temperature": 0,
             "messages": [{"role": "user", "content": [
+                {"type": "text", "text": QUESTION},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                             "data": base64.b64encode(PICTURES["a"]).decode()}}]}]})
+        counted = httpx.post(f"{url}/messages/count_tokens", timeout=120, json={
+            "model": vlm.name, "messages": [{"role": "user", "content": [
                 {"type": "text", "text": QUESTION},
                 {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                              "data": base64.b64encode(PICTURES["a"]).decode()}}]}]})
@@ -62,6 +68,11 @@ def test_the_same_image_chat_through_every_api_is_the_same_answer_from_the_cache
     assert anthropic.status_code == 200, anthropic.text
     assert anthropic.json()["content"][0]["text"] == said
     assert anthropic.json()["usage"]["cache_read_input_tokens"] > span.end
+    # counted as the Messages API reads it: the image's tokens included
+    usage = anthropic.json()["usage"]
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == (usage["input_tokens"]
+                                              + usage["cache_read_input_tokens"]) > span.end
     assert responses.status_code == 200, responses.text
     assert [c["text"] for o in responses.json()["output"] if o["type"] == "message"
             for c in o["content"]] == [said]
