@@ -17,7 +17,7 @@ from kv_cache.errors import OutOfBlocksError
 from kv_cache.lookup import cut, whole
 from kv_cache.model.sequence import Snapshot
 from kv_cache.pages.pool import PagePool
-from kv_cache.pages.spans import Span
+from kv_cache.pages.spans import Span, page_extras
 from kv_cache.stats import ManagerStats
 from kv_cache.tiers.base import FoundPrefix, FoundTails, StoredEntry, Tier
 
@@ -70,7 +70,7 @@ class Restore:
         covered = n
         for g, spec in enumerate(pool.groups):
             if spec.kind.reads_all:
-                self._load_run(tokens, hashes[g][: n // P], g)
+                self._load_run(tokens, hashes[g][: n // P], g, spans)
         fetch = self._prefetcher([h for g, spec in enumerate(pool.groups)
                                   for h in hashes[g][spec.kind.pages(n, P)]
                                   if h is not None and pool.lookup(h) is None])
@@ -103,8 +103,9 @@ class Restore:
                                 parent = chain[i - 1]
                             else:
                                 parent = pool.roots[g]
+                            extras = page_extras(spans, i * P, P)
                             block = self.with_room(
-                                lambda: pool.add_sealed(parent, page, data, g, h))
+                                lambda: pool.add_sealed(parent, page, data, g, h, extras))
                             self.stats.pages_read_from_disk += 1
                     else:  # the reuse reaches into the open tail page
                         data, k = tails.get(g), n - i * P
@@ -123,24 +124,28 @@ class Restore:
         tables = self._cut_loaded(tables, covered)
         return covered, tables, state
 
-    def _load_run(self, tokens: Sequence[int], hashes: Sequence[bytes], g: int) -> None:
+    def _load_run(self, tokens: Sequence[int], hashes: Sequence[bytes], g: int,
+                  spans: Sequence[Span] = ()) -> None:
         """Where none of a full-attention group's pages ``hashes`` (from the first) is in
         memory, read them from disk into one array (``kv_cache.pages.runs``: a prefix view over
         them then copies nothing) and cache them in the pool; what cannot be read or placed is
-        left to the page-by-page load."""
+        left to the page-by-page load. ``spans``: the image spans among ``tokens``."""
         pool, P = self.pool, self.pool.page_size
         if len(hashes) < 2 or any(pool.lookup(h) is not None for h in hashes):
             return
         arr, k = self.store.load_run(hashes, g)
         pages = [(h, tokens[i * P : (i + 1) * P]) for i, h in enumerate(hashes[:k])]
+        extras = [page_extras(spans, i * P, P) for i in range(k)] if spans else []
         try:
             if k == len(hashes):
-                self.with_room(lambda: pool.add_sealed_run(pool.roots[g], pages, arr, g))
+                self.with_room(lambda: pool.add_sealed_run(pool.roots[g], pages, arr, g, extras))
             else:  # a page could not be read: the ones before it, each in its own storage
                 parent = pool.roots[g]
                 for i, (h, page) in enumerate(pages):
                     data = mx.contiguous(arr[:, :, :, i * P : (i + 1) * P, :])
-                    pool.release(self.with_room(lambda: pool.add_sealed(parent, page, data, g, h)))
+                    x = extras[i] if extras else ()
+                    pool.release(self.with_room(
+                        lambda: pool.add_sealed(parent, page, data, g, h, x)))
                     parent = h
         except OutOfBlocksError:
             return

@@ -21,7 +21,7 @@ from kv_cache.errors import FormatError
 from kv_cache.entries import Entry
 from kv_cache.manager import CacheManager
 from kv_cache.model.sequence import PagedSequence
-from kv_cache.pages.spans import as_spans
+from kv_cache.pages.spans import as_spans, page_extras
 from kv_cache.tiers.disk.file_format import read_header
 
 FORMAT = "mlx-kvcache-export"
@@ -201,7 +201,9 @@ def _write_pages(pool, g: int, tokens: list[int], kv: mx.array, table: list,
         data = mx.contiguous(kv[:, :, :, a - skip * P : b - skip * P, :])
         if b - a == P:
             parent = chain[i - 1] if i else pool.roots[g]
-            table.append(with_room(lambda: pool.add_sealed(parent, tokens[a:b], data, g, chain[i])))
+            extras = page_extras(spans, a, P)
+            table.append(with_room(lambda: pool.add_sealed(parent, tokens[a:b], data, g, chain[i],
+                                                           extras)))
         else:
             (block,) = with_room(lambda: pool.allocate(1, g))
             table.append(block)

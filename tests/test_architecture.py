@@ -116,7 +116,9 @@ def test_kv_cache_imports_only_its_own_layer_and_below(path):
 FACE = {  # what a user of the cache names: ``from kv_cache import ...``
     "open_cache", "CacheManager", "CacheSpec", "spec_of_model", "Match", "FormatError",
     "OutOfBlocksError", "TransferError", "export_entry", "export_key", "import_entry",
-    "parse_kv_bits", "check_store_url", "Span"}
+    "parse_kv_bits", "check_store_url", "Span",
+    # a publisher of KV cache events for a router watches the tiers' pages (kv_cache.pages.events)
+    "watch_pages", "CacheEvents", "StoredPage"}
 HOOKS = {  # what a model runner names around a forward pass: ``from kv_cache.hooks import ...``
     "forward", "install", "batch_caches", "ragged_caches", "finish_batch", "OWN_KEYS_APART",
     "PagedSequence", "boundaries", "common_prefix", "Bidirectional"}

@@ -247,12 +247,12 @@ class PagedSequence:
             table = self.tables[g]
             if self.pool.num_tokens(table.blocks[i]) == self.pool.page_size:
                 parent = self._parent(g, i)
-                h = None
+                h, extras = None, ()
                 if self.spans:
                     P = self.pool.page_size
-                    h = page_hash(parent, self.tokens[i * P : (i + 1) * P],
-                                  page_extras(self.spans, i * P, P))
-                table.blocks[i] = self.pool.seal(table.blocks[i], parent, h)
+                    extras = page_extras(self.spans, i * P, P)
+                    h = page_hash(parent, self.tokens[i * P : (i + 1) * P], extras)
+                table.blocks[i] = self.pool.seal(table.blocks[i], parent, h, extras)
 
     def _parent(self, g: int, index: int) -> bytes:
         if index == 0:

@@ -16,3 +16,4 @@ class PageMeta:
     parent: bytes | None = None  # hash of the page before it (the root hash for the first)
     indexed: bool = False  # entered in the prefix index (False only on a hash collision)
     group: int = 0  # the cache spec's group whose layers the page holds
+    extras: tuple = ()  # its image keys (``kv_cache.pages.spans.page_extras``), set when sealed

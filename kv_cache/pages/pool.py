@@ -19,6 +19,9 @@ eviction policy chooses among them, and only among leaf pages (no cached page co
 The pool grows on demand: storage exists only for pages that hold data. When evicting cached pages
 is not enough, ``allocate`` raises ``OutOfBlocksError`` saying what it needed: the caller makes
 room (``CacheManager.make_room`` drops holders) and tries again. The pool never calls up.
+
+An observer (``events``, ``kv_cache.pages.events``) is told of each page entered in the prefix index
+(stored) and each indexed page freed (removed), as ``MEDIUM_RAM``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import mlx.core as mx
 
 from kv_cache.pages.allocator import BlockAllocator
 from kv_cache.errors import InvalidBlockError, OutOfBlocksError
+from kv_cache.pages.events import MEDIUM_RAM, CacheEvents, StoredPage
 from kv_cache.pages.budget import Budget
 from kv_cache.pages.eviction import EvictionPolicy, make_policy
 from kv_cache.pages.hashing import page_hash, root_hash
@@ -38,7 +42,7 @@ from kv_cache.pages.meta import PageMeta
 from kv_cache.pages.prefix_index import PrefixIndex
 from kv_cache.pages.storage import PageStorage
 from kv_cache.layout.spec import CacheSpec, GroupSpec
-from kv_cache.pages.spans import Span
+from kv_cache.pages.spans import Extra, Span
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class PagePool:
         self.budget = Budget(max_bytes, self.group_page_bytes)
         self.index = PrefixIndex(page_size, self.roots, self._meta)
         self.holders = Holders()  # the ref counts by kind of holder
+        self.events: CacheEvents | None = None  # told of pages indexed and freed
 
     # -- capacity -------------------------------------------------------------------------------
 
@@ -294,10 +299,11 @@ class PagePool:
 
     # -- sealing --------------------------------------------------------------------------------
 
-    def seal(self, block: int, parent: bytes, h: bytes | None = None) -> int:
+    def seal(self, block: int, parent: bytes, h: bytes | None = None,
+             extras: Sequence[Extra] = ()) -> int:
         """Seal a full open page under the chain ``parent``; returns the block now holding it.
         ``h``: the page's hash where the caller has it already (``page_hash(parent, tokens)``;
-        a page that holds an image's tokens must be given it, with its extra keys).
+        a page that holds an image's tokens must be given it, with its extra keys ``extras``).
 
         If an identical page (same hash and tokens) is already indexed, the caller's hold moves
         to that page and ``block`` is freed: pages are stored once.
@@ -313,9 +319,11 @@ class PagePool:
             self.hold(existing)
             self.release(block)
             return existing
-        meta.sealed, meta.hash, meta.parent = True, h, parent
+        meta.sealed, meta.hash, meta.parent, meta.extras = True, h, parent, tuple(extras)
         if self.index.lookup(h) is None:  # else a collision: sealed, not indexed
             self._enter(block, meta)
+            if self.events is not None:
+                self.events.stored(MEDIUM_RAM, [self._stored(meta)])
         return block
 
     def _enter(self, block: int, meta: PageMeta) -> None:
@@ -324,10 +332,10 @@ class PagePool:
         self.policy.insert(block, ident=meta.hash)
 
     def add_sealed(self, parent: bytes, tokens: Sequence[int], kv: mx.array,
-                   group: int = 0, h: bytes | None = None) -> int:
+                   group: int = 0, h: bytes | None = None, extras: Sequence[Extra] = ()) -> int:
         """A sealed page of ``group`` built from outside data (a disk store); held once by the
         caller. ``h``: its hash where the caller has it (``page_hash(parent, tokens)``; a page
-        that holds an image's tokens must be given it, with its extra keys)."""
+        that holds an image's tokens must be given it, with its extra keys ``extras``)."""
         h = page_hash(parent, tokens) if h is None else h
         existing = self.index.find(h, tuple(tokens))
         if existing is not None:
@@ -335,28 +343,34 @@ class PagePool:
             return existing
         (block,) = self.allocate(1, group)
         self.write(block, kv, tokens)
-        return self.seal(block, parent, h)
+        return self.seal(block, parent, h, extras)
 
     def add_sealed_run(self, parent: bytes, pages: Sequence[tuple[bytes, Sequence[int]]],
-                       array: mx.array, group: int = 0) -> list[int]:
+                       array: mx.array, group: int = 0,
+                   extras: Sequence[Sequence[Extra]] = ()) -> list[int]:
         """Consecutive sealed pages of ``group`` (``(hash, tokens)`` each, the first continuing
-        ``parent``) whose data is ``array`` ``[layers, 2, kv_heads, len(pages) * page_size,
-        head_dim]``, one slice a page (``kv_cache.pages.runs``): cached, held by nobody. None of
-        them may be in the pool already. All or none (``OutOfBlocksError``)."""
+        ``parent``; ``extras``: each one's image keys, where any) whose data is ``array``
+        ``[layers, 2, kv_heads, len(pages) * page_size, head_dim]``, one slice a page
+        (``kv_cache.pages.runs``): cached, held by nobody. None of them may be in the pool
+        already. All or none (``OutOfBlocksError``)."""
         assert all(self.index.lookup(h) is None for h, _ in pages), "a page of the run is cached"
         if any(len(tokens) != self.page_size for _, tokens in pages):
             raise ValueError("only full pages are sealed, and a run holds only sealed pages")
         blocks = self.allocate(len(pages), group)
         # NOTE: ``seal`` and ``release`` for each page, in one pass: a restore of a long chat
         # of a small model adds hundreds of pages, and this is per-page interpreter work.
-        for b, (h, tokens) in zip(blocks, pages):
+        for i, (b, (h, tokens)) in enumerate(zip(blocks, pages)):
             meta = self._meta[b]
             meta.tokens = tuple(map(int, tokens))
             meta.sealed, meta.hash, meta.parent, meta.ref_count = True, h, parent, 0
+            if i < len(extras):
+                meta.extras = tuple(extras[i])
             self._enter(b, meta)
             parent = h
         self.storage.add_run(array, blocks)
         self.budget.cache(group, len(blocks))
+        if self.events is not None:
+            self.events.stored(MEDIUM_RAM, [self._stored(self._meta[b]) for b in blocks])
         return blocks
 
     # -- finding pages by content (the prefix index's) ------------------------------------------
@@ -413,9 +427,21 @@ class PagePool:
             self.index.remove(meta)
             if not from_policy:
                 self.policy.remove(block)
+            if self.events is not None:
+                self.events.removed(MEDIUM_RAM, [meta.hash])
         for b in self.storage.free(block):  # a run's storage goes with its last page
             self.budget.give_back(meta.group)
             self.allocator.free(b)
+
+    # -- what an observer is told (``events``) --------------------------------------------------
+
+    def _stored(self, meta: PageMeta) -> StoredPage:
+        parent = None if meta.parent == self.roots[meta.group] else meta.parent
+        return StoredPage(meta.hash, parent, meta.tokens, meta.extras, meta.group)
+
+    def stored_pages(self) -> list[StoredPage]:
+        """Every page in the prefix index, as ``events`` is told of one."""
+        return [self._stored(m) for m in self._meta.values() if m.indexed]
 
     # -- reports --------------------------------------------------------------------------------
 

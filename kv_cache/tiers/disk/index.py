@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Collection, Sequence
 import numpy as np
 
 from kv_cache.errors import ForeignError
+from kv_cache.pages.events import MEDIUM_DISK, CacheEvents, StoredPage
 from kv_cache.pages.eviction import EvictionPolicy
 from kv_cache.pages.hashing import chain_hashes
 from kv_cache.pages.spans import Extra, Span, head_extras, page_extras
@@ -150,6 +151,7 @@ class StoreIndex:
         self.nbytes = 0  # of every indexed file
         self.counts = DiskStats(budget=max_bytes, policy=policy.name)  # the counters
         self.clock = 0  # the last mtime given (``tick``): an entry's recency
+        self.events: CacheEvents | None = None  # told of full page files landed and gone
         self._next_id = 0
 
     def stats(self) -> DiskStats:
@@ -280,6 +282,13 @@ class StoreIndex:
         self.nbytes += size
         self.info[h] = info
         self.kids.setdefault(info.parent, set()).add(h)
+        if self.events is not None and not info.partial:
+            self.events.stored(MEDIUM_DISK, [self.stored_page(h, info)])
+
+    def stored_page(self, h: bytes, f: FileInfo) -> StoredPage:
+        """Full page file ``h`` as ``events`` is told of it."""
+        parent = None if f.parent == self.geo.root(f.group) else f.parent
+        return StoredPage(h, parent, tuple(map(int, f.tokens)), f.extras, f.group)
 
     def holder(self, group: int, parent: bytes, tail: np.ndarray,
                extras: Sequence[Extra] = ()) -> bytes | None:
@@ -363,6 +372,8 @@ class StoreIndex:
     def lost_page(self, h: bytes) -> None:
         self.nbytes -= self.pages.pop(h, 0)
         f = self.info.pop(h, None)
+        if f is not None and not f.partial and self.events is not None:
+            self.events.removed(MEDIUM_DISK, [h])
         if f is not None:
             kids = self.kids.get(f.parent)
             if kids is not None:

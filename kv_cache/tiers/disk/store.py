@@ -48,6 +48,7 @@ import numpy as np
 from kv_cache.errors import FormatError
 from kv_cache.layout.spec import CacheSpec
 from kv_cache.pages.eviction import make_policy
+from kv_cache.pages.events import MEDIUM_DISK, CacheEvents, in_chain_order
 from kv_cache.pages.spans import Span, as_spans
 from kv_cache.tiers.base import FoundPrefix, LoadedEntry, PageRecord, StoredEntry
 from kv_cache.tiers.disk import atomic_fs as afs
@@ -326,6 +327,16 @@ class DiskStore:
     @_locked
     def stats(self) -> DiskStats:
         return self._index.stats()
+
+    @_locked
+    def watch(self, events: CacheEvents | None) -> None:
+        """Tell ``events`` of every full page file held now, then of each one stored and
+        removed from now on (``kv_cache.pages.events``, as ``MEDIUM_DISK``); None: stop."""
+        ix = self._index
+        pages = [ix.stored_page(h, f) for h, f in ix.info.items() if not f.partial]
+        if events is not None and pages:
+            events.stored(MEDIUM_DISK, in_chain_order(pages))
+        ix.events = events
 
     @_locked
     def write_note(self, name: str, data: bytes) -> bool:

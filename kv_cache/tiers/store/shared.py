@@ -12,6 +12,9 @@ entry's pages go first (TOUCH, then ``SET NX`` of the absent ones: a page is wri
 whoever computed it, and each writer that finds it present refreshes it in the store's LRU, as
 EXISTS would not), its manifest last, so a manifest never names a page that was not sent
 (the store may still evict it later: a reader then gets the prefix before it).
+
+An observer (``events``, ``kv_cache.pages.events``) is told of an entry's full pages once its write
+succeeded, as ``MEDIUM_STORE``; the store's own evictions are not seen, so never told.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from kv_cache.pages.events import MEDIUM_STORE, CacheEvents, StoredPage
 from kv_cache.pages.hashing import chain_hashes, page_hash
 from kv_cache.pages.spans import page_extras
 from kv_cache.tiers.disk import file_format as fmt
@@ -78,6 +82,7 @@ class SharedStore:
         self._stats = StoreStats(url=link.url, namespace=namespace)
         self._lock = threading.Lock()
         self._queue: queue.Queue[WriteJob | None] = queue.Queue(maxsize=max_queue)
+        self.events: CacheEvents | None = None  # told of the pages of each entry written
         self._thread = threading.Thread(target=self._run, name="kv-store-writer", daemon=True)
         self._thread.start()
 
@@ -178,6 +183,7 @@ class SharedStore:
                    for g in range(len(geo.spec.groups))]
         at = [{h: i for i, h in enumerate(chain)} for chain in parents]
         items: list[tuple[bytes, Callable[[], bytes]]] = []
+        told: list[StoredPage] = []
         for p in job.pages:
             if p.hash is not None and p.data is not None:
                 i = at[p.group][bytes(p.hash)]
@@ -185,6 +191,8 @@ class SharedStore:
                 extras = page_extras(job.spans, i * P, P)
                 items.append((bytes(p.hash), _page_maker(geo, p.hash, parent, p.tokens, p.data,
                                                          p.group, extras)))
+                told.append(StoredPage(bytes(p.hash), parent if i else None,
+                                       tuple(map(int, p.tokens)), extras, p.group))
         n_tail = len(job.tokens) % P
         for g, data in sorted(job.tails.items()):
             chain = parents[g][: len(job.tokens) // P]
@@ -213,6 +221,8 @@ class SharedStore:
         except StoreUnavailable:
             return False
         self._count(entries_written=1, bytes_written=len(manifest))
+        if self.events is not None and told:
+            self.events.stored(MEDIUM_STORE, told)
         return True
 
     def _run(self) -> None:
