@@ -80,6 +80,13 @@ class ServerConfig:
     eviction_policy: str = "lru"
     kv_store: str | None = None  # a shared page store (redis://, valkey://, unix://)
     kv_store_namespace: str = "kv"  # keeps tenants of one store apart
+    # KV cache events in vLLM's format for a cache-aware router (engine/kv_events.py): the PUB
+    # endpoint (None: off), the replay endpoint (None: the next port; "off": none), the topic,
+    # and the events as tagged arrays (vLLM up to 0.23, read by older and newer routers) or maps
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str = ""
+    kv_events_format: str = "array"
     api_key: str | None = None
     cors_origins: list[str] = field(default_factory=list)
     allowed_hosts: list[str] = field(default_factory=list)  # Host names beyond loopback, --host

@@ -160,6 +160,24 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> argparse.ArgumentPa
     g.add_argument("--kv-store-namespace", metavar="NAME", default=D.kv_store_namespace,
                    help=f"key prefix in the shared store (default {D.kv_store_namespace})")
 
+    g = p.add_argument_group("KV cache events",
+                             "which pages the cache holds, published in vLLM's format for a "
+                             "cache-aware router in front of several servers (docs/ROUTING.md)")
+    g.add_argument("--kv-events", metavar="ENDPOINT", default=D.kv_events,
+                   help="publish KV cache events on this ZMQ PUB endpoint, e.g. tcp://*:5557 "
+                        "(bound where it has '*' or '::' or is ipc:// or inproc://, else "
+                        "connected, as vLLM does; default off)")
+    g.add_argument("--kv-events-replay", metavar="ENDPOINT", default=D.kv_events_replay,
+                   help="the ZMQ ROUTER endpoint that resends missed batches from a sequence "
+                        "number (default: --kv-events's next port, e.g. tcp://*:5558; 'off': "
+                        "none)")
+    g.add_argument("--kv-events-topic", metavar="TOPIC",
+                   help="the topic frame of every message (default empty, as vLLM's)")
+    g.add_argument("--kv-events-format", choices=("array", "map"), default=D.kv_events_format,
+                   help="each event a tagged msgpack array, as vLLM up to 0.23 sends (older and "
+                        "newer routers read it alike), or a map with its tag under 'type', as "
+                        f"later vLLM sends (default {D.kv_events_format})")
+
     g = p.add_argument_group("network and access")
     g.add_argument("--host", metavar="ADDRESS", default=D.host,
                    help=f"address to bind (default {D.host})")
@@ -245,6 +263,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             check_store_url(args.kv_store)
         except ValueError as e:
             raise SystemExit(f"--kv-store: {e}")
+    replay = None if args.kv_events_replay == "off" else args.kv_events_replay
+    for flag, endpoint in (("--kv-events", args.kv_events), ("--kv-events-replay", replay)):
+        if endpoint:
+            from .engine.kv_events import check_endpoint
+
+            try:
+                check_endpoint(endpoint)
+            except ValueError as e:
+                raise SystemExit(f"{flag}: {e}")
     if args.model_ttl_s is not None and args.model_ttl_s <= 0:
         raise SystemExit("--model-ttl must be a positive number of seconds")
     for pin in args.pin_models:
@@ -272,7 +299,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         prefill_chunk=args.prefill_chunk, speculate=speculate,
         num_draft_tokens=args.num_draft_tokens, draft_model=args.draft_model,
         eviction_policy=args.eviction_policy, api_key=args.api_key, kv_store=args.kv_store,
-        kv_store_namespace=args.kv_store_namespace,
+        kv_store_namespace=args.kv_store_namespace, kv_events=args.kv_events,
+        kv_events_replay=args.kv_events_replay, kv_events_topic=args.kv_events_topic or "",
+        kv_events_format=args.kv_events_format,
         cors_origins=args.cors_origins, allowed_hosts=args.allowed_hosts,
         dequantize=False if args.keep_quantized else None,
         volatile_rules=not args.no_volatile_rules, volatile_rule=args.volatile_rule,
