@@ -33,6 +33,7 @@ from .guard import RequestGuard, allowed_hosts, check_api_key
 from .images import check_sources, read_images, refuse_unless_taken, sources
 from .http import error_responder, first_event
 from .kv_routes import KVRoutes
+from .worker_routes import worker_routes
 
 if TYPE_CHECKING:
     from ..models.serving import OnDemand
@@ -175,6 +176,7 @@ def build_app(config: ServerConfig, models: OnDemand, engine: Engine) -> Starlet
               methods=["GET"]),
         Route("/v1/kv_cache/{message_id:path}", guarded(kv.kv_entry),
               methods=["GET", "DELETE"]),
+        *worker_routes(app_state, guarded),  # what a router behind it polls
         *page_routes(),  # the chat page at / and its files: public, like /health
     ]
     middleware = [Middleware(RequestCounter, metrics=app_state.metrics),
