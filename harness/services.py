@@ -1,9 +1,9 @@
-"""Services some tests need from the machine (Chromium and ChromeDriver, redis-server): where one
-is missing its tests skip with the reason, unless the run requires it.
+"""Services some tests need from the machine (Chromium and ChromeDriver, redis-server, SGLang's
+router): where one is missing its tests skip with the reason, unless the run requires it.
 
-``MLX_KVSERVER_REQUIRE`` (a comma-separated list: ``chromium``, ``redis-server``) names what a
-run requires; ``.ci/run`` sets it after installing them, so a CI run whose browser or store went
-missing fails instead of looking green with those tests skipped.
+``MLX_KVSERVER_REQUIRE`` (a comma-separated list: ``chromium``, ``redis-server``,
+``sglang-router``) names what a run requires; ``.ci/run`` sets it after installing them, so a CI
+run whose browser or store went missing fails instead of looking green with those tests skipped.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-SERVICES = ("chromium", "redis-server")
+SERVICES = ("chromium", "redis-server", "sglang-router")
 
 
 def required() -> set[str]:
