@@ -31,15 +31,14 @@ def cluster(tiny_model_dir, tmp_path_factory):
         servers = [Server(tiny_model_dir, folder / f"cache{i}", folder / f"server{i}.log",
                           "--kv-store", store.url, "--page-size", "8", "--max-tokens", "8",
                           warm=True) for i in range(3)]
-        router = None
+        router = Router([s.url for s in servers], folder / "router.log")  # skips if none
         try:
             for s in servers:
                 s.start()
-            router = Router([s.url for s in servers], folder / "router.log").start()
+            router.start()
             yield router, servers, HTTP.get(f"{servers[0].url}/v1/models").json()["data"][0]["id"]
         finally:
-            if router is not None:
-                router.stop()
+            router.stop()
             for s in servers:
                 s.kill()
 
