@@ -18,6 +18,7 @@ import ast
 import functools
 import io
 import re
+import subprocess
 import sys
 import tokenize
 from pathlib import Path
@@ -33,9 +34,16 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 NOT_OURS = re.compile(r"^(?:[a-z][a-z0-9+.-]*:|#|/)")  # a URL, an anchor, an absolute path
 
 
+@functools.cache
+def _ignored(top: str) -> bool:
+    """Whether git ignores the top folder ``top`` (build outputs, a test's installed tools)."""
+    return subprocess.run(["git", "check-ignore", "-q", top], cwd=ROOT).returncode == 0
+
+
 def _ours(path: Path) -> bool:
-    return not any(p.startswith(".") or p.endswith(".egg-info") or p == "__pycache__"
-                   for p in path.relative_to(ROOT).parts)
+    parts = path.relative_to(ROOT).parts
+    return not (any(p.startswith(".") or p.endswith(".egg-info") or p == "__pycache__"
+                    for p in parts) or _ignored(parts[0]))
 
 
 @functools.cache
