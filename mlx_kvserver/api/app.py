@@ -23,7 +23,7 @@ from ..chat.output import Accepted, Error
 from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..errors import RequestError
-from ..storage.responses import ResponseStore
+from ..storage.shared_responses import open_store
 from ..engine.request import Job
 from .metrics import CONTENT_TYPE_LATEST, Metrics, RequestCounter
 from .openapi import openapi_spec
@@ -48,7 +48,7 @@ class App:
         self.config, self.on_demand, self.engine = config, models, engine
         self.registry = models.registry
         self.metrics = Metrics()
-        self.responses = ResponseStore.open(config)
+        self.responses = open_store(config)
         self.normalizer = Normalizer.from_config(config.volatile_rules, config.volatile_rule,
                                                  config.volatile_rule_files)
 

@@ -126,19 +126,10 @@ class ResponseStore:
             self._open(create=False)  # NOTE: the folder is made when the first record is kept
 
     @classmethod
-    def open(cls, config: ServerConfig):
-        """The server's store: next to the KV cache on disk (``responses/`` in its folder), or
-        in memory (logged) when there is no cache folder or it cannot be used; with a shared
-        KV store (``--kv-store``), shared through it too (``shared_responses.py``)."""
-        local = cls._local(config)
-        if config.kv_store is None:
-            return local
-        from .shared_responses import SharedResponses, connect
-
-        return SharedResponses(local, connect(config.kv_store), config.kv_store_namespace)
-
-    @classmethod
-    def _local(cls, config: ServerConfig) -> ResponseStore:
+    def open(cls, config: ServerConfig) -> ResponseStore:
+        """The server's own store: next to the KV cache on disk (``responses/`` in its folder),
+        or in memory (logged) when there is no cache folder or it cannot be used (shared through
+        a KV store too: ``shared_responses.open_store``)."""
         if config.kv_cache_dir is None:
             return cls(None)
         try:

@@ -22,6 +22,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ..config import ServerConfig
 from .responses import FORMAT, ResponseStore
 
 log = logging.getLogger("mlx_kvserver.responses")
@@ -46,6 +47,15 @@ def connect(url: str) -> Any:
         if parts.password is None and os.environ.get(PASSWORD_ENV) else {}
     return redis.Redis.from_url(urlunsplit((scheme, *parts[1:])), socket_connect_timeout=0.5,
                                 socket_timeout=2.0, **extra)
+
+
+def open_store(config: ServerConfig) -> ResponseStore | SharedResponses:
+    """The server's stored responses: its own store (``ResponseStore.open``), and with a shared
+    KV store (``--kv-store``) shared through it too."""
+    local = ResponseStore.open(config)
+    if config.kv_store is None:
+        return local
+    return SharedResponses(local, connect(config.kv_store), config.kv_store_namespace)
 
 
 class SharedResponses:
