@@ -34,7 +34,6 @@ import json
 import uuid
 from typing import Any
 
-from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
@@ -46,10 +45,10 @@ from ..chat.tool_choice import checked
 from ..errors import RequestError, bad_request
 from .anthropic_output import message_body, stream
 from .http import SSE_HEADERS, job_events, read_object
-from .images import refuse_unless_taken
+from .tokenize import prompt_of
 from .validate import (boolean, check_history, check_message_id, integer, json_schema, model_name,
                        number, obj, one_of, optional_obj, stop_list, string, tool, tool_entries,
-                       tool_list)
+                       tool_list, top_k)
 
 ROLES = ("user", "assistant", "system")
 UNSERVED = ("document", "search_result", "container_upload")
@@ -280,7 +279,7 @@ def parse(body: dict, config, count_only: bool = False) -> Conversation:
                           "temperature")
     sampling = Sampling(max_tokens=None if count_only else number(body, "max_tokens", None),
                         temperature=temperature, top_p=number(body, "top_p", 1.0),
-                        top_k=number(body, "top_k", 0), stop=stop_list(body, "stop_sequences"))
+                        top_k=top_k(body), stop=stop_list(body, "stop_sequences"))
     return Conversation(
         messages=messages, sampling=sampling, tools=tools, tool_choice=choice,
         parallel_tool_calls=parallel, response_format=_output_format(body),
@@ -313,27 +312,10 @@ async def handle(served, request: Request) -> Response:
     return JSONResponse(message_body(msg_id, conv.model or "", finish, usage))
 
 
-def prompt_tokens(lm, conv: Conversation) -> int:
-    """The rendered prompt's token count, through the engine's own rendering path (with
-    images, the engine's prompt: each image's placeholder expanded to its tokens)."""
-    from ..chat.render import encode
-    from ..chat.support import chat_support
-    from .images import has_images
-
-    if has_images(conv):
-        from ..engine.request import Prompt
-
-        return len(Prompt.of(conv, lm).tokens)
-    return len(encode(lm.tokenizer, chat_support(lm).format, conv)[0])
-
-
 async def count_tokens(served, request: Request) -> Response:
     """``{"input_tokens": N}``: what ``/v1/messages`` would report as input + cache read for
     the same body (no job is submitted)."""
     body = await read_object(request, served.config.max_body_bytes)
     conv = parse(body, served.config, count_only=True)
-    await served.read_images(request, conv)
-    lm = await served.resolve_model(request, conv.model)
-    refuse_unless_taken(conv, lm, served.registry)
-    conv, _ = served.normalizer.apply(conv)  # as /v1/messages renders it
-    return JSONResponse({"input_tokens": await run_in_threadpool(prompt_tokens, lm, conv)})
+    _, ids = await prompt_of(served, request, conv)  # as /v1/messages renders it
+    return JSONResponse({"input_tokens": len(ids)})

@@ -33,6 +33,7 @@ from .guard import RequestGuard, allowed_hosts, check_api_key
 from .images import check_sources, read_images, refuse_unless_taken, sources
 from .http import error_responder, first_event
 from .kv_routes import KVRoutes
+from .tokenize import tokenize_routes
 from .worker_routes import worker_routes
 
 if TYPE_CHECKING:
@@ -177,6 +178,7 @@ def build_app(config: ServerConfig, models: OnDemand, engine: Engine) -> Starlet
         Route("/v1/kv_cache/{message_id:path}", guarded(kv.kv_entry),
               methods=["GET", "DELETE"]),
         *worker_routes(app_state, guarded),  # what a router behind it polls
+        *tokenize_routes(app_state, guarded),  # prompts as token ids, for a KV-aware router
         *page_routes(),  # the chat page at / and its files: public, like /health
     ]
     middleware = [Middleware(RequestCounter, metrics=app_state.metrics),

@@ -24,8 +24,8 @@ from ..chat.tool_choice import checked
 from ..errors import bad_request
 from .http import SSE_HEADERS, collect, job_events, openai_error_body, read_object, sse
 from .validate import (ROLES, boolean, check_history, check_message_id, json_schema, model_name,
-                       number, obj, one_of, optional_obj, seed_value, stop_list, string,
-                       text_value, tool, tool_entries, tool_list)
+                       neutral_only, number, obj, one_of, optional_obj, seed_value, stop_list,
+                       string, text_value, tool, tool_entries, tool_list, top_k)
 
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 DETAILS = ("auto", "low", "high")  # an image part's detail
@@ -194,9 +194,10 @@ def thinking_of(body: dict) -> bool | None:
 
 
 def sampling(body: dict, config, max_name: str = "max_tokens") -> Sampling:
+    neutral_only(body)
     return Sampling(max_tokens=number(body, max_name, config.max_tokens),
                     temperature=number(body, "temperature", config.temperature),
-                    top_p=number(body, "top_p", 1.0), top_k=number(body, "top_k", 0),
+                    top_p=number(body, "top_p", 1.0), top_k=top_k(body),
                     seed=seed_value(body), stop=stop_list(body))
 
 

@@ -23,7 +23,7 @@ from .completions import MAX_PROMPT_IDS
 from .images import URL_FLAG
 from .openai_chat import DETAILS, EFFORTS
 from .responses import INPUT_ROLES, MAX_NAMESPACE, MAX_NAMESPACED, SUMMARIES, TEXT_PARTS
-from .validate import MAX_STOP, MAX_TOOLS, RANGES, ROLES, TOOL_NAME
+from .validate import MAX_STOP, MAX_TOOLS, NEUTRAL, RANGES, ROLES, TOOL_NAME
 
 TEXT = {"type": "string"}
 WORD = {"type": "string", "minLength": 1}
@@ -79,7 +79,10 @@ SAMPLING = {"max_tokens": _or_null(_number("max_tokens")),
             "temperature": _or_null(_number("temperature")),
             "top_p": _or_null(_number("top_p")), "top_k": _or_null(_number("top_k")),
             "seed": _or_null({"type": "integer", "minimum": 0, "maximum": 2**63 - 1}),
-            "stop": STOP}
+            "stop": STOP, **{name: _or_null({
+                "type": "integer" if name == "priority" else "number", "minimum": value,
+                "maximum": value, "description": "not implemented: only the value that changes "
+                                                 "nothing"}) for name, value in NEUTRAL.items()}}
 COMMON = {"stream": BOOL, "use_kv_cache": {"type": ["boolean", "null"], "default": True},
           "speculate": {"type": ["boolean", "null"], "default": True,
                         "description": "drafts verified in the batch (never changes the answer)"}}

@@ -368,19 +368,25 @@ def _not_found(what: str, rid: str, param: str | None = None,
     return RequestError(404, f"{what} with id '{shown}' not found.", param=param, code=code)
 
 
-async def handle(served, request: Request) -> Response:
-    body = await read_object(request, served.config.max_body_bytes)
-    store = served.responses
+def conversation(served, body: dict) -> Conversation:
+    """``body`` as a :class:`Conversation`, after the stored history its
+    ``previous_response_id`` names (a 404 when there is none)."""
     previous: list[Message] = []
     prev_id = check_message_id(body.get("previous_response_id"), "previous_response_id")
     if prev_id is not None:
-        record = store.get(prev_id)
+        record = served.responses.get(prev_id)
         try:
             previous = [message_from_json(m) for m in record["history"]]  # type: ignore[index]
         except (TypeError, KeyError, ValueError):
             raise _not_found("Previous response", prev_id, "previous_response_id",
                              "previous_response_not_found")
-    conv = parse(body, served.config, previous)
+    return parse(body, served.config, previous)
+
+
+async def handle(served, request: Request) -> Response:
+    body = await read_object(request, served.config.max_body_bytes)
+    store = served.responses
+    conv = conversation(served, body)
     history = conv.messages[1:] if body.get("instructions") else conv.messages
     rid = f"resp_{uuid.uuid4().hex}"
     try:

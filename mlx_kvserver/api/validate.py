@@ -26,9 +26,12 @@ RANGES: dict[str, tuple[float, float, bool]] = {
     "temperature": (0.0, 2.0, False),
     "top_p": (0.0, 1.0, False),
     "n": (1, MAX_N, True),
-    "top_k": (0, 1 << 20, True),
+    "top_k": (-1, 1 << 20, True),  # -1 and 0: off (-1 is vLLM's and SGLang's "off")
     "top_logprobs": (0, 20, True),
 }
+# Sampling fields this server does not implement, taken only at the value that changes nothing
+# (SGLang's router adds them so to every /v1/responses body); any other value is a 400.
+NEUTRAL: dict[str, float] = {"min_p": 0.0, "repetition_penalty": 1.0, "priority": 0}
 
 
 def text_value(value: str, what: str, param: str | None) -> str:
@@ -87,6 +90,22 @@ def number(body: dict, name: str, default):
     if whole and isinstance(value, float) and not value.is_integer():
         raise bad_request(f"'{name}' must be {kind}", name)
     return int(value) if whole else float(value)
+
+
+def top_k(body: dict) -> int:
+    """``top_k``: 0 (or absent) when off, which -1 also means (as vLLM and SGLang read it)."""
+    return max(number(body, "top_k", 0), 0)
+
+
+def neutral_only(body: dict) -> None:
+    """A 400 for a :data:`NEUTRAL` field at any value other than its neutral one (or null)."""
+    for name, neutral in NEUTRAL.items():
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != neutral:
+            raise bad_request(f"'{name}' is not supported: this server takes only {neutral!r}, "
+                              "which changes nothing", name)
 
 
 def boolean(body: dict, name: str, default: bool) -> bool:

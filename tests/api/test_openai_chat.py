@@ -250,3 +250,21 @@ def test_an_image_to_the_text_models_is_a_400_in_openais_shape(client, server, t
         {"role": "system", "content": [{"type": "image_url", "image_url": {
             "url": data_url()}}]}, {"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and "user and tool messages only" in r.json()["error"]["message"]
+
+
+def test_sampling_fields_at_their_neutral_values_are_taken_others_are_a_400(server, tiny_lm):
+    # what sglang-router 0.3.2 adds to a /v1/responses body, sent to chat completions too
+    added = {"top_k": -1, "priority": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+             "stream": None}
+    body = {"model": tiny_lm.name, "messages": HI, "temperature": 0, "max_tokens": 3}
+    plain = httpx.post(f"{server}/chat/completions", json=body, timeout=60)
+    taken = httpx.post(f"{server}/chat/completions", json={**body, **added}, timeout=60)
+    assert plain.status_code == taken.status_code == 200, taken.text
+    assert taken.json()["choices"][0]["message"]["content"] == \
+        plain.json()["choices"][0]["message"]["content"]  # -1: top-k off, as 0 is
+    for name, value in (("min_p", 0.1), ("repetition_penalty", 1.2), ("priority", 1),
+                        ("top_k", -3)):
+        r = httpx.post(f"{server}/chat/completions", json={**body, name: value}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, (name, r.text)
+        if name != "top_k":
+            assert "not supported" in r.json()["error"]["message"]

@@ -554,3 +554,17 @@ def test_live_an_input_image_to_the_text_model_is_a_400(live, tiny_lm):
     r = httpx.post(f"{live.url}/responses", json={"model": tiny_lm.name, "input": [
         {"role": "user", "content": [{"type": "input_image", "file_id": "file-abc"}]}]})
     assert r.status_code == 400 and "file_id" in r.json()["error"]["message"]
+
+
+def test_what_sglangs_router_adds_is_taken_and_other_values_are_a_400():
+    # sglang-router 0.3.2 sends every /v1/responses body on with these fields added
+    added = {"store": True, "stream": None, "temperature": 1.0, "top_p": 1.0, "priority": 0,
+             "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+    conv = responses.parse({"input": "hi", **added}, CONFIG)
+    assert conv.sampling.top_k == 0 and not conv.stream  # -1: top-k off; null: not streamed
+    assert conv == responses.parse({"input": "hi", "temperature": 1.0}, CONFIG)
+    for name, value in (("min_p", 0.05), ("repetition_penalty", 1.1), ("priority", 5),
+                        ("top_k", -2), ("min_p", "0")):
+        with pytest.raises(RequestError) as e:
+            responses.parse({"input": "hi", **added, name: value}, CONFIG)
+        assert e.value.status == 400 and e.value.param == name, (name, value)
