@@ -1,8 +1,9 @@
 """Services some tests need from the machine (Chromium and ChromeDriver, redis-server, SGLang's
-router): where one is missing its tests skip with the reason, unless the run requires it.
+and vLLM's routers): where one is missing its tests skip with the reason, unless the run requires
+it.
 
 ``MLX_KVSERVER_REQUIRE`` (a comma-separated list: ``chromium``, ``redis-server``,
-``sglang-router``) names what a run requires; ``.ci/run`` sets it after installing them, so a CI
+``sglang-router``, ``vllm-router``) names what a run requires; ``.ci/run`` sets it after installing them, so a CI
 run whose browser or store went missing fails instead of looking green with those tests skipped.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 import os
 from typing import NoReturn
 
-SERVICES = ("chromium", "redis-server", "sglang-router")
+SERVICES = ("chromium", "redis-server", "sglang-router", "vllm-router")
 
 
 def required() -> set[str]:
