@@ -4,7 +4,8 @@ are (``kv_cache.Span``: start, length, the image's pixel hash), each image as it
 it, and the positions of the whole prompt.
 
 The processor (mlx-vlm's, ``LoadedModel.processor``) turns the rendered text and the images into
-the expanded token ids and the pixels; the model's family (``image_families/``: the model's
+the expanded token ids and the pixels (each image's pixels kept by its digest where the family
+allows: ``image_preprocessing.py``); the model's family (``image_families/``: the model's
 ``reader``) cuts them into one input per image and says where each image's tokens lie. M-RoPE
 families (Qwen2.5-VL) give an image's tokens 3D positions, and the text after it goes on from
 the largest position before it plus one, so from an image on a token's position is its index
@@ -30,6 +31,7 @@ from kv_cache import Span
 
 from ..errors import RequestError
 from .image_families import ImageFamily, ImageInput
+from .image_preprocessing import pil_image
 
 # an image's encoder output by its span (the engine's: kept by the image's digest)
 Encode = Callable[[Span, ImageInput], dict[str, mx.array]]
@@ -79,9 +81,7 @@ def image_prompt(lm: Any, text: str, images: Sequence[Any]) -> ImagePrompt:
     (``chat.conversation.Image``, in the order of their placeholders) for the vision-language
     model ``lm`` (a ``LoadedModel``); a ``RequestError`` 400 when the images and the
     placeholders do not match."""
-    from PIL import Image as PILImage
-
-    pictures = [PILImage.frombytes("RGB", (im.width, im.height), im.rgb) for im in images]
+    pictures = [pil_image(im) for im in images]  # each carries its digest
     out = lm.processor(text=[text], images=pictures or None, return_tensors="np")
     tokens = [int(t) for t in np.asarray(out["input_ids"])[0]]
     vlm, reader = lm.model.vlm, lm.model.reader

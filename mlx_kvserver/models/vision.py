@@ -28,6 +28,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from .image_families import READERS, reader_of
+from .image_preprocessing import keep_image_outputs
 
 
 def _has_module(package: str, name: str) -> bool:
@@ -151,8 +152,9 @@ def load_vision_folder(path: Path, family: str
                        ) -> tuple[VisionLanguageModel, Any, list[int], dict[str, Any]]:
     """The model of the folder ``path`` (its :func:`vision_family` is ``family``) loaded through
     mlx-vlm, with its processor (images to pixel values and their token counts; its
-    ``tokenizer`` is the model's Hugging Face tokenizer, chat template included), its end token
-    ids, and its config: ``config.json`` with generation_config.json's end tokens (as mlx-lm
+    ``tokenizer`` is the model's Hugging Face tokenizer, chat template included; for a family
+    with a ``join``, each image's output kept by its pixel digest: ``image_preprocessing.py``),
+    its end token ids, and its config: ``config.json`` with generation_config.json's end tokens (as mlx-lm
     reads it) and, under ``"processor_files"``, the processor's configs (how an image becomes
     tokens is part of what the model's fingerprint covers)."""
     from mlx_lm.utils import load_config
@@ -167,7 +169,10 @@ def load_vision_folder(path: Path, family: str
     if eos is None:
         eos = getattr(tok, "eos_token_id", None)
     ids = [int(e) for e in (eos if isinstance(eos, list) else [eos]) if e is not None]
-    return VisionLanguageModel(vlm, family), processor, ids, config
+    model = VisionLanguageModel(vlm, family)
+    if model.reader is not None:  # each image's processor output kept by its digest
+        keep_image_outputs(processor, model.reader.join)
+    return model, processor, ids, config
 
 
 def listing_fields(takes_images: bool) -> dict[str, Any]:

@@ -15,6 +15,9 @@ An image goes through three stages, each a method of :class:`ImageFamily`:
 ``spans`` says where each image's tokens lie in the prompt: one range per image that covers all
 its tokens (for families that break an image into rows or tiles with separator tokens the range
 spans them too), so a prompt chunk, a page boundary or a cache hit never cuts an image.
+``join`` is for a family whose image processor reads each image independently of the others: it
+makes the processor's output for several images from each image's output alone, so an image's
+output is kept by its digest and not computed again (``models/image_preprocessing.py``).
 ``positions`` gives M-RoPE families their position ids and the offset of the text after the
 images; others keep the index. A family whose image's tokens attend to each other both ways
 (Gemma 3) says so in ``embed``: the mask it gives the language model (``kv_cache.hooks``'
@@ -24,7 +27,7 @@ images; others keep the index. A family whose image's tokens attend to each othe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import mlx.core as mx
 import numpy as np
@@ -46,6 +49,9 @@ class ImageFamily:
     run of its image token replaced row for row by its projected features."""
 
     model_types: tuple[str, ...] = ()
+    # the image processor's output for a call's images from each one's output alone, in order
+    # (module docstring); None: a prompt's images go through the image processor together
+    join: Callable[[Sequence[Mapping[str, Any]]], Mapping[str, Any]] | None = None
 
     def image_token(self, vlm: Any) -> int:
         """The id of the placeholder token each image feature row replaces."""
@@ -92,6 +98,18 @@ class ImageFamily:
         """The prompt's position ids ``[3, n]`` and the offset of what follows it from its index,
         for M-RoPE families; ``(None, 0)`` (positions are the index) for the others."""
         return None, 0
+
+
+def concatenated(outputs: Sequence[Mapping[str, Any]]) -> Mapping[str, Any]:
+    """The outputs of an image processor for one image each joined as its output for all of them
+    in order: each array concatenated along its first axis, each list of arrays chained; of the
+    first output's type (a dict, or ``transformers``' ``BatchFeature``)."""
+    def joined(values: list[Any]) -> Any:
+        if isinstance(values[0], (list, tuple)):
+            return [v for value in values for v in value]
+        return np.concatenate([np.asarray(v) for v in values])
+
+    return type(outputs[0])({k: joined([o[k] for o in outputs]) for k in outputs[0]})
 
 
 def scatter_features(embeds: mx.array, ids: Sequence[int], image_token: int,

@@ -15,11 +15,12 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .base import ImageFamily, ImageInput, runs
+from .base import ImageFamily, ImageInput, concatenated, runs
 
 
 class Llava(ImageFamily):
     model_types = ("llava",)
+    join = staticmethod(concatenated)  # its image processor reads each image alone
 
     def split(self, vlm: Any, out: dict[str, Any], n: int) -> list[ImageInput]:
         pixels = np.asarray(out["pixel_values"])

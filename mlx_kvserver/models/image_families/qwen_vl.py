@@ -1,7 +1,8 @@
 """Qwen2.5-VL: an image is its patches and grid (frames, rows, columns of
 patches); the vision tower merges 2x2 patches into one token; positions are M-RoPE: an image's
 tokens get 3D positions from its grid and the text after it goes on from the largest position
-before it plus one (``get_rope_index`` of mlx-vlm's language model)."""
+before it plus one (``get_rope_index`` of mlx-vlm's language model). The image processor reads
+each image alone, so each image's output is kept by its digest (``join``)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,14 @@ from typing import Any, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .base import ImageFamily, ImageInput
+from .base import ImageFamily, ImageInput, concatenated
 
 
 class QwenVL(ImageFamily):
     model_types = ("qwen2_5_vl",)
+    # its image processor reads each image alone: the pixel rows of the images one after the
+    # other, one grid row each
+    join = staticmethod(concatenated)
 
     def split(self, vlm: Any, out: dict[str, Any], n: int) -> list[ImageInput]:
         grids = [tuple(int(x) for x in g) for g in np.asarray(out["image_grid_thw"])[:n]]
