@@ -298,9 +298,18 @@ def _pictures(path: str, body: dict, vision: str | None) -> None:
         body["model"] = vision
 
 
+# The routes that take another route's body (api/tokenize.py): the same rules.
+RENDERED = {"/v1/chat/completions/render": "/v1/chat/completions",
+            "/v1/completions/render": "/v1/completions",
+            "/v1/responses/render": "/v1/responses"}
+
+
 def follow_rules(path: str, body: dict, vision: str | None = None) -> dict:
     """``body`` changed to keep the rules the description states in words (see the module);
     ``vision``: a served model that takes images, for the bodies with images."""
+    path = RENDERED.get(path, path)
+    if path == "/tokenize":  # a chat's body or a completion's
+        path = "/v1/chat/completions" if body.get("messages") is not None else "/v1/completions"
     if path in RULES:
         RULES[path](body)
         _valid_schemas(path, body)

@@ -169,6 +169,7 @@ def build_app(config: ServerConfig, models: OnDemand, engine: Engine) -> Starlet
         Route("/v1/messages/count_tokens", guarded(lambda r: anthropic.count_tokens(app_state, r)),
               methods=["POST"]),
         Route("/v1/responses", api(responses), methods=["POST"]),
+        *tokenize_routes(app_state, guarded),  # prompts as token ids, for a KV-aware router
         Route("/v1/responses/{response_id:path}",
               guarded(lambda r: responses.handle_id(app_state, r)), methods=["GET", "DELETE"]),
         Route("/v1/kv_cache/stats", guarded(kv.kv_stats), methods=["GET"]),
@@ -178,7 +179,6 @@ def build_app(config: ServerConfig, models: OnDemand, engine: Engine) -> Starlet
         Route("/v1/kv_cache/{message_id:path}", guarded(kv.kv_entry),
               methods=["GET", "DELETE"]),
         *worker_routes(app_state, guarded),  # what a router behind it polls
-        *tokenize_routes(app_state, guarded),  # prompts as token ids, for a KV-aware router
         *page_routes(),  # the chat page at / and its files: public, like /health
     ]
     middleware = [Middleware(RequestCounter, metrics=app_state.metrics),

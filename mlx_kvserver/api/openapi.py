@@ -99,6 +99,40 @@ def _worker_paths(auth: bool) -> dict:
     }
 
 
+def _tokenize_paths(auth: bool, models: list[str] | None) -> dict:
+    """The prompt as token ids, for a router that matches them with KV events (``tokenize.py``):
+    each render route takes the body of the route it names; nothing is generated."""
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+    errors = {400: "a body that is not JSON or not a valid request of its route", 404: NO_MODEL,
+              413: "a body larger than the server's limit", 503: BUSY}
+
+    def render(route: str, body: str, missing: str = "") -> dict:
+        return {"post": _op(f"the prompt's token ids of a {route} body (vLLM's render)", _json(
+            {"type": "object", "properties": {"token_ids": ids}}, "request_id, model, token_ids"),
+            {**errors, 404: NO_MODEL + missing}, auth, requestBody=_body(body))}
+
+    either = {"required": True, "content": {"application/json": {"schema": {"anyOf": [
+        {"$ref": "#/components/schemas/ChatCompletionRequest"},
+        {"$ref": "#/components/schemas/CompletionRequest"}]}}}}
+    tokens = {"type": "object", "required": ["tokens"], "properties": {
+        "tokens": ids, "model": bodies.model_field(models)},
+        "description": "token ids below the model's vocabulary size"}
+    return {
+        "/v1/chat/completions/render": render("/v1/chat/completions", "ChatCompletionRequest"),
+        "/v1/completions/render": render("/v1/completions", "CompletionRequest"),
+        "/v1/responses/render": render("/v1/responses", "ResponsesRequest",
+                                       ", or an unknown previous_response_id"),
+        "/tokenize": {"post": _op(
+            "a chat's (messages) or a prompt's token ids, in vLLM's shape",
+            _json({"type": "object", "properties": {"tokens": ids, "count": {"type": "integer"}}},
+                  "count, max_model_len, tokens"), errors, auth, requestBody=either)},
+        "/detokenize": {"post": _op(
+            "the text of token ids", _json({"type": "object", "properties": {
+                "prompt": {"type": "string"}}}, "prompt"), errors, auth,
+            requestBody={"required": True, "content": {"application/json": {"schema": tokens}}})},
+    }
+
+
 def openapi_spec(models: list[str] | None = None, api_key: bool = False,
                  image_urls: bool = ServerConfig.allow_image_urls,
                  max_images: int = ServerConfig.max_images) -> dict:
@@ -135,6 +169,7 @@ def openapi_spec(models: list[str] | None = None, api_key: bool = False,
                 parameters=[{"name": "path", "in": "path", "required": True,
                              "schema": {"type": "string"}}])},
             **_worker_paths(api_key),
+            **_tokenize_paths(api_key, models),
             "/v1/models": {"get": _op(
                 "the served models and those loaded on demand, with a status each (loaded, "
                 "loading, unloaded) and whether it takes images (capabilities.vision, "

@@ -110,8 +110,9 @@ def _reasoning_text(item: dict, where: str) -> str:
     text = "" if content is None else _parts_text(content, f"{where}.content")
     if summary is not None and not isinstance(summary, list):
         raise bad_request(f"{where}.summary must be a list", "input")
-    return text or "\n\n".join(_parts_text([p], f"{where}.summary[{k}]")
-                                for k, p in enumerate(summary or []))
+    summarized = "\n\n".join(_parts_text([p], f"{where}.summary[{k}]")  # checked either way
+                             for k, p in enumerate(summary or []))
+    return text or summarized
 
 
 def input_messages(raw: Any) -> list[Message]:

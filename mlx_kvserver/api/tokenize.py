@@ -67,9 +67,18 @@ def _render(parse, param: str = "messages"):
     return handler
 
 
-render_chat = _render(lambda served, body: openai_chat.parse(body, served.config))
-render_completion = _render(lambda served, body: completions.parse(body, served.config),
-                            "prompt")
+def _chat(served, body: dict) -> Conversation:
+    openai_chat.include_usage(body)  # checked, as the generating route checks it
+    return openai_chat.parse(body, served.config)
+
+
+def _completion(served, body: dict) -> Conversation:
+    openai_chat.include_usage(body)
+    return completions.parse(body, served.config)
+
+
+render_chat = _render(_chat)
+render_completion = _render(_completion, "prompt")
 render_response = _render(responses.conversation, "input")
 
 
@@ -79,9 +88,9 @@ async def tokenize(served, request: Request) -> Response:
         if not boolean(body, "add_generation_prompt", True):
             raise bad_request("'add_generation_prompt': false is not supported (the prompt "
                               "always ends with the generation prompt)", "add_generation_prompt")
-        conv = openai_chat.parse(body, served.config)
+        conv = _chat(served, body)
     else:
-        conv = completions.parse(body, served.config)
+        conv = _completion(served, body)
     lm, ids = await prompt_of(served, request, conv)
     return JSONResponse({"count": len(ids), "max_model_len": lm.context_length, "tokens": ids,
                          "token_strs": None})

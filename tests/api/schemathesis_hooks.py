@@ -24,8 +24,11 @@ def before_call(ctx, case, **kwargs):
     if meta is None or not meta.generation.mode.is_positive or not isinstance(case.body, dict):
         return
     body = follow_rules(case.path, case.body)
-    if case.path == "/v1/completions":
+    if case.path in ("/v1/completions", "/v1/completions/render") or \
+            case.path == "/tokenize" and body.get("messages") is None:
         body["prompt"] = _below_vocab(body["prompt"])
+    if case.path == "/detokenize":
+        body["tokens"] = _below_vocab(body["tokens"])
     case.body = body
 
 
