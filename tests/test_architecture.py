@@ -434,7 +434,7 @@ def test_every_server_module_has_a_room():
 
 MODEL_LOADING = {f"mlx_kvserver.models.{m}" for m in (  # every module of models/ but the registry
     "loading", "gguf", "convert", "footprint", "tokenizer", "on_demand", "serving", "vision",
-    "image_prompt")} | {  # and each vision family's image reading
+    "image_prompt", "image_preprocessing")} | {  # and each vision family's image reading
     _module_of(p) for p in _files("mlx_kvserver/models/image_families")}
 
 

@@ -64,6 +64,11 @@ BODIES = {"/v1/chat/completions": {"messages": HELLO, "max_tokens": 2},
           "/v1/messages": {"model": "default", "messages": HELLO, "max_tokens": 2},
           "/v1/messages/count_tokens": {"model": "default", "messages": HELLO},
           "/v1/responses": {"input": "hi", "max_output_tokens": 2}}
+# the prompts as token ids, for a router (api/tokenize.py): the same bodies, nothing generated
+BODIES |= {f"{path}/render": BODIES[path] for path in
+           ("/v1/chat/completions", "/v1/completions", "/v1/responses")}
+BODIES |= {"/tokenize": {"model": "default", "prompt": "hi"},
+           "/detokenize": {"model": "default", "tokens": [1, 2]}}
 
 
 def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.Response:
@@ -80,8 +85,9 @@ def call(base: str, path: str, method: str, export: bytes, **headers) -> httpx.R
     return httpx.request(method, base + path, headers=headers, timeout=60, **kw)
 
 
-def test_only_health_and_the_chat_page_are_public():
-    assert PUBLIC == {("/health", "GET"), ("/", "GET"), ("/static/{path}", "GET")}
+def test_only_the_health_routes_and_the_chat_page_are_public():
+    assert PUBLIC == {("/health", "GET"), ("/health_generate", "GET"), ("/", "GET"),
+                      ("/static/{path}", "GET")}
 
 
 def test_the_description_declares_401_where_the_key_is_required(keyed):

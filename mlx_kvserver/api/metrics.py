@@ -285,6 +285,7 @@ MEMORY_GAUGES = (
     ("weights_bytes", "Bytes of the loaded models' weights"),
     ("pages_bytes", "Bytes of KV pages in RAM, all models"),
     ("features_bytes", "Bytes of image features kept in memory, all models"),
+    ("image_inputs_bytes", "Bytes of pictures' image-processor outputs kept, all models"),
     ("working_bytes", "Bytes MLX holds beyond weights and pages: working buffers, views"),
     ("mlx_active_bytes", "Bytes MLX holds now"), ("mlx_cache_bytes", "MLX's buffer cache"),
     ("mlx_peak_bytes", "The most MLX has held since the process started, loads included"),

@@ -29,6 +29,7 @@ from kv_cache import CacheManager, export_entry, import_entry, open_cache
 from ..chat.output import Accepted, Done, Error
 from ..config import GB, ServerConfig
 from ..errors import RequestError
+from ..models.image_preprocessing import drop_image_outputs, kept_image_bytes
 from ..models.loading import LoadedModel
 from .request import Job
 from .speculation.draft_model import DraftModel, DraftModelError, check_draft_model
@@ -112,8 +113,15 @@ class Engine:
             speculate=config.speculate, num_draft_tokens=config.num_draft_tokens, draft=draft,
             name=lm.name, memory=self.memory)
         self.memory.add_model(lm)
-        # under pressure: its prepared next turns, then what its cache holds that nothing needs
-        self.memory.shedders[lm.name] = self.schedulers[lm.name].shed
+        # under pressure: its kept image-processor outputs, its prepared next turns, then what
+        # its cache holds that nothing needs
+        scheduler, processor = self.schedulers[lm.name], lm.processor
+
+        def shed() -> int:
+            drop_image_outputs(processor)
+            return scheduler.shed()
+
+        self.memory.shedders[lm.name] = shed
 
     def add_model(self, lm: LoadedModel) -> None:
         """Serve ``lm`` from the next step on (call on the engine thread: ``call``). A model of
@@ -316,6 +324,9 @@ class Engine:
         rep = self.memory.report()
         rep["pages_bytes"] = pages
         rep["features_bytes"] = features
+        # pictures' image-processor outputs (numpy, outside MLX: in the resident memory)
+        rep["image_inputs_bytes"] = sum(kept_image_bytes(lm.processor)
+                                        for lm in self.models.values())
         rep["working_bytes"] = max(0, rep["mlx_active_bytes"] - rep["weights_bytes"] - pages
                                    - features)
         return rep

@@ -14,8 +14,9 @@ processor alone, and the call's output is the family's ``join`` of the images' o
 with an image without a digest goes to the real image processor as it is.
 
 The outputs are kept in memory, least recently used out first (but never one the same call
-uses), up to ``max_bytes`` of arrays (:data:`DEFAULT_MAX_BYTES`); this memory is counted by no
-other limit of the server. An image's output is its float32 patches: about 75 MB for a 2044x1540
+uses), up to ``max_bytes`` of arrays (:data:`DEFAULT_MAX_BYTES`). The memory budget counts them
+as the process's resident memory and, under pressure, has them given back first
+(:func:`drop_image_outputs`, from the model's scheduler: recomputing them is cheap). An image's output is its float32 patches: about 75 MB for a 2044x1540
 photo at Qwen2.5-VL's settings (14-pixel patches, each in two frames).
 """
 
@@ -53,6 +54,12 @@ class CachedImageProcessor:
     def kept_bytes(self) -> int:
         """The bytes of the arrays kept now."""
         return self._bytes
+
+    def clear(self) -> None:
+        """Give back every kept output."""
+        with self._lock:
+            self._kept.clear()
+            self._bytes = 0
 
     def __call__(self, images: Any = None, *args: Any, **kwargs: Any) -> Any:
         digests = ([getattr(im, DIGEST, None) for im in images]
@@ -127,3 +134,16 @@ def keep_image_outputs(processor: Any, join: Join | None,
     inner = getattr(processor, "image_processor", None)
     if join is not None and inner is not None and not isinstance(inner, CachedImageProcessor):
         processor.image_processor = CachedImageProcessor(inner, join, max_bytes)
+
+
+def kept_image_bytes(processor: Any) -> int:
+    """The bytes of the image outputs ``processor`` keeps (0 when it keeps none)."""
+    inner = getattr(processor, "image_processor", None)
+    return inner.kept_bytes if isinstance(inner, CachedImageProcessor) else 0
+
+
+def drop_image_outputs(processor: Any) -> None:
+    """Give back the image outputs ``processor`` keeps, if it keeps any (memory pressure)."""
+    inner = getattr(processor, "image_processor", None)
+    if isinstance(inner, CachedImageProcessor):
+        inner.clear()

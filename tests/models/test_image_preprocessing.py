@@ -23,7 +23,8 @@ from mlx_kvserver.chat.conversation import Conversation, Message, Text
 from mlx_kvserver.chat.images import decode_image
 from mlx_kvserver.config import ServerConfig
 from mlx_kvserver.engine.request import Prompt
-from mlx_kvserver.models.image_preprocessing import DIGEST, CachedImageProcessor, pil_image
+from mlx_kvserver.models.image_preprocessing import (DIGEST, CachedImageProcessor, kept_image_bytes,
+                                                    pil_image)
 from mlx_kvserver.models.loading import LoadedModel, resolve_and_load
 from tests.chat.pictures import file_of, picture
 from tests.models.image_families.exact import PICTURES, chat, logprobs, same
@@ -165,3 +166,24 @@ def test_the_least_recently_used_outputs_leave_first(lm: LoadedModel,
     # a picture without its digest goes to the real image processor as it is
     cache([a.copy(), a.copy()])
     assert counting.calls == [1, 1, 1, 1, 1, 2]
+
+
+def test_memory_pressure_gives_the_kept_outputs_back(lm: LoadedModel,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    """The engine's memory report counts the kept outputs, and its shedders (what the memory
+    budget calls under pressure) give them back; the next call processes the picture again."""
+    cache, counting = counted(lm, monkeypatch)
+    a = pil_image(decode_image(PICTURES["a"], "a"))
+    cache([a])
+    assert cache.kept_bytes > 0 and kept_image_bytes(lm.processor) == cache.kept_bytes
+    config = ServerConfig(max_tokens=MAX_TOKENS, page_size=8, kv_cache_dir=tmp_path / "kv")
+    engine = make_engine([lm], config)
+    try:
+        assert engine.memory_report()["image_inputs_bytes"] == cache.kept_bytes
+        engine.memory.shed()
+        assert cache.kept_bytes == 0 == engine.memory_report()["image_inputs_bytes"]
+    finally:
+        engine.stop()
+    cache([a])
+    assert counting.calls == [1, 1]
