@@ -35,8 +35,8 @@ The model: by default a random-weight llama from ``harness/tiny_model.py`` (6 la
 ``--model`` the server takes) uses that model instead. ``--quick``: the small tiny model, 6
 conversations, short texts (a check that everything runs, well under two minutes).
 
-The result goes to benchmarks/results/router/<run's UTC time>.json (with --quick under
-quick/ below it) unless --json names a file; ``--keep DIR`` keeps the servers' and router's
+The result goes to benchmarks/results/router/<run's UTC time>.json (vllm-router's runs under
+vllm/ below it, and --quick runs under quick/ below that) unless --json names a file; ``--keep DIR`` keeps the servers' and router's
 logs and caches.
 Usage: .venv/bin/python -m benchmarks.router [--router sglang|vllm] [--quick]
        [--conversations 24] [--max-tokens 16] [--model tiny|default|...] [--only NAME ...]
@@ -244,8 +244,10 @@ class Cluster:
 
 
 def kv_events() -> list[str]:
-    """A server's KV events endpoint and its replay endpoint, on ports of their own."""
-    return [f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"]
+    """A server's KV events endpoint and its replay endpoint, on ports of their own, bound by
+    the server (``tcp://*``: the router connects to them; ``harness.router_proc.VllmRouter``
+    gives it the loopback address)."""
+    return [f"tcp://*:{free_port()}", f"tcp://*:{free_port()}"]
 
 
 def kv_events_flags(endpoints: list[str]) -> list[str]:
@@ -490,7 +492,8 @@ def main() -> None:
            "summary": overall(results) if len(results) == len(CONFIGS) else None,
            "configs": results, "wall_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(out["summary"], indent=1))
-    write("router/quick" if args.quick else "router", json.dumps(out, indent=1),
+    series = "router" + ("/vllm" if args.router == "vllm" else "")  # each router its own series
+    write(series + ("/quick" if args.quick else ""), json.dumps(out, indent=1),
           override=args.json)
 
 
