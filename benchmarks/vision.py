@@ -12,11 +12,12 @@ their own (greedy, ``--max-tokens`` per answer, streamed; TTFT is from sending t
 first content delta):
   ours            this server: turn 1 (nothing cached), turns 2-4 (the history cached); then the
                   server is stopped and started again on the same --kv-cache-dir and turn 2 is
-                  sent again (its history read back from disk)
+                  sent again with another question (its history up to turn 1's answer read
+                  back from disk, its question new: as many new tokens as warm turn 2's)
   mlx-vlm         with --mlx-vlm PYTHON (an interpreter with mlx-vlm installed):
                   ``python -m mlx_vlm.server`` on the same folder, its prefix cache on
                   (APC_ENABLED=1, disk tier under APC_DISK_PATH): turn 1, turn 2; then restarted on
-                  the same APC disk path and turn 2 sent again
+                  the same APC disk path and turn 2 sent again with the other question
 Each server start first answers one short text request, not measured, so that a TTFT is the image
 chat's and not the first request's one-time setup. Each server holds its own conversation (its
 own answers in the history). Prompt and cached tokens come from each answer's usage; the vision
@@ -57,6 +58,10 @@ TARGETS = (1000, 4000)  # image tokens of the two pictures
 QUICK_TARGETS = (100, 400)
 QUESTIONS = ["Describe this picture.", "Which colours are in its top left corner?",
              "How many shapes are there?", "Summarise the picture in one sentence."]
+# turn 2 after a restart asks this instead of QUESTIONS[1]: a turn the server has not seen (its
+# history up to turn 1's answer read back from disk, its question new), not a repeat of warm
+# turn 2 whose whole prompt the cache already holds
+RESTART_QUESTION = "Which colours are in its bottom right corner?"
 FIELDS = ("ttft", "total", "prompt_tokens", "cached_tokens", "completion_tokens", "encoder_runs")
 GOALS = {"turn2_over_turn1": 0.1, "restart_over_warm_turn2": 1.2,
          "turn2_over_mlxvlm_restart_turn2": 0.5, "restart_turn2_over_mlxvlm_restart_turn2": 0.5}
@@ -176,8 +181,9 @@ def chat(url, image: dict, turns: int, use_cache, args, model=None, count_encode
 
 
 def again(url, turn2, use_cache, args, model=None, count_encoder=False) -> dict:
-    """Turn 2 sent again to a restarted server."""
-    res = turn(url, turn2, use_cache, args, model, count_encoder)
+    """Turn 2 sent to a restarted server, with :data:`RESTART_QUESTION` for its question."""
+    fresh = turn2[:-1] + [{"role": "user", "content": RESTART_QUESTION}]
+    res = turn(url, fresh, use_cache, args, model, count_encoder)
     return {"turn": 2, "restarted": True, **{k: res[k] for k in FIELDS}}
 
 
