@@ -1,18 +1,12 @@
 """Headless Chromium through selenium, pointed at the system's browser and driver (Debian's
 ``chromium`` and ``chromium-driver``). The driver path is given explicitly, so selenium never
-starts Selenium Manager (nothing is downloaded). :func:`serve_app` serves a small app (a
-canned-event stub) for a page test."""
+starts Selenium Manager (nothing is downloaded)."""
 
 from __future__ import annotations
 
-import contextlib
 import shutil
-import socket
 import tempfile
-import threading
-import time
 from pathlib import Path
-from typing import Iterator
 
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 DRIVERS = ("chromedriver",)
@@ -60,28 +54,3 @@ def quit_chromium(web) -> None:
         web.quit()
     finally:
         shutil.rmtree(web.profile_dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def serve_app(app) -> Iterator[str]:
-    """Serve an ASGI ``app`` with uvicorn on a free loopback port, in a thread; yields its root
-    URL (``http://127.0.0.1:PORT``)."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    from harness.server_utils import QuickServer
-
-    server = QuickServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the app did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.stop(thread)
-        sock.close()

@@ -71,21 +71,28 @@ def running_server(models: list[LoadedModel], config: ServerConfig | None = None
     engine = engine or make_engine(models, config)
     app = build_app(config, OnDemand(config, ModelRegistry(models, config.model_aliases), engine),
                     engine)
+    with serve_app(app, port, lifespan="on") as root:
+        yield root + "/v1"
+
+
+@contextlib.contextmanager
+def serve_app(app, port: int = 0, lifespan: str = "off") -> Iterator[str]:
+    """Serve an ASGI ``app`` with uvicorn on 127.0.0.1 at ``port`` (0: a free one), in a thread;
+    yields its root URL (``http://127.0.0.1:PORT``)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # NOTE: with
     # proto 0, asyncio does not set TCP_NODELAY on accepted connections: 40 ms per request.
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
-    port = sock.getsockname()[1]
-    server = QuickServer(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    server = QuickServer(uvicorn.Config(app, log_level="warning", lifespan=lifespan))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the test server did not start")
+            raise RuntimeError("the server did not start")
         time.sleep(0.02)
     try:
-        yield f"http://127.0.0.1:{port}/v1"
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:
         server.stop(thread)
         sock.close()

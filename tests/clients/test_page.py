@@ -20,7 +20,8 @@ import httpx
 import pytest
 
 from mlx_kvserver.config import ServerConfig
-from harness.browser_utils import MISSING, find_chromium, quit_chromium, serve_app, start_chromium
+from harness.browser_utils import MISSING, find_chromium, quit_chromium, start_chromium
+from harness.server_utils import serve_app
 from harness.server_utils import running_server
 from harness.services import required, unavailable
 from tests.chat.pictures import data_url, file_of, picture
