@@ -206,6 +206,8 @@ def family_chat(request, tmp_path_factory):
 @pytest.mark.parametrize("cut, sliding, state", [
     (126, 126, 126),  # the whole history: up to the answer's tail (the state's entry end)
     (123, 123, 121),  # inside the last answer: the state resumes at the prompt's entry
+    (121, 121, 121),  # at the last prompt's end, mid-page: that shorter entry's partial page
+    (112, 112, 112),  # at the first answer's end: an earlier entry below a longer one
     (100, 100, 100),  # at the first prompt's end: its window pages are on disk
     (50, 0, 0),  # early on: no window pages there on disk, no entry ends there
 ])
@@ -219,7 +221,8 @@ def test_families_reuse_by_content_where_windows_and_states_allow(family_chat, c
     assert match.tokens == want
     if want:
         assert match.source == ("disk-prefix" if family != "qwen3_5" else
-                                {126: "disk:a1", 121: "disk:u1", 100: "disk:u0"}[want])
+                                {126: "disk:a1", 121: "disk:u1", 112: "disk:a0",
+                                  100: "disk:u0"}[want])
     assert answer_matches_uncached(model, seq, prompt, want, family_run)
     m.close()
 
