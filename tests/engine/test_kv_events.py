@@ -196,6 +196,19 @@ def pages_of(events, medium) -> list:
     return [e for e in events if type(e).__name__ == "BlockStored" and e.medium == medium]
 
 
+def published_to_disk(replay_at: str, timeout: float = 30.0) -> None:
+    """Wait until the replay holds every page stored in memory as stored on disk too: a save
+    runs on the cache's writer and its events reach the socket from the publisher's thread."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = [e for _, p in replay(replay_at, 0) for e in VLLM_ARRAY.decode(p).events]
+        memory = {h for e in pages_of(events, "GPU") for h in e.block_hashes}
+        if memory and memory <= {h for e in pages_of(events, "DISK") for h in e.block_hashes}:
+            return
+        assert time.monotonic() < deadline, f"the pages not published as on disk in {timeout} s"
+        time.sleep(0.05)
+
+
 def test_a_server_publishes_its_chats_pages_and_replays_what_was_missed(tiny_lm, tmp_path):
     pub_at, replay_at = endpoints()
     config = ServerConfig(max_tokens=6, page_size=8, kv_cache_dir=tmp_path / "kv",
@@ -205,7 +218,7 @@ def test_a_server_publishes_its_chats_pages_and_replays_what_was_missed(tiny_lm,
         messages = [{"role": "user", "content": "tell me about the sea and the sky, twice"}]
         r = httpx.post(f"{url}/chat/completions", json={"messages": messages}, timeout=60)
         answer = r.json()["choices"][0]["message"]["content"]
-        engine.managers[tiny_lm.name].sync()  # the turn on disk
+        published_to_disk(replay_at)  # the turn saved, and its disk pages published
         sub = connect(zmq.SUB, pub_at)  # joins after the first turn: it missed its events
         time.sleep(0.3)
         messages += [{"role": "assistant", "content": answer},
